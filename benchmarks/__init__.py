@@ -1,0 +1,1 @@
+"""Benchmark runners: ``python -m benchmarks.<name> --help``."""

@@ -1,0 +1,43 @@
+"""Real services for the whole suite, started once per session and always stopped."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+# gcsfs reads this at import time; an emulator does not serve the gRPC bucket-type probe.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import pytest  # noqa: E402
+
+from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
+from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """A fake-gcs-server over HTTP, with this process' GCS clients pointed at it."""
+    with FakeGcsServer() as server, server.activated():
+        yield server
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: FakeGcsServer) -> str:
+    """A fresh, empty bucket on the emulator."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    gcs_emulator.create_bucket(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A standalone redis-server on loopback."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real 3-shard Redis Cluster on loopback."""
+    with RedisCluster(shards=3) as cluster:
+        yield cluster
