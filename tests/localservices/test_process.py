@@ -1,0 +1,130 @@
+"""The process supervisor behind every embedded service launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from localservices import ManagedProcess, MissingBinaryError, ServiceStartError, find_binary
+from smartredis_io.server import RedisServer
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_missing_binary_names_the_setup_command(monkeypatch):
+    monkeypatch.delenv("NO_SUCH_SERVICE_BIN", raising=False)
+    with pytest.raises(MissingBinaryError, match="make setup"):
+        find_binary("no-such-service-binary", "NO_SUCH_SERVICE_BIN")
+
+
+def test_env_var_pointing_nowhere_is_reported(monkeypatch):
+    monkeypatch.setenv("NO_SUCH_SERVICE_BIN", "/nonexistent/service")
+    with pytest.raises(MissingBinaryError, match="NO_SUCH_SERVICE_BIN"):
+        find_binary("service", "NO_SUCH_SERVICE_BIN")
+
+
+def test_early_exit_reports_the_log_tail():
+    proc = ManagedProcess(
+        "failing", [sys.executable, "-c", "import sys; print('bad config line 7'); sys.exit(3)"],
+        ready=lambda: False,
+    )
+    with pytest.raises(ServiceStartError, match=r"(?s)code 3.*bad config line 7"):
+        proc.start()
+    assert proc.pid is None
+
+
+def test_service_that_never_answers_times_out_and_is_stopped():
+    proc = ManagedProcess(
+        "silent", [sys.executable, "-c", "import time; print('listening soon', flush=True); time.sleep(60)"],
+        ready=lambda: False, startup_timeout_s=1.0,
+    )
+    started = time.monotonic()
+    with pytest.raises(ServiceStartError, match=r"(?s)did not answer within 1 s.*listening soon"):
+        proc.start()
+    assert time.monotonic() - started < 10
+    assert not proc.is_running()
+
+
+def test_stop_is_idempotent_and_removes_the_log():
+    with ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], ready=lambda: True) as proc:
+        pid, log_path = proc.pid, proc.log_path
+        assert proc.is_running()
+    assert _gone(pid)
+    assert not os.path.exists(log_path)
+    proc.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_services_die_with_their_parent(sig):
+    """Even when the Python process is killed outright, its services do not outlive it."""
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from smartredis_io.server import RedisServer
+        from dataflux_ckpt.emulator import FakeGcsServer
+        with RedisServer() as redis, FakeGcsServer() as gcs:
+            print(redis.pids[0], gcs.pid, flush=True)
+            time.sleep(120)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        assert all(_gone(pid) for pid in pids), f"orphans left after {sig!r}: {pids}"
+    finally:
+        parent.kill()
+
+
+def test_redis_server_answers_and_stops(redis_server):
+    import redis
+
+    assert redis.Redis(host=redis_server.host, port=redis_server.port).ping()
+
+
+def test_cluster_spreads_slots_over_three_primaries(redis_cluster):
+    import redis
+
+    client = redis.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+    try:
+        primaries = {n.port for n in client.get_primaries()}
+        assert primaries == set(redis_cluster.ports)
+        for i in range(30):
+            client.set(f"key-{i}", i)
+        per_shard = [redis.Redis(port=port).dbsize() for port in redis_cluster.ports]
+        assert sum(per_shard) == 30 and all(per_shard), per_shard
+    finally:
+        client.close()
+
+
+def test_port_in_use_reports_the_log_tail(redis_server):
+    with pytest.raises(ServiceStartError, match="(?i)address already in use|exited"):
+        RedisServer(port=redis_server.port).start()
+
+
+def test_emulator_bucket_round_trip(gcs_emulator, gcs_bucket):
+    from google.cloud import storage
+
+    client = storage.Client(project="test-project")
+    blob = client.bucket(gcs_bucket).blob("hello.txt")
+    blob.upload_from_string(b"hello")
+    assert blob.download_as_bytes() == b"hello"
