@@ -29,10 +29,19 @@ HTTP_TIMEOUT_S = 10.0
 
 
 class FakeGcsServer:
-    """fake-gcs-server on loopback over plain HTTP, in-memory backend, on a free port."""
+    """fake-gcs-server on loopback over plain HTTP, on a free port.
+
+    The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
+    backend under that folder, so a server started again on the same port and root keeps the objects.
+    """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int | None = None, *, startup_timeout_s: float = 30.0
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        startup_timeout_s: float = 30.0,
+        root: str | os.PathLike[str] | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -45,7 +54,8 @@ class FakeGcsServer:
                 "-scheme", "http",
                 "-host", host,
                 "-port", str(self.port),
-                "-backend", "memory",
+                *(["-backend", "filesystem", "-filesystem-root", os.fspath(root)] if root is not None
+                  else ["-backend", "memory"]),
                 "-external-url", self.url,
                 "-public-host", f"{host}:{self.port}",
                 "-log-level", "warn",

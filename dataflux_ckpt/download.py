@@ -1,0 +1,180 @@
+"""Parallel ranged downloads into one preallocated buffer, readable while it fills.
+
+:class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the last range
+first: a torch zip archive is read from its end) and serves reads as soon as the ranges they touch
+have arrived, so ``torch.load`` overlaps with the download. The whole object's crc32c is checked
+against the server's metadata by :meth:`ObjectReader.verify` (called on close).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import requests
+
+from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
+from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
+from dataflux_ckpt.gcs import Gcs
+from dataflux_ckpt.paths import GcsPath
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_BYTES = 4 * 2**20
+
+
+def _body_reader(response: requests.Response) -> Any:
+    """What to ``readinto`` the body from: the ``http.client`` response under urllib3 when the body
+    is not encoded (it receives straight into our buffer; urllib3's ``readinto`` reads into a
+    temporary and copies), else urllib3's decoding reader."""
+    raw = response.raw
+    inner = getattr(raw, "_fp", None)
+    encoding = response.headers.get("Content-Encoding", "identity").lower()
+    if encoding == "identity" and hasattr(inner, "readinto"):
+        return inner
+    return raw
+
+
+class ObjectReader(io.RawIOBase):
+    """A seekable, read-only file-like over one GCS object generation.
+
+    ``parallel=False`` fetches the object with one streaming GET. A missing object raises
+    ``FileNotFoundError`` naming the path; a crc32c mismatch raises :class:`DataCorruptionError`
+    from :meth:`verify` and from ``close()``.
+    """
+
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, parallel: bool = True) -> None:
+        super().__init__()
+        self._gcs, self.path = gcs, path
+        info = gcs.stat(path)
+        self.size, self._expected_crc = info.size, info.crc32c
+        self._url = f"{gcs.media_url(*path)}&generation={info.generation}" if info.generation else gcs.media_url(*path)
+        # The one copy of the object in memory; torch.load copies from it into tensor storages.
+        self._buffer = bytearray(info.size)
+        self._view = memoryview(self._buffer)
+        self._pos = 0
+        step = chunk_size if parallel else max(info.size, 1)
+        self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
+        self._arrived = [threading.Event() for _ in self._ranges]
+        self._error: BaseException | None = None
+        self._verified = False
+        self._executor = ThreadPoolExecutor(max_workers if parallel else 1, thread_name_prefix="dataflux-download")
+        order = list(range(len(self._ranges)))
+        if len(order) > 1:
+            order = order[-1:] + order[:-1]
+        self._abandoned = False
+        for index in order:
+            self._executor.submit(self._fetch, index)
+
+    # Download --------------------------------------------------------------------------------
+    def _fetch(self, index: int) -> None:
+        start, end = self._ranges[index]
+        what = f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
+        try:
+            if self._error is None and not self._abandoned:
+                self._gcs.retry.call(lambda: self._fetch_once(start, end, what), what)
+        except BaseException as exc:
+            self._error = TransferError(f"{what} failed: {exc}")
+            self._error.__cause__ = exc
+            for event in self._arrived:
+                event.set()
+        finally:
+            self._arrived[index].set()
+
+    def _fetch_once(self, start: int, end: int, what: str) -> None:
+        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+        with self._gcs.request("GET", self._url, what, ok=(200, 206), headers=headers, stream=True) as response:
+            if response.status_code == 200 and (start, end) != (0, self.size):
+                raise HttpStatusError(200, f"{what}: the server ignored the Range header")
+            source = _body_reader(response)
+            target = self._view[start:end]
+            got = 0
+            while got < end - start:
+                n = source.readinto(target[got : got + READ_BLOCK_BYTES])
+                if not n:
+                    raise ConnectionError(f"{what}: connection closed after {got} of {end - start} bytes")
+                got += n
+
+    def _wait(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        step = self._ranges[0][1] - self._ranges[0][0]
+        for index in range(start // step, (end - 1) // step + 1):
+            self._arrived[index].wait()
+        if self._error is not None:
+            raise self._error
+
+    def wait_all(self) -> None:
+        """Block until the whole object has arrived."""
+        self._wait(0, self.size)
+
+    def verify(self) -> None:
+        """Wait for the download and check the whole object's crc32c against the server's."""
+        if self._verified:
+            return
+        self.wait_all()
+        actual = crc32c_b64(crc32c_extend(0, self._view))
+        if actual != self._expected_crc:
+            raise DataCorruptionError(
+                f"{self.path}: downloaded bytes have crc32c {actual}, the server says {self._expected_crc}"
+            )
+        self._verified = True
+
+    def getbuffer(self) -> memoryview:
+        """The verified bytes of the object (no copy)."""
+        self.verify()
+        return self._view.toreadonly()
+
+    # io.RawIOBase ----------------------------------------------------------------------------
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
+        if self.closed:
+            raise ValueError(f"read from a closed reader for {self.path}")
+        start = min(self._pos, self.size)
+        end = min(start + memoryview(target).nbytes, self.size)
+        self._wait(start, end)
+        memoryview(target).cast("B")[: end - start] = self._view[start:end]
+        self._pos = end
+        return end - start
+
+    def close(self) -> None:
+        """Verify the object's crc32c (raising on mismatch) and release the buffer."""
+        if self.closed:
+            return
+        try:
+            if not self._abandoned:
+                self.verify()
+        finally:
+            self._abandoned = True
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            super().close()
+            self._view.release()
+            self._buffer = bytearray()
+
+    def __del__(self) -> None:
+        if "_executor" in self.__dict__ and not self.closed:  # not when __init__ failed
+            self._abandoned = True
+            self.close()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self._abandoned = True  # an error is already on its way out; skip the verification
+        self.close()

@@ -1,0 +1,40 @@
+"""Parsing of ``gs://bucket/key`` checkpoint paths."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import NamedTuple
+
+SCHEMES = ("gs", "gcs")
+# ``gs://bucket/key``; also ``gs:/bucket/key``, which is what ``pathlib.Path("gs://bucket/key")`` becomes.
+_PATH_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)/(?P<key>.+)$")
+
+
+class GcsPath(NamedTuple):
+    """A bucket and an object key."""
+
+    bucket: str
+    key: str
+
+    @property
+    def uri(self) -> str:
+        return f"gs://{self.bucket}/{self.key}"
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+def parse_gcs_path(path: str | os.PathLike[str]) -> GcsPath:
+    """Split ``gs://bucket/key`` (or ``gcs://``, or a ``pathlib.Path`` of either) into bucket and key.
+
+    Raises:
+        ValueError: if ``path`` is not a GCS object path; the message names the path.
+    """
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise ValueError(f"not a GCS object path: {path!r} (expected gs://bucket/key)")
+    match = _PATH_RE.match(text)
+    if match is None or match["scheme"].lower() not in SCHEMES or match["key"].strip("/") == "":
+        raise ValueError(f"not a GCS object path: {text!r} (expected gs://bucket/key)")
+    return GcsPath(match["bucket"], match["key"])
