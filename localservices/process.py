@@ -79,6 +79,10 @@ class ManagedProcess:
     child runs in its own process group (a terminal's Ctrl-C reaches only Python, which then stops
     it in order) and is stopped by :meth:`stop`, at interpreter exit, or by the kernel if this
     process is killed outright.
+
+    The kernel's parent-death signal follows the *thread* that forked the child: start services from
+    a thread that lives as long as they should (the main thread, typically), not from a short-lived
+    worker thread, or they are stopped when that thread ends.
     """
 
     def __init__(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import redis
 
 from localservices import ManagedProcess, ServiceStartError, find_binary, free_port
+from smartredis_io.connection import Database
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,11 @@ def _redis_argv(binary: str, host: str, port: int, workdir: Path, persistence: b
     return argv
 
 
-def _pings(host: str, port: int) -> bool:
+def _answers_as(host: str, port: int, pid: int | None) -> bool:
+    """True when the redis-server answering at ``host:port`` is process ``pid`` (not a squatter)."""
     client = redis.Redis(host=host, port=port, socket_connect_timeout=1.0, socket_timeout=1.0)
     try:
-        return bool(client.ping())
+        return client.info("server").get("process_id") == pid
     except redis.exceptions.RedisError:
         return False
     finally:
@@ -63,7 +67,7 @@ class RedisServer:
         self._process = ManagedProcess(
             f"redis-server:{self.port}",
             _redis_argv(binary, host, self.port, self._workdir, persistence) + list(extra_args),
-            ready=lambda: _pings(self.host, self.port),
+            ready=lambda: _answers_as(self.host, self.port, self._process.pid),
             startup_timeout_s=startup_timeout_s,
         )
 
@@ -165,6 +169,106 @@ class RedisCluster:
             node.stop()
 
     def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+WORKER_READY_TIMEOUT_S = 60.0  # a worker imports torch before it registers
+
+
+def _workers_registered(address: str, cluster: bool, names: list[str]) -> bool:
+    db = Database(address, cluster, connect_timeout_s=1.0)
+    try:
+        return all(db.redis.hexists("{srio}.workers", name) for name in names)
+    finally:
+        db.close()
+
+
+class Orchestrator:
+    """An embedded database plus execution workers on this machine, like SmartSim's Orchestrator.
+
+    ``shards=1`` starts a standalone redis-server, ``shards>=3`` a real Redis Cluster; ``workers``
+    worker processes (``python -m smartredis_io.worker``) serve run_model / run_script. Everything
+    stops on exit. ``env`` holds the variables a SmartRedis client reads (``SSDB``, ``SR_DB_TYPE``).
+    """
+
+    def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
+                 host: str = "127.0.0.1", worker_env: dict[str, str] | None = None) -> None:
+        if shards not in (1,) and shards < 3:
+            raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
+        self.cluster = shards > 1
+        self.database: RedisServer | RedisCluster = RedisCluster(shards, host) if self.cluster else RedisServer(host)
+        self._device = device
+        self._threads = threads
+        self._worker_env = worker_env
+        self._n_workers = workers
+        self.workers: list[ManagedProcess] = []
+        self._started = 0
+
+    @property
+    def address(self) -> str:
+        return self.database.address
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"SSDB": self.address, "SR_DB_TYPE": "Clustered" if self.cluster else "Standalone"}
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.pid]
+
+    def add_worker(self) -> ManagedProcess:
+        """Start one more worker process and wait until it takes requests."""
+        worker, name = self._spawn_worker()
+        self._wait_registered([(worker, name)])
+        return worker
+
+    def _spawn_worker(self) -> tuple[ManagedProcess, str]:
+        # Started from the calling thread, never a helper thread: the kernel's parent-death signal
+        # (see localservices) fires when the *thread* that forked the child exits.
+        name = f"orchestrator-{id(self):x}-{self._started}"
+        self._started += 1
+        worker = ManagedProcess(
+            f"smartredis-worker:{name}",
+            [sys.executable, "-m", "smartredis_io.worker", "--address", self.address, "--device", self._device,
+             "--threads", str(self._threads), "--name", name],
+            ready=lambda: True,  # registration is awaited below, for all workers at once
+            env={**os.environ, **(self._worker_env or {})},
+        )
+        worker.start()
+        self.workers.append(worker)
+        return worker, f"{name}.0"
+
+    def _wait_registered(self, started: list[tuple[ManagedProcess, str]]) -> None:
+        deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
+        names = [name for _, name in started]
+        while not _workers_registered(self.address, self.cluster, names):
+            for worker, _ in started:
+                if not worker.is_running():
+                    raise ServiceStartError(f"{worker.name} exited during start-up; log tail:\n{worker.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"workers {names} did not register within {WORKER_READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.1)
+        log.info("%d execution worker(s) up on %s", len(started), self.address)
+
+    def start(self) -> Orchestrator:
+        try:
+            self.database.start()
+            self._wait_registered([self._spawn_worker() for _ in range(self._n_workers)])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
+        self.database.stop()
+
+    def __enter__(self) -> Orchestrator:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,254 @@
+"""Lightning integration: checkpoints in the database, and models published for inference as they train."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from smartredis_io import models, wire
+from smartredis_io.client import Client
+from smartredis_io.connection import Database, detect_cluster
+from smartredis_io.error import RedisKeyError
+
+__all__ = ["SmartRedisCheckpointIO", "SmartRedisModelPublisher"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_CHUNK_BYTES = 64 * wire.MiB  # one Redis value per chunk; also the save buffer's size
+CONNECT_TIMEOUT_S = 10.0
+KEY_SCHEME = "redis://"
+
+
+def checkpoint_key(path: str | os.PathLike[str]) -> str:
+    """The database key of a checkpoint path (``redis://`` dropped; the rest kept as it is)."""
+    key = os.fspath(path).removeprefix(KEY_SCHEME)
+    if not key:
+        raise ValueError(f"Empty checkpoint path {path!r}")
+    return key
+
+
+def _is_cluster(address: str, cluster: bool | None) -> bool:
+    return cluster if cluster is not None else detect_cluster(address)
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview, so ``torch.load`` reads the fetched bytes in place."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._view.nbytes - self._pos)
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class SmartRedisCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that keeps checkpoints in Redis (standalone or cluster).
+
+    A checkpoint is stored at its path as key: ``torch.save`` streams into chunks of
+    ``chunk_bytes`` under a fresh version, and a small header (the manifest: size, chunk count,
+    CRC-32) written last publishes them; a failed save removes its chunks and leaves the previous
+    checkpoint. Loading reads every chunk straight into one preallocated buffer and checks the CRC.
+
+    Args:
+        address: ``host:port`` (or a comma list for a cluster); default ``$SSDB``.
+        cluster: whether the database is a Redis Cluster; default: asked from the server.
+        chunk_bytes: size of one stored chunk (and of the one save buffer).
+
+    Raises:
+        ValueError: no address given and ``$SSDB`` unset.
+    """
+
+    def __init__(self, address: str | None = None, cluster: bool | None = None,
+                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES) -> None:
+        self.address = address or os.environ.get("SSDB", "")
+        if not self.address:
+            raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
+        if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
+            raise ValueError(f"chunk_bytes must be in (0, {wire.BULK_LIMIT_BYTES - wire.HEADER_MAX_BYTES}]")
+        self.cluster = cluster
+        self.chunk_bytes = chunk_bytes
+        self._db: Database | None = None
+        self._pid = 0
+
+    @property
+    def db(self) -> Database:
+        """One connection per process (re-made after a fork)."""
+        if self._db is None or self._pid != os.getpid():
+            self.cluster = _is_cluster(self.address, self.cluster)
+            self._db = Database(self.address, self.cluster, CONNECT_TIMEOUT_S)
+            self._pid = os.getpid()
+        return self._db
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`SmartRedisCheckpointIO.save_checkpoint` does not take `storage_options`, "
+                f"got {storage_options!r}"
+            )
+        key = checkpoint_key(path)
+        with wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+            try:
+                torch.save(checkpoint, writer)
+            except Exception:
+                if writer.error is not None:  # the database error, not torch's follow-up complaint
+                    raise writer.error from None
+                raise
+        log.info("saved checkpoint %s to %s", key, self.address)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint at ``path``.
+
+        Raises:
+            FileNotFoundError: no checkpoint at that key (the message names key and address).
+        """
+        key = checkpoint_key(path)
+        header = wire.read_header(self.db, key)
+        if header is None:
+            raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
+        buffer = np.empty(self.checkpoint_size(path), dtype=np.uint8)
+        try:
+            wire.get_array(self.db, key, buffer)
+        except RedisKeyError:
+            raise FileNotFoundError(f"Checkpoint {key!r} was removed while being read") from None
+        return torch.load(_BufferReader(memoryview(buffer)), map_location=map_location,
+                          weights_only=weights_only if weights_only is not None else False)
+
+    def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
+        """Bytes of the stored checkpoint at ``path``; ``FileNotFoundError`` when there is none."""
+        key = checkpoint_key(path)
+        header = wire.read_header(self.db, key)
+        if header is None:
+            raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
+        return header.payload_bytes if header.chunks else header.nbytes
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        key = checkpoint_key(path)
+        if wire.delete_value(self.db, key):
+            log.debug("removed checkpoint %s", key)
+
+    def teardown(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+class SmartRedisModelPublisher(pl.Callback):
+    """Publish the LightningModule for ``run_model`` while it trains.
+
+    Every ``every_n_steps`` training steps and/or at each validation end, the module is traced (or
+    scripted) with ``example_input`` (default: its ``example_input_array``), stored with
+    ``set_model`` under ``<name>.v<step>``, and the alias ``name`` is moved to it with one write:
+    clients calling ``run_model(name, ...)`` get the new weights without a restart, and a request
+    in flight uses either the old model or the new one. The newest ``keep`` versions are kept.
+
+    Args:
+        address: database address (default ``$SSDB``); cluster auto-detected unless ``cluster`` given.
+        name: the alias clients run.
+        every_n_steps: publish every N optimizer steps (None: not by steps).
+        on_validation_end: publish at each validation end.
+        example_input: input for tracing; default ``pl_module.example_input_array``.
+        method: ``"trace"`` or ``"script"``.
+        keep: versions kept besides the alias (>= 2, so a request in flight keeps its model).
+    """
+
+    def __init__(self, name: str, address: str | None = None, *, cluster: bool | None = None,
+                 every_n_steps: int | None = None, on_validation_end: bool = True,
+                 example_input: torch.Tensor | None = None, method: str = "trace", keep: int = 2,
+                 device: str = "CPU", batch_size: int = 0, min_batch_size: int = 0,
+                 min_batch_timeout: int = 0) -> None:
+        if method not in ("trace", "script"):
+            raise ValueError(f"method must be 'trace' or 'script', got {method!r}")
+        if keep < 2:
+            raise ValueError("keep must be >= 2 so that a request in flight keeps its model")
+        self.name = name
+        self.address = address or os.environ.get("SSDB", "")
+        if not self.address:
+            raise ValueError("SmartRedisModelPublisher needs an address (or $SSDB)")
+        self.cluster = cluster
+        self.every_n_steps = every_n_steps
+        self.publish_on_validation_end = on_validation_end
+        self.example_input = example_input
+        self.method = method
+        self.keep = keep
+        self._model_args = {"device": device, "batch_size": batch_size, "min_batch_size": min_batch_size,
+                            "min_batch_timeout": min_batch_timeout}
+        self._client: Client | None = None
+        self.published: list[str] = []
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(_is_cluster(self.address, self.cluster), self.address)
+        return self._client
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and trainer.is_global_zero:
+            self.publish(pl_module, trainer.global_step)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.publish_on_validation_end and not trainer.sanity_checking and trainer.is_global_zero:
+            self.publish(pl_module, trainer.global_step)
+
+    def publish(self, pl_module: pl.LightningModule, step: int) -> str:
+        """Export ``pl_module`` now, store it as ``<name>.v<step>`` and point the alias at it."""
+        example = self.example_input if self.example_input is not None else pl_module.example_input_array
+        if self.method == "trace" and example is None:
+            raise ValueError("tracing needs example_input or the module's example_input_array")
+        exported = self._export(pl_module, example)
+        buffer = io.BytesIO()
+        torch.jit.save(exported, buffer)
+        version_name = f"{self.name}.v{step}"
+        self.client.set_model(version_name, buffer.getvalue(), "TORCH", **self._model_args)
+        db = self.client._db
+        models.alias(db, self.client._put_key("model", self.name), self.client._put_key("model", version_name))
+        if version_name not in self.published:
+            self.published.append(version_name)
+        for old in self.published[:-self.keep]:
+            self.client.delete_model(old)
+        self.published = self.published[-self.keep:]
+        log.info("published %s as %s (alias %s)", type(pl_module).__name__, version_name, self.name)
+        return version_name
+
+    def _export(self, pl_module: pl.LightningModule, example: Any) -> torch.jit.ScriptModule:
+        """TorchScript of the module in eval mode (its training mode restored after)."""
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with torch.no_grad():
+                if self.method == "script":
+                    return torch.jit.script(pl_module)
+                example = example.to(pl_module.device) if isinstance(example, torch.Tensor) else example
+                return torch.jit.trace(pl_module, example)
+        finally:
+            pl_module.train(was_training)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,170 @@
+"""How models and scripts are stored, and the request/reply protocol between clients and workers.
+
+A model or script key holds a small JSON manifest (kind, backend, device, batching, version); the
+bytes live at ``{key}.blob.<version>`` (a uint8 tensor, so chunked like any tensor) and the manifest,
+written last with one SET, publishes them: a worker loads either the old or the new version, never
+a half-written one, and notices a new version by the manifest alone.
+
+Run requests go to one Redis list that every worker pops with BLPOP; each entry is
+``<model key>\\n<json>``. Replies go to a per-request list that the caller pops with BLPOP until the
+request's deadline. All protocol keys share the ``{srio}`` hash tag (one shard in a cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from smartredis_io import wire
+from smartredis_io.connection import Database
+from smartredis_io.error import RedisKeyError
+
+QUEUE_KEY = "{srio}.requests"
+INFLIGHT_KEY = "{srio}.inflight"  # hash: worker id -> id of the request it is running
+REPLY_TTL_MS = 60_000  # a reply nobody collects (its caller timed out) expires after this
+SEPARATOR = "\n"
+
+# Take up to ARGV[2] requests for model ARGV[1] from the first ARGV[3] queue entries, atomically.
+TAKE_BATCH_LUA = """
+local items = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+local out = {}
+for _, v in ipairs(items) do
+  if #out >= tonumber(ARGV[2]) then break end
+  if string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+    if redis.call('LREM', KEYS[1], 1, v) == 1 then table.insert(out, v) end
+  end
+end
+return out
+"""
+
+# A worker that pops a request for a model another worker is batching hands it over, atomically
+# with respect to the batching worker's release (RELEASE_BATCH_LUA), so no request is stranded.
+HANDOFF_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+RELEASE_BATCH_LUA = """
+redis.call('DEL', KEYS[1])
+local rest = redis.call('LRANGE', KEYS[2], 0, -1)
+redis.call('DEL', KEYS[2])
+return rest
+"""
+
+
+def batch_keys(key: str) -> tuple[str, str]:
+    """The lock a worker holds while it gathers a batch for ``key``, and its hand-over list."""
+    return f"{{srio}}.batching.{key}", f"{{srio}}.handoff.{key}"
+
+
+@dataclass
+class Manifest:
+    """What is stored at a model or script key."""
+
+    kind: str  # "model" or "script"
+    version: str
+    backend: str = "TORCH"
+    device: str = "CPU"
+    batch_size: int = 0
+    min_batch_size: int = 0
+    min_batch_timeout: int = 0  # ms
+    tag: str = ""
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    blob: str = ""  # set for an alias: the blob of the model it points to (owned by that model)
+
+
+def blob_key(key: str, version: str) -> str:
+    return wire.tagged_key(key, f".blob.{version}")
+
+
+def _blob_of(key: str, manifest: Manifest) -> str:
+    return manifest.blob or blob_key(key, manifest.version)
+
+
+def _publish(db: Database, key: str, manifest: Manifest) -> None:
+    """Write the manifest (one SET) and drop the blob of the one it replaced, if that one owned it."""
+    previous = parse(db.redis.set(key, json.dumps(asdict(manifest)), get=True))
+    if previous and not previous.blob:
+        wire.delete_value(db, blob_key(key, previous.version))
+
+
+def store(db: Database, key: str, blob: bytes, manifest: Manifest) -> None:
+    """Write the blob under a new version, publish the manifest, then drop the previous blob."""
+    wire.put_array(db, blob_key(key, manifest.version), np.frombuffer(blob, dtype=np.uint8))
+    _publish(db, key, manifest)
+
+
+def alias(db: Database, alias_key: str, target_key: str) -> None:
+    """Point ``alias_key`` at the model stored at ``target_key`` (one SET: callers see old or new)."""
+    target = load_manifest(db, target_key)
+    if target is None:
+        raise RedisKeyError(f"No model stored at key {target_key!r}")
+    target.blob = _blob_of(target_key, target)
+    _publish(db, alias_key, target)
+
+
+def new_version() -> str:
+    return uuid.uuid4().hex
+
+
+def parse(raw: bytes | None) -> Manifest | None:
+    """The manifest in ``raw``, or None when it holds none."""
+    if not raw:
+        return None
+    try:
+        return Manifest(**json.loads(raw))
+    except (ValueError, TypeError):
+        return None
+
+
+def load_manifest(db: Database, key: str) -> Manifest | None:
+    """The manifest at ``key``, or None when there is none (or the key holds something else)."""
+    return parse(db.redis.get(key))
+
+
+def load_blob(db: Database, key: str, manifest: Manifest) -> bytes:
+    return wire.get_array(db, _blob_of(key, manifest)).tobytes()
+
+
+def delete(db: Database, key: str) -> bool:
+    manifest = load_manifest(db, key)
+    if manifest is None:
+        return False
+    db.redis.delete(key)
+    if not manifest.blob:
+        wire.delete_value(db, blob_key(key, manifest.version))
+    return True
+
+
+@dataclass
+class Request:
+    """One run_model / run_script call."""
+
+    id: str
+    kind: str
+    key: str
+    inputs: list[str]
+    outputs: list[str]
+    deadline: float  # time.time() seconds
+    fn: str = ""
+
+    @property
+    def reply_key(self) -> str:
+        return f"{{srio}}.reply.{self.id}"
+
+    def encode(self) -> str:
+        return f"{self.key}{SEPARATOR}{json.dumps(vars(self))}"  # vars: asdict's deep copy costs ~10x
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Request:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        _, sep, body = text.partition(SEPARATOR)
+        if not sep:
+            raise ValueError(f"Malformed request {text[:80]!r}")
+        return cls(**json.loads(body))

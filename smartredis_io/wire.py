@@ -1,0 +1,358 @@
+"""Wire format of tensors on Redis: a small header (dtype, shape) followed by the raw bytes.
+
+A value larger than the bulk limit (Redis' ``proto-max-bulk-len``, 512 MB) is split: its chunks go to
+keys that share the tensor key's cluster hash tag (so they live on the tensor's shard), carry a
+version, and are checked with a CRC-32; the header, written last, publishes them. A reader that
+races an overwrite finds a chunk gone or a checksum off and reads again.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from smartredis_io.connection import Database
+from smartredis_io.error import RedisInternalError, RedisKeyError, RedisRuntimeError
+
+MiB = 1 << 20
+BULK_LIMIT_BYTES = 512 * MiB
+BULK_LIMIT_ENV = "SRIO_BULK_LIMIT_BYTES"
+MAX_NDIM = 32
+MAGIC = b"SRT1"
+INLINE, CHUNKED = 0, 1
+_FIXED = struct.Struct("<4sBBBB")  # magic, layout, dtype code, ndim, reserved
+_CHUNKS = struct.Struct("<IIQ16s")  # chunk count, CRC-32 of the payload, payload bytes, version
+HEADER_MAX_BYTES = _FIXED.size + 8 * MAX_NDIM + _CHUNKS.size
+READ_RETRIES = 3
+
+#: numpy has no bfloat16: such tensors travel as their raw 16-bit pattern with this dtype, which is
+#: ``uint16`` tagged with metadata so that the bfloat16 type is kept through put/get.
+bfloat16 = np.dtype(np.uint16, metadata={"smartredis_io.dtype": "bfloat16"})
+
+_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<f8"), 2: np.dtype("<f4"), 3: np.dtype("i1"), 4: np.dtype("<i2"), 5: np.dtype("<i4"),
+    6: np.dtype("<i8"), 7: np.dtype("u1"), 8: np.dtype("<u2"), 9: np.dtype("<f2"), 10: np.dtype("?"),
+    11: bfloat16,
+}
+_BF16_CODE = 11
+_CODES = {dt: code for code, dt in _DTYPES.items() if code != _BF16_CODE}
+SUPPORTED_DTYPES = tuple(dt.name for dt in _CODES) + ("bfloat16",)
+
+
+def bulk_limit() -> int:
+    """The largest value written as one Redis string; ``$SRIO_BULK_LIMIT_BYTES`` lowers it (tests)."""
+    return int(os.environ.get(BULK_LIMIT_ENV, BULK_LIMIT_BYTES))
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    return dtype.name == "bfloat16" or bool(dtype.metadata and dtype.metadata.get("smartredis_io.dtype") == "bfloat16")
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """The wire code of ``dtype``; ``TypeError`` (as SmartRedis) for an unsupported one."""
+    if is_bfloat16(dtype):
+        return _BF16_CODE
+    code = _CODES.get(dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype)
+    if code is None:
+        raise TypeError(f"Unsupported numpy dtype {dtype}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return code
+
+
+def tagged_key(key: str, suffix: str) -> str:
+    """A key on the same cluster slot as ``key``: its hash tag kept, or ``{key}`` made the tag."""
+    start = key.find("{")
+    if start >= 0 and key.find("}", start + 2) >= 0:
+        return f"{key}{suffix}"
+    return f"{{{key}}}{suffix}"
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a tensor value's header says."""
+
+    code: int
+    shape: tuple[int, ...]
+    size: int  # header bytes
+    chunks: int = 0
+    crc: int = 0
+    payload_bytes: int = 0
+    version: str = ""
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _DTYPES[self.code]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def chunk_keys(self, key: str) -> list[str]:
+        return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]
+
+
+def encode_header(code: int, shape: Sequence[int], chunks: int = 0, crc: int = 0, payload: int = 0,
+                  version: str = "") -> bytes:
+    if len(shape) > MAX_NDIM:
+        raise RedisRuntimeError(f"Tensors of more than {MAX_NDIM} dimensions are not supported")
+    head = _FIXED.pack(MAGIC, CHUNKED if chunks else INLINE, code, len(shape), 0) + struct.pack(f"<{len(shape)}Q", *shape)
+    if chunks:
+        head += _CHUNKS.pack(chunks, crc, payload, bytes.fromhex(version))
+    return head
+
+
+def decode_header(buf: bytes | memoryview, key: str) -> Header:
+    """Parse a header; ``RedisRuntimeError`` when ``key`` does not hold a tensor."""
+    if len(buf) < _FIXED.size:
+        raise RedisRuntimeError(f"The value at key {key!r} is not a tensor")
+    magic, layout, code, ndim, _ = _FIXED.unpack_from(buf)
+    if magic != MAGIC or code not in _DTYPES or ndim > MAX_NDIM:
+        raise RedisRuntimeError(f"The value at key {key!r} is not a tensor")
+    shape = struct.unpack_from(f"<{ndim}Q", buf, _FIXED.size)
+    size = _FIXED.size + 8 * ndim
+    if layout == INLINE:
+        return Header(code, shape, size)
+    chunks, crc, payload, version = _CHUNKS.unpack_from(buf, size)
+    return Header(code, shape, size + _CHUNKS.size, chunks, crc, payload, version.hex())
+
+
+def _as_bytes(array: np.ndarray) -> memoryview:
+    """A byte view of ``array``'s data (made contiguous and little-endian first if it is not)."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))  # copy: the wire is little-endian
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)  # copy: the wire holds C-order bytes
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _crc(views: Sequence[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+def delete_replaced_chunks(db: Database, key: str, old: bytes) -> None:
+    """Remove the chunks a replaced value referenced (none for an inline value or a non-tensor)."""
+    try:
+        header = decode_header(old, key)
+    except RedisRuntimeError:
+        return
+    if header.chunks:
+        db.redis.delete(*header.chunk_keys(key))  # one slot: the chunks share the key's hash tag
+
+
+def encode_inline(array: np.ndarray) -> bytes | None:
+    """Header and data as one bytes value (for pipelines), or None when it needs chunks."""
+    payload = _as_bytes(array)
+    if payload.nbytes + HEADER_MAX_BYTES > bulk_limit():
+        return None
+    return encode_header(dtype_code(array.dtype), array.shape) + payload  # one copy: a pipeline takes bytes
+
+
+def decode_value(db: Database, key: str, raw: bytes) -> np.ndarray:
+    """The array in a value fetched with GET (a view of ``raw`` when inline; chunks are read here)."""
+    header = decode_header(raw, key)
+    if header.chunks:
+        return get_array(db, key)
+    if header.size + header.nbytes != len(raw):
+        raise RedisInternalError(f"The value at key {key!r} is truncated")
+    return np.frombuffer(raw, dtype=header.dtype, offset=header.size).reshape(header.shape)
+
+
+def put_array(db: Database, key: str, array: np.ndarray) -> None:
+    """Store ``array`` at ``key``: inline up to the bulk limit, else as checksummed chunks."""
+    code = dtype_code(array.dtype)
+    payload = _as_bytes(array)
+    limit = bulk_limit()
+    if payload.nbytes + HEADER_MAX_BYTES <= limit:
+        old = db.set_parts(key, [encode_header(code, array.shape), payload], HEADER_MAX_BYTES)
+        if old:
+            delete_replaced_chunks(db, key, old)
+        return
+    writer = ChunkedWriter(db, key, limit, code, array.shape)
+    with writer:
+        for i in range(0, payload.nbytes, limit):
+            writer.put_chunk(payload[i:i + limit])
+
+
+class ChunkedWriter:
+    """Writes a value as versioned chunks, then publishes it with its header (the manifest) last.
+
+    Used as a context manager: a clean exit publishes and removes the chunks of the value it
+    replaces; an exception removes the chunks written so far and leaves the previous value as it was.
+    ``write`` (file-like, e.g. for ``torch.save``) gathers small writes in one preallocated chunk buffer.
+    """
+
+    def __init__(self, db: Database, key: str, chunk_bytes: int, code: int = 7, shape: Sequence[int] | None = None):
+        self._db, self._key, self._chunk_bytes = db, key, chunk_bytes
+        self._code, self._shape = code, shape
+        self._version = uuid.uuid4().hex
+        self._written: list[str] = []
+        self._crc = 0
+        self._nbytes = 0
+        self._buffer: bytearray | None = None
+        self._filled = 0
+        self.error: BaseException | None = None
+
+    def put_chunk(self, part: memoryview) -> None:
+        """Store one chunk (at most ``chunk_bytes``) as it is, without copying it."""
+        chunk_key = tagged_key(self._key, f".chunk.{self._version}.{len(self._written)}")
+        self._db.set_parts(chunk_key, [part], 1)
+        self._written.append(chunk_key)
+        self._crc = zlib.crc32(part, self._crc)
+        self._nbytes += part.nbytes
+
+    def write(self, data: bytes | memoryview) -> int:
+        try:
+            return self._write(data)
+        except BaseException as exc:
+            self.error = exc  # kept: a caller like torch.save may mask it with an error of its own
+            raise
+
+    def _write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if self._buffer is None:
+            self._buffer = bytearray(self._chunk_bytes)
+        total = view.nbytes
+        while view.nbytes:
+            n = min(view.nbytes, self._chunk_bytes - self._filled)
+            self._buffer[self._filled:self._filled + n] = view[:n]  # copy: torch.save's buffers are transient
+            self._filled += n
+            view = view[n:]
+            if self._filled == self._chunk_bytes:
+                self._flush()
+        return total
+
+    def flush(self) -> None:
+        """Nothing to do: chunks go out when full and at the end."""
+
+    def _flush(self) -> None:
+        if self._filled:
+            self.put_chunk(memoryview(self._buffer)[:self._filled])
+            self._filled = 0
+
+    def __enter__(self) -> ChunkedWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            try:
+                self._publish()
+                return
+            except BaseException:
+                self._abort()
+                raise
+        self._abort()
+
+    def _publish(self) -> None:
+        self._flush()
+        shape = self._shape if self._shape is not None else (self._nbytes,)
+        head = encode_header(self._code, shape, len(self._written), self._crc, self._nbytes, self._version)
+        old = self._db.set_parts(self._key, [head], HEADER_MAX_BYTES)
+        if old:
+            delete_replaced_chunks(self._db, self._key, old)
+
+    def _abort(self) -> None:
+        if self._written:
+            self._db.redis.delete(*self._written)
+        self._written = []
+
+
+def read_header(db: Database, key: str) -> Header | None:
+    raw = db.redis.getrange(key, 0, HEADER_MAX_BYTES - 1)
+    return decode_header(raw, key) if raw else None
+
+
+def get_array(db: Database, key: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Read the tensor at ``key`` into ``out`` (checked for dtype, shape, contiguity) or a new array."""
+    if out is not None:
+        _check_out(out, key)
+    for _ in range(READ_RETRIES):
+        result = _try_get(db, key, out)
+        if result is not None:
+            return result
+    raise RedisInternalError(f"The chunks of tensor {key!r} kept changing while being read")
+
+
+def _check_out(out: np.ndarray, key: str) -> None:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"Argument out_array is of type {type(out)}, not {np.ndarray}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise RedisRuntimeError(f"unpack_tensor({key!r}): the output array must be C-contiguous and writeable")
+
+
+def _target(header: Header, out: np.ndarray | None, key: str) -> np.ndarray:
+    if out is None:
+        return np.empty(header.shape, dtype=header.dtype)
+    if dtype_code(out.dtype) != header.code:
+        raise RedisRuntimeError(
+            f"unpack_tensor({key!r}): the tensor is {_name(header)} but the output array is {out.dtype}"
+        )
+    if tuple(out.shape) != header.shape:
+        raise RedisRuntimeError(
+            f"unpack_tensor({key!r}): the tensor has shape {header.shape} but the output array {out.shape}"
+        )
+    return out
+
+
+def _name(header: Header) -> str:
+    return "bfloat16" if header.code == _BF16_CODE else header.dtype.name
+
+
+def _try_get(db: Database, key: str, out: np.ndarray | None) -> np.ndarray | None:
+    state: dict[str, object] = {}
+
+    def plan(first: memoryview, length: int) -> tuple[int, memoryview]:
+        header = decode_header(first, key)
+        target = _target(header, out, key)
+        state["header"], state["target"] = header, target
+        if header.chunks:
+            return length, memoryview(bytearray(0))
+        if header.size + header.nbytes != length:
+            raise RedisInternalError(f"The value at key {key!r} is truncated")
+        return header.size, memoryview(target.reshape(-1).view(np.uint8))
+
+    if not db.get_into(key, plan, HEADER_MAX_BYTES):
+        raise RedisKeyError(f"The tensor {key!r} does not exist")
+    header: Header = state["header"]  # type: ignore[assignment]
+    target: np.ndarray = state["target"]  # type: ignore[assignment]
+    if not header.chunks:
+        return target
+    return target if _read_chunks(db, key, header, target) else None
+
+
+def _read_chunks(db: Database, key: str, header: Header, target: np.ndarray) -> bool:
+    whole = memoryview(target.reshape(-1).view(np.uint8))
+    if whole.nbytes != header.payload_bytes:
+        raise RedisInternalError(f"The chunk header of {key!r} does not match its shape")
+    views: list[memoryview] = []
+
+    def plan(first: memoryview, length: int) -> tuple[int, memoryview]:
+        start = sum(v.nbytes for v in views)
+        views.append(whole[start:start + length])
+        return 0, views[-1]
+
+    for chunk_key in header.chunk_keys(key):
+        if not db.get_into(chunk_key, plan, 1):
+            return False  # overwritten while reading: the caller reads the new header
+    offset = sum(v.nbytes for v in views)
+    if offset != header.payload_bytes or _crc(views) != header.crc:
+        return False
+    return True
+
+
+def delete_value(db: Database, key: str) -> int:
+    """Delete a tensor and its chunks; the number of top-level keys removed."""
+    try:
+        header = read_header(db, key)
+    except RedisRuntimeError:
+        header = None
+    if header and header.chunks:
+        db.redis.delete(*header.chunk_keys(key))
+    return db.redis.delete(key)

@@ -1,0 +1,378 @@
+"""Execution workers: run the models and scripts that clients ask for with run_model / run_script.
+
+``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N]``
+
+Each worker process blocks on the request list (BLPOP, no busy polling), loads the model or script
+named by the request (cached, reloaded when its manifest shows a new version), runs it on the input
+tensors, writes the output tensors and pushes the reply the caller is blocked on. Requests for a
+model set with ``batch_size > 0`` are batched as RedisAI does: up to ``batch_size`` rows, waiting at
+most ``min_batch_timeout`` ms for ``min_batch_size``. A request whose deadline has passed is dropped
+(its caller has already raised ``RedisTimeoutError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+
+from smartredis_io import models, wire
+from smartredis_io.connection import Database, detect_cluster
+from smartredis_io.error import RedisKeyError
+from smartredis_io.models import Manifest, Request
+
+log = logging.getLogger(__name__)
+
+WORKERS_KEY = "{srio}.workers"  # hash: worker name -> pid, for launchers waiting until workers are up
+ERROR_BACKOFF_S = 0.1  # pause after a request that could not be handled (e.g. database unreachable)
+POP_TIMEOUT_S = 1.0  # how often an idle worker wakes up to notice a stop request
+BATCH_POLL_INTERVAL_S = 0.001  # while a batch waits (at most min_batch_timeout) for min_batch_size
+BATCH_SCAN_LIMIT = 1024  # queue entries looked at when gathering a batch
+PIPELINED_OUTPUT_MAX_BYTES = 1 << 20  # outputs up to this size are sent with the reply (one round trip)
+BATCH_LOCK_MARGIN_MS = 5_000  # a batching lock outlives min_batch_timeout by this (a dead holder's expires)
+CONNECT_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (read-only inputs are not written by inference)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if wire.is_bfloat16(array.dtype):
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
+        return torch.from_numpy(array).to(device)
+
+
+def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(wire.bfloat16)
+    return tensor.numpy()
+
+
+def _as_list(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in result):
+        return list(result)
+    raise TypeError(f"the model returned {type(result).__name__}, not a tensor or a tuple of tensors")
+
+
+class RunError(Exception):
+    """An error that goes back to the caller as the reply's message."""
+
+
+@dataclass
+class _Job:
+    request: Request
+    inputs: list[torch.Tensor]
+
+
+class Worker:
+    """One execution worker on one database (standalone or cluster)."""
+
+    def __init__(self, address: str, cluster: bool, device: str = "cpu", name: str = "") -> None:
+        self.db = Database(address, cluster, CONNECT_TIMEOUT_S)
+        self.device = torch.device(device)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self._cache: dict[str, tuple[str, Any]] = {}  # key -> (version, loaded model or script)
+        self._manifests: dict[str, tuple[bytes, Manifest]] = {}  # key -> (raw manifest, parsed)
+        self._take_batch = self.db.redis.register_script(models.TAKE_BATCH_LUA)
+        self._handoff = self.db.redis.register_script(models.HANDOFF_LUA)
+        self._release_batch = self.db.redis.register_script(models.RELEASE_BATCH_LUA)
+        self._busy = False
+        self._stop = False
+
+    # ---- life cycle -----------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Take requests until SIGTERM / SIGINT (finishing the one in hand)."""
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.db.redis.hset(WORKERS_KEY, self.name, os.getpid())
+        log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
+        try:
+            while not self._stop:
+                popped = self.db.redis.blpop([models.QUEUE_KEY], timeout=POP_TIMEOUT_S)
+                if popped:
+                    self._busy = True
+                    try:
+                        self.handle(popped[1])
+                    except (redis.exceptions.RedisError, ValueError, TypeError, KeyError):
+                        # A malformed request, or the database went away mid-request: the caller
+                        # times out at its deadline; this worker goes on with the next request.
+                        log.exception("request could not be handled")
+                        time.sleep(ERROR_BACKOFF_S)
+                    finally:
+                        self._busy = False
+        except SystemExit:
+            pass
+        finally:
+            self._unregister()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop = True
+        if not self._busy:
+            raise SystemExit(0)
+
+    def _unregister(self) -> None:
+        try:
+            self.db.redis.hdel(WORKERS_KEY, self.name)
+            self.db.close()
+        except redis.exceptions.RedisError:
+            pass  # the database went first (launcher stopping everything)
+
+    # ---- one request ----------------------------------------------------------------------------
+
+    def handle(self, raw: bytes) -> None:
+        request = Request.decode(raw)
+        if request.deadline < time.time():
+            log.warning("dropping request %s for %s: its deadline passed", request.id, request.key)
+            return
+        try:
+            # One round trip for the bookkeeping, the manifest and the inputs.
+            pipe = self.db.redis.pipeline(transaction=False)
+            pipe.hset(models.INFLIGHT_KEY, self.name, request.id)
+            pipe.get(request.key)
+            for key in request.inputs:
+                pipe.get(key)
+            _, first_manifest, *raw_inputs = pipe.execute(raise_on_error=False)
+            manifest, runnable = self._load(request.key, request.kind, first_manifest)
+            if request.kind == "model" and manifest.batch_size > 0:
+                batch = self._gather(request, manifest)
+                if not batch:  # handed over to the worker batching this model
+                    self.db.redis.hdel(models.INFLIGHT_KEY, self.name)
+                    return
+                self._run_batched(batch, runnable, manifest)
+            else:
+                self._finish(request, self._call(runnable, request, self._inputs(request, raw_inputs)))
+        except RunError as exc:
+            self._reply(request, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any model failure goes back to the caller
+            log.exception("request %s on %s failed", request.id, request.key)
+            self._reply(request, f"{type(exc).__name__}: {exc}")
+
+    def _reply(self, request: Request, error: str | None = None, pipe: Any = None) -> list[Any]:
+        pipe = pipe if pipe is not None else self.db.redis.pipeline(transaction=False)
+        pipe.rpush(request.reply_key, json.dumps({"ok": error is None, "error": error or "", "worker": self.name}))
+        pipe.pexpire(request.reply_key, models.REPLY_TTL_MS)
+        pipe.hdel(models.INFLIGHT_KEY, self.name)
+        return pipe.execute()
+
+    def _finish(self, request: Request, outputs: Sequence[torch.Tensor]) -> None:
+        """Store the outputs and reply; small outputs go in the reply's round trip."""
+        if len(outputs) != len(request.outputs):
+            raise RunError(
+                f"ERR {request.key!r} produced {len(outputs)} outputs but {len(request.outputs)} were named"
+            )
+        pipe = self.db.redis.pipeline(transaction=False)
+        inline: list[str] = []
+        for key, tensor in zip(request.outputs, outputs, strict=True):
+            array = _to_numpy(tensor)
+            value = wire.encode_inline(array) if array.nbytes <= PIPELINED_OUTPUT_MAX_BYTES else None
+            if value is None:
+                wire.put_array(self.db, key, array)  # large: zero-copy path, before the reply
+                continue
+            pipe.getrange(key, 0, wire.HEADER_MAX_BYTES - 1)
+            pipe.set(key, value)
+            inline.append(key)
+        results = self._reply(request, pipe=pipe)
+        for key, old in zip(inline, results[0:2 * len(inline):2], strict=True):
+            if old:
+                wire.delete_replaced_chunks(self.db, key, old)
+
+    def _load(self, key: str, kind: str, raw_manifest: bytes | None) -> tuple[Manifest, Any]:
+        for attempt in range(wire.READ_RETRIES):
+            if attempt == 0 and key in self._manifests and self._manifests[key][0] == raw_manifest:
+                manifest = self._manifests[key][1]  # unchanged: skip parsing it again
+            else:
+                raw_manifest = raw_manifest if attempt == 0 else self.db.redis.get(key)
+                manifest = None if isinstance(raw_manifest, Exception) else models.parse(raw_manifest)
+                if manifest is not None:
+                    self._manifests[key] = (raw_manifest, manifest)
+            if manifest is None:
+                raise RunError(f"ERR {kind} key {key!r} is empty")
+            if manifest.kind != kind:
+                raise RunError(f"ERR key {key!r} holds a {manifest.kind}, not a {kind}")
+            cached = self._cache.get(key)
+            if cached and cached[0] == manifest.version:
+                return manifest, cached[1]
+            try:
+                blob = models.load_blob(self.db, key, manifest)
+            except RedisKeyError:
+                continue  # replaced while loading: read the new manifest
+            runnable = self._compile(blob, kind)
+            self._cache[key] = (manifest.version, runnable)
+            log.info("loaded %s %s version %s", kind, key, manifest.version)
+            return manifest, runnable
+        raise RunError(f"ERR {kind} {key!r} kept changing while being loaded")
+
+    def _compile(self, blob: bytes, kind: str) -> Any:
+        if kind == "script":
+            return torch.jit.CompilationUnit(blob.decode())
+        module = torch.jit.load(io.BytesIO(blob), map_location=self.device)
+        module.eval()
+        return module
+
+    def _inputs(self, request: Request, raw: Sequence[bytes | None] | None = None) -> list[torch.Tensor]:
+        """The request's input tensors, from values already fetched (``raw``) or read now."""
+        try:
+            if raw is None:
+                return [_to_torch(wire.get_array(self.db, key), self.device) for key in request.inputs]
+            tensors = []
+            for key, value in zip(request.inputs, raw, strict=True):
+                if isinstance(value, Exception):
+                    raise RunError(f"ERR reading tensor {key!r}: {value}")
+                if value is None:
+                    raise RedisKeyError(f"The tensor {key!r} does not exist")
+                tensors.append(_to_torch(wire.decode_value(self.db, key, value), self.device))
+            return tensors
+        except RedisKeyError as exc:
+            raise RunError(f"ERR tensor key is empty: {exc}") from None
+
+    def _call(self, runnable: Any, request: Request, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            if request.kind == "script":
+                if not hasattr(runnable, request.fn):
+                    raise RunError(f"ERR function {request.fn!r} does not exist in script {request.key!r}")
+                return _as_list(getattr(runnable, request.fn)(*inputs))
+            return _as_list(runnable(*inputs))
+
+    # ---- batching ------------------------------------------------------------------------------
+
+    def _gather(self, first: Request, manifest: Manifest) -> list[Request]:
+        """``first`` plus more requests for its model: up to batch_size, waiting for min_batch_size.
+
+        One worker at a time gathers for a model (it holds the model's batching lock); the others
+        hand their requests for that model over to it. Returns [] when ``first`` was handed over.
+        """
+        lock, handoff = models.batch_keys(first.key)
+        lock_ms = manifest.min_batch_timeout + BATCH_LOCK_MARGIN_MS
+        while not self.db.redis.set(lock, self.name, nx=True, px=lock_ms):
+            if self._handoff(keys=[lock, handoff], args=[first.encode()]):
+                return []
+        taken = [first]
+        deadline = time.monotonic() + manifest.min_batch_timeout / 1000
+        while True:
+            wanted = manifest.batch_size - len(taken)
+            raw = self._take_batch(keys=[models.QUEUE_KEY],
+                                   args=[first.key + models.SEPARATOR, wanted, BATCH_SCAN_LIMIT])
+            raw += self.db.redis.lpop(handoff, max(wanted - len(raw), 1)) or []
+            taken += [Request.decode(r) for r in raw]
+            if len(taken) >= max(manifest.min_batch_size, 1) or len(taken) >= manifest.batch_size:
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(BATCH_POLL_INTERVAL_S)
+        return taken + [Request.decode(r) for r in self._release_batch(keys=[lock, handoff])]
+
+    def _run_batched(self, requests: list[Request], runnable: Any, manifest: Manifest) -> None:
+        jobs: list[_Job] = []
+        for request in requests:
+            if request.deadline < time.time():
+                continue
+            try:
+                jobs.append(_Job(request, self._inputs(request)))
+            except RunError as exc:
+                self._reply(request, str(exc))
+        while jobs:
+            batch, jobs = self._next_batch(jobs, manifest.batch_size)
+            try:
+                self._run_batch(batch, runnable)
+            except Exception as exc:  # noqa: BLE001 - the batch's callers all get the error
+                log.exception("batch of %d on %s failed", len(batch), batch[0].request.key)
+                for job in batch:
+                    self._reply(job.request, str(exc) if isinstance(exc, RunError) else f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _signature(job: _Job) -> tuple:
+        return tuple((t.dtype, tuple(t.shape[1:])) for t in job.inputs)
+
+    def _next_batch(self, jobs: list[_Job], batch_size: int) -> tuple[list[_Job], list[_Job]]:
+        """The first job plus the compatible ones that fit in ``batch_size`` rows; and the rest."""
+        first = jobs[0]
+        batch, rest, rows = [first], [], (first.inputs[0].shape[0] if first.inputs and first.inputs[0].dim() else 1)
+        for job in jobs[1:]:
+            n = job.inputs[0].shape[0] if job.inputs and job.inputs[0].dim() else 0
+            if n and self._signature(job) == self._signature(first) and rows + n <= batch_size:
+                batch.append(job)
+                rows += n
+            else:
+                rest.append(job)
+        return batch, rest
+
+    def _run_batch(self, batch: list[_Job], runnable: Any) -> None:
+        if len(batch) == 1:
+            job = batch[0]
+            self._finish(job.request, self._call(runnable, job.request, job.inputs))
+            return
+        sizes = [job.inputs[0].shape[0] for job in batch]
+        stacked = [torch.cat(parts) for parts in zip(*(job.inputs for job in batch), strict=True)]
+        outputs = self._call(runnable, batch[0].request, stacked)
+        if any(out.dim() == 0 or out.shape[0] != sum(sizes) for out in outputs):
+            raise RunError("ERR batched model outputs do not keep the batch dimension")
+        split = [out.split(sizes) for out in outputs]
+        log.debug("ran a batch of %d requests (%d rows) on %s", len(batch), sum(sizes), batch[0].request.key)
+        for i, job in enumerate(batch):
+            self._finish(job.request, [parts[i] for parts in split])
+
+
+def _die_with_parent() -> None:
+    """A child worker stops when the worker that started it dies (even by SIGKILL)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _serve(address: str, cluster: bool, device: str, name: str, threads: int, child: bool = False) -> None:
+    if child:
+        _die_with_parent()
+    logging.basicConfig(level=os.environ.get("SRIO_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(threads)
+    Worker(address, cluster, device, name).serve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m smartredis_io.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default=os.environ.get("SSDB"), help="host:port[,host:port...] (default $SSDB)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    parser.add_argument("--name", default="", help="worker name prefix (default host:pid)")
+    args = parser.parse_args(argv)
+    if not args.address:
+        parser.error("--address or $SSDB is required")
+    cluster = detect_cluster(args.address)
+    base = args.name or f"{socket.gethostname()}:{os.getpid()}"
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(target=_serve, args=(args.address, cluster, args.device, f"{base}.{i}", args.threads, True),
+                        daemon=True)
+        for i in range(1, args.workers)
+    ]
+    for child in children:
+        child.start()
+    _serve(args.address, cluster, args.device, f"{base}.0", args.threads)
+    for child in children:
+        child.terminate()
+        child.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Fixtures of the smartredis_io tests: clients on the session's standalone server and 3-shard cluster,
+and an Orchestrator (its own redis-server plus two execution workers) started once."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+from smartredis_io import Client, Orchestrator
+
+sys.path.insert(0, os.path.dirname(__file__))  # srio_testmodels, also imported by child processes
+
+CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_MODEL_TIMEOUT",
+              "SRIO_BULK_LIMIT_BYTES")
+
+
+@pytest.fixture(autouse=True)
+def _client_env(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts without SmartRedis variables, and what a Client sets (SSDB) is undone."""
+    for name in CLIENT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    for name in CLIENT_ENV:
+        os.environ.pop(name, None)
+
+
+@pytest.fixture
+def uid() -> str:
+    """A unique name prefix, so tests sharing a database never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def standalone(redis_server) -> Client:
+    with Client(False, redis_server.address) as client:
+        yield client
+
+
+@pytest.fixture
+def clustered(redis_cluster) -> Client:
+    with Client(True, redis_cluster.address) as client:
+        yield client
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def any_client(request: pytest.FixtureRequest) -> Client:
+    """The test runs once on the standalone server and once on the cluster."""
+    return request.getfixturevalue("standalone" if request.param == "standalone" else "clustered")
+
+
+@pytest.fixture(scope="session")
+def orchestrator():
+    """redis-server plus two execution workers, shared by the worker and Lightning tests."""
+    with Orchestrator(shards=1, workers=2) as orch:
+        yield orch
+
+
+@pytest.fixture
+def orch_client(orchestrator: Orchestrator) -> Client:
+    with Client(False, orchestrator.address) as client:
+        yield client

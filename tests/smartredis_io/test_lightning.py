@@ -1,0 +1,154 @@
+"""SmartRedisCheckpointIO (save / load / remove / resume / async) and the model publisher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import redis
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from srio_testmodels import TinyRegressor
+
+from smartredis_io import Client, Orchestrator, SmartRedisCheckpointIO, SmartRedisModelPublisher, models, wire
+
+SMALL_CHUNK = 4096
+
+
+def _trainer(tmp_path, plugins=(), callbacks=(), **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=list(plugins), callbacks=list(callbacks), **kwargs,
+    )
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def ckpt_io(request, redis_server, redis_cluster) -> SmartRedisCheckpointIO:
+    cluster = request.param == "cluster"
+    io = SmartRedisCheckpointIO(redis_cluster.address if cluster else redis_server.address, chunk_bytes=SMALL_CHUNK)
+    yield io
+    io.teardown()
+
+
+def test_save_load_remove(ckpt_io: SmartRedisCheckpointIO, uid: str) -> None:
+    state = {"w": torch.randn(100, 50), "step": 7, "nested": {"b": torch.arange(10, dtype=torch.int16)}}
+    path = f"ckpts/{uid}/epoch=0.ckpt"
+    ckpt_io.save_checkpoint(state, path)
+    header = wire.read_header(ckpt_io.db, path)
+    assert header.chunks > 1, "a checkpoint larger than chunk_bytes is chunked"
+    assert ckpt_io.checkpoint_size(path) == header.payload_bytes > state["w"].nbytes
+    loaded = ckpt_io.load_checkpoint(path, map_location="cpu", weights_only=True)
+    assert loaded["step"] == 7
+    torch.testing.assert_close(loaded["w"], state["w"])
+    torch.testing.assert_close(loaded["nested"]["b"], state["nested"]["b"])
+    ckpt_io.remove_checkpoint(f"redis://{path}")
+    assert not ckpt_io.db.redis.exists(path)
+    assert not any(ckpt_io.db.redis.exists(k) for k in header.chunk_keys(path))
+    with pytest.raises(FileNotFoundError, match=uid):
+        ckpt_io.load_checkpoint(path)
+    with pytest.raises(TypeError):
+        ckpt_io.save_checkpoint(state, path, storage_options={"x": 1})
+    with pytest.raises(ValueError):
+        ckpt_io.save_checkpoint(state, "")
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(redis_server, uid: str, monkeypatch) -> None:
+    io = SmartRedisCheckpointIO(redis_server.address, chunk_bytes=SMALL_CHUNK)
+    path = f"{uid}.ckpt"
+    io.save_checkpoint({"v": torch.ones(3000)}, path)
+    before = set(io.db.redis.keys(f"*{uid}*"))
+    real_set_parts = io.db.set_parts
+    calls = {"n": 0}
+
+    def failing(key, parts, peek):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise redis.exceptions.ConnectionError("connection lost mid-save")
+        return real_set_parts(key, parts, peek)
+
+    monkeypatch.setattr(io.db, "set_parts", failing)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        io.save_checkpoint({"v": torch.zeros(3000)}, path)
+    monkeypatch.undo()
+    assert set(io.db.redis.keys(f"*{uid}*")) == before, "the failed save's chunks are gone"
+    torch.testing.assert_close(io.load_checkpoint(path)["v"], torch.ones(3000))
+    io.teardown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap_async", [False, True])
+def test_trainer_saves_and_resumes(redis_server, tmp_path, uid: str, wrap_async: bool) -> None:
+    io = SmartRedisCheckpointIO(redis_server.address, chunk_bytes=SMALL_CHUNK)
+    plugin = AsyncCheckpointIO(io) if wrap_async else io
+    dirpath = tmp_path / uid
+    checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+    model = TinyRegressor.make()
+    _trainer(tmp_path, [plugin], [checkpoint], max_steps=4, limit_val_batches=0).fit(model)
+    keys = sorted(k.decode() for k in io.db.redis.keys(f"{dirpath}/*.ckpt"))
+    assert [k.rsplit("/", 1)[1] for k in keys] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert not any(dirpath.glob("*.ckpt")), "nothing on the filesystem"
+
+    resumed = TinyRegressor.make(seed=1)
+    state = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            state["step"] = trainer.global_step
+            state["weight"] = pl_module.net.weight.detach().clone()
+
+    io2 = SmartRedisCheckpointIO(redis_server.address)
+    _trainer(tmp_path, [io2], [Capture()], max_steps=6, limit_val_batches=0, enable_checkpointing=False).fit(
+        resumed, ckpt_path=keys[-1])
+    assert state["step"] == 4
+    torch.testing.assert_close(state["weight"], model.net.weight.detach())
+    io.teardown()
+
+
+@pytest.mark.slow
+def test_fit_publish_run_model_from_another_process(orchestrator: Orchestrator, tmp_path, uid: str) -> None:
+    publisher = SmartRedisModelPublisher(uid, orchestrator.address, every_n_steps=2, on_validation_end=True)
+    model = TinyRegressor.make()
+    _trainer(tmp_path, callbacks=[publisher], max_steps=6, enable_checkpointing=False,
+             limit_val_batches=1, val_check_interval=3).fit(model)
+    assert publisher.published[-1] == f"{uid}.v6" and len(publisher.published) == 2
+    x = np.random.default_rng(0).random((5, 4), dtype=np.float32)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(x)).numpy()
+    code = (
+        "import json, sys, numpy as np\n"
+        "from smartredis_io import Client\n"
+        f"c = Client(False, {orchestrator.address!r})\n"
+        f"c.put_tensor('{uid}x', np.array(json.loads(sys.argv[1]), dtype=np.float32))\n"
+        f"c.run_model({uid!r}, ['{uid}x'], ['{uid}y'])\n"
+        f"print(json.dumps(c.get_tensor('{uid}y').tolist()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(x.tolist())], capture_output=True, text=True,
+                            timeout=120, check=True)
+    np.testing.assert_allclose(np.array(json.loads(result.stdout.strip().splitlines()[-1])), expected, rtol=1e-5)
+
+    with Client(False, orchestrator.address) as client:
+        alias = models.load_manifest(client._db, uid)
+        assert alias.blob == models.blob_key(f"{uid}.v6", alias.version)
+        assert not client.model_exists(f"{uid}.v2"), "only the newest versions are kept"
+        # New weights reach run_model(alias) without restarting anything.
+        with torch.no_grad():
+            model.net.weight.mul_(2)
+            expected2 = model(torch.from_numpy(x)).numpy()
+        publisher.publish(model, 100)
+        client.put_tensor(uid + "x", x)
+        client.run_model(uid, [uid + "x"], [uid + "y"])
+        np.testing.assert_allclose(client.get_tensor(uid + "y"), expected2, rtol=1e-5)
+
+
+def test_publisher_arguments(redis_server) -> None:
+    with pytest.raises(ValueError, match="method"):
+        SmartRedisModelPublisher("m", redis_server.address, method="onnx")
+    with pytest.raises(ValueError, match="keep"):
+        SmartRedisModelPublisher("m", redis_server.address, keep=1)
+    with pytest.raises(ValueError, match="address"):
+        SmartRedisCheckpointIO()

@@ -1,0 +1,260 @@
+"""run_model / run_script through real execution workers: results, batching, errors, dead workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from srio_testmodels import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
+
+from smartredis_io import Client, Orchestrator, models
+from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
+
+X = np.random.default_rng(1).random((3, 4), dtype=np.float32)
+
+
+def _expected(module: torch.nn.Module, x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return module(torch.from_numpy(x)).numpy()
+
+
+def test_run_model(orch_client: Client, uid: str) -> None:
+    module = linear(0)
+    orch_client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)), "TORCH", "CPU", tag="v1")
+    assert orch_client.model_exists(uid) and orch_client.poll_model(uid, 10, 1)
+    orch_client.put_tensor(uid + "x", X)
+    orch_client.run_model(uid, inputs=[uid + "x"], outputs=[uid + "y"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
+    assert orch_client.get_model(uid)[:2] == b"PK"  # TorchScript archives are zip files
+
+
+def test_a_new_model_version_is_picked_up(orch_client: Client, uid: str) -> None:
+    orch_client.put_tensor(uid + "x", X)
+    for seed in (1, 2, 3):  # two workers, each must notice every new version
+        module = linear(seed)
+        orch_client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)))
+        for _ in range(2):
+            orch_client.run_model(uid, uid + "x", uid + "y")
+            np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
+    assert len(orch_client._db.redis.keys(f"{{{uid}}}.blob.*")) == 1  # old versions' blobs are gone
+
+
+def test_set_model_from_file_and_delete(orch_client: Client, uid: str, tmp_path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(torchscript_bytes(linear(0), torch.from_numpy(X)))
+    orch_client.set_model_from_file(uid, str(path), "torch")
+    orch_client.delete_model(uid)
+    assert not orch_client.model_exists(uid)
+    with pytest.raises(RedisKeyError):
+        orch_client.get_model(uid)
+    with pytest.raises(FileNotFoundError):
+        orch_client.set_model_from_file(uid, str(tmp_path / "missing.pt"), "TORCH")
+
+
+def test_run_script(orch_client: Client, uid: str, tmp_path) -> None:
+    orch_client.set_script(uid, SCRIPT)
+    assert orch_client.get_script(uid) == SCRIPT
+    a, b = X, np.ones_like(X)
+    orch_client.put_tensor(uid + "a", a)
+    orch_client.put_tensor(uid + "b", b)
+    orch_client.run_script(uid, "double", [uid + "a"], [uid + "2a"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "2a"), 2 * a)
+    orch_client.run_script(uid, "add_and_sub", [uid + "a", uid + "b"], [uid + "sum", uid + "diff"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "sum"), a + b)
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "diff"), a - b)
+
+    def triple(x):
+        return x * 3
+
+    orch_client.set_function(uid + "fn", triple)
+    orch_client.run_script(uid + "fn", "triple", uid + "a", uid + "3a")
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "3a"), 3 * a)
+    path = tmp_path / "script.txt"
+    path.write_text(SCRIPT)
+    orch_client.set_script_from_file(uid + "file", str(path))
+    orch_client.run_script(uid + "file", "double", [uid + "b"], [uid + "2b"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "2b"), 2 * b)
+    orch_client.delete_script(uid)
+    with pytest.raises(RedisKeyError):
+        orch_client.get_script(uid)
+
+
+def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_client: Client, uid: str) -> None:
+    orch_client.put_tensor(uid + "x", X)
+    orch_client.set_model(uid, torchscript_bytes(Failing()))
+    with pytest.raises(RedisReplyError, match="view"):
+        orch_client.run_model(uid, [uid + "x"], [uid + "y"])
+    with pytest.raises(RedisReplyError, match="is empty"):
+        orch_client.run_model(uid + "missing", [uid + "x"], [uid + "y"])
+    orch_client.set_model(uid + "ok", torchscript_bytes(linear(0), torch.from_numpy(X)))
+    with pytest.raises(RedisReplyError, match="tensor key is empty"):
+        orch_client.run_model(uid + "ok", [uid + "nothing"], [uid + "y"])
+    with pytest.raises(RedisReplyError, match="outputs"):
+        orch_client.run_model(uid + "ok", [uid + "x"], [uid + "y", uid + "z"])
+    orch_client.set_script(uid + "s", SCRIPT)
+    with pytest.raises(RedisReplyError, match="does not exist"):
+        orch_client.run_script(uid + "s", "nope", [uid + "x"], [uid + "y"])
+    orch_client._db.redis.hset(uid + "hash", "f", "v")
+    with pytest.raises(RedisReplyError, match="WRONGTYPE"):
+        orch_client.run_model(uid + "ok", [uid + "hash"], [uid + "y"])
+    orch_client._db.redis.rpush(models.QUEUE_KEY, b"not a request", b"m\n{}")  # garbage is skipped
+    orch_client.run_model(uid + "ok", [uid + "x"], [uid + "y"])  # the workers are still fine
+    assert orch_client._db.redis.llen(models.QUEUE_KEY) == 0
+    assert all(worker.is_running() for worker in orchestrator.workers)
+
+
+def test_set_model_rejects_what_smartredis_rejects(orch_client: Client, uid: str) -> None:
+    blob = torchscript_bytes(linear(0), torch.from_numpy(X))
+    with pytest.raises(RedisReplyError, match="MINBATCHSIZE specified without BATCHSIZE"):
+        orch_client.set_model(uid, blob, "TORCH", min_batch_size=2)
+    with pytest.raises(RedisReplyError, match="MINBATCHTIMEOUT specified without MINBATCHSIZE"):
+        orch_client.set_model(uid, blob, "TORCH", batch_size=4, min_batch_timeout=10)
+    with pytest.raises(TypeError, match="Backend"):
+        orch_client.set_model(uid, blob, "PYTORCH")
+    with pytest.raises(TypeError, match="Device"):
+        orch_client.set_model(uid, blob, "TORCH", device="TPU")
+    with pytest.raises(TypeError):
+        orch_client.set_model(uid, blob, "TORCH", batch_size="4")
+    with pytest.raises(RedisReplyError, match="unsupported backend"):
+        orch_client.set_model(uid, blob, "ONNX")
+    assert not orch_client.model_exists(uid)
+
+
+def test_batching(orchestrator: Orchestrator, orch_client: Client, uid: str) -> None:
+    orch_client.set_model(uid, torchscript_bytes(BatchRows()), "TORCH", batch_size=8, min_batch_size=4,
+                          min_batch_timeout=5000)
+    seen: dict[int, np.ndarray] = {}
+
+    def call(i: int) -> None:
+        with Client(False, orchestrator.address) as client:
+            client.put_tensor(f"{uid}x{i}", np.full((1, 4), i, np.float32))
+            client.run_model(uid, [f"{uid}x{i}"], [f"{uid}y{i}"])
+            seen[i] = client.get_tensor(f"{uid}y{i}")
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - start < 5.0, "min_batch_size was reached: no waiting for the timeout"
+    assert [seen[i].tolist() for i in range(4)] == [[[4.0]]] * 4, "all four ran as one batch of four rows"
+
+    # Fewer than min_batch_size requests run once min_batch_timeout has passed.
+    orch_client.set_model(uid, torchscript_bytes(BatchRows()), "TORCH", batch_size=8, min_batch_size=4,
+                          min_batch_timeout=300)
+    orch_client.put_tensor(uid + "two", np.zeros((2, 4), np.float32))
+    start = time.monotonic()
+    orch_client.run_model(uid, [uid + "two"], [uid + "out"])
+    assert time.monotonic() - start >= 0.3
+    assert orch_client.get_tensor(uid + "out").tolist() == [[2.0], [2.0]]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_request(orchestrator: Orchestrator, orch_client: Client, uid: str) -> None:
+    orch_client.set_script(uid, SCRIPT)
+    orch_client.put_tensor(uid + "x", X)
+    options_timeout_ms = 3000
+    outcome: dict[str, object] = {}
+
+    def slow_call() -> None:
+        os.environ["SR_MODEL_TIMEOUT"] = str(options_timeout_ms)
+        with Client(False, orchestrator.address) as client:
+            start = time.monotonic()
+            try:
+                client.run_script(uid, "spin", [uid + "x"], [uid + "y"])
+            except RedisTimeoutError as exc:
+                outcome["error"] = exc
+            outcome["elapsed"] = time.monotonic() - start
+
+    caller = threading.Thread(target=slow_call)
+    caller.start()
+    busy = None
+    deadline = time.monotonic() + options_timeout_ms / 1000
+    while busy is None and time.monotonic() < deadline:
+        inflight = orch_client._db.redis.hgetall(models.INFLIGHT_KEY)
+        busy = next((name for name, req in inflight.items() if req), None)
+        time.sleep(0.01)
+    assert busy is not None, "a worker took the request"
+    pid = int(orch_client._db.redis.hget("{srio}.workers", busy))
+    os.kill(pid, signal.SIGKILL)
+    caller.join()
+    assert isinstance(outcome.get("error"), RedisTimeoutError)
+    assert options_timeout_ms / 1000 - 0.5 <= outcome["elapsed"] < options_timeout_ms / 1000 + 2.0
+    # The other worker takes over the queue.
+    orch_client.set_script(uid + "ok", SCRIPT)
+    orch_client.run_script(uid + "ok", "double", [uid + "x"], [uid + "2x"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "2x"), 2 * X)
+    orch_client._db.redis.hdel("{srio}.workers", busy)
+    orch_client._db.redis.hdel(models.INFLIGHT_KEY, busy)
+    orchestrator.add_worker()  # back to two for the tests that follow
+
+
+def test_run_model_without_workers_times_out(redis_server, monkeypatch, uid: str) -> None:
+    monkeypatch.setenv("SR_MODEL_TIMEOUT", "300")
+    with Client(False, redis_server.address) as client:
+        start = time.monotonic()
+        with pytest.raises(RedisTimeoutError, match="no execution worker"):
+            client.run_model(uid, [uid], [uid])
+        assert time.monotonic() - start < 2.0
+        client._db.redis.delete(models.QUEUE_KEY)
+
+
+@pytest.mark.slow
+def test_cluster_orchestrator_runs_models() -> None:
+    with Orchestrator(shards=3, workers=1) as orch, Client(True, orch.address) as client:
+        module = linear(5)
+        client.set_model("m", torchscript_bytes(module, torch.from_numpy(X)))
+        for i in range(6):  # input and output keys spread over the shards
+            client.put_tensor(f"x{i}", X + i)
+            client.run_model("m", [f"x{i}"], [f"y{i}"])
+            np.testing.assert_allclose(client.get_tensor(f"y{i}"), _expected(module, X + i), rtol=1e-6)
+        pids = orch.worker_pids + orch.database.pids
+    assert all(not _alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
+    """``python -m smartredis_io.worker --workers 2``: two processes share the queue and stop together."""
+    import sys
+
+    from localservices import ManagedProcess
+
+    name = f"cli-{uid}"
+    cli = ManagedProcess(
+        "worker-cli",
+        [sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address, "--workers", "2",
+         "--name", name],
+        ready=lambda: len([n for n in _registered(redis_server) if n.startswith(name)]) == 2,
+        startup_timeout_s=90,
+    )
+    with cli, Client(False, redis_server.address) as client:
+        pids = {int(pid) for n, pid in client._db.redis.hgetall("{srio}.workers").items() if n.decode().startswith(name)}
+        assert len(pids) == 2 and cli.pid in pids
+        client.set_script(uid, SCRIPT)
+        client.put_tensor(uid + "x", X)
+        for i in range(4):
+            client.run_script(uid, "double", [uid + "x"], [f"{uid}y{i}"])
+            np.testing.assert_allclose(client.get_tensor(f"{uid}y{i}"), 2 * X)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "the child worker stopped with its parent"
+    assert not [n for n in _registered(redis_server) if n.startswith(name)]
+
+
+def _registered(redis_server) -> list[str]:
+    with Client(False, redis_server.address) as client:
+        return [n.decode() for n in client._db.redis.hkeys("{srio}.workers")]
