@@ -117,3 +117,13 @@ def format_markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[st
     ]
     lines += ["| " + " | ".join(_cell(row.get(key)) for key in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def latencies_seconds(fn: Callable[[], object], calls: int) -> list[float]:
+    """Wall-clock seconds of each of ``calls`` calls of ``fn`` (for medians and percentiles of latency)."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times

@@ -1,0 +1,109 @@
+"""``python -m benchmarks.smartsim_scaling COMMAND``: the seed driver's commands, on one machine or MPI."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.report import format_table, write_json
+from benchmarks.smartsim_scaling import aggregation, inference, throughput
+from benchmarks.smartsim_scaling.launch import DEFAULT_RUN_TIMEOUT_S, run_sweep
+from benchmarks.smartsim_scaling.results import process_results, significant
+
+log = logging.getLogger("benchmarks.smartsim_scaling")
+
+COMMANDS = {m.COMMAND: m for m in (throughput, inference, aggregation)}
+DEFAULT_ROOT = Path("results") / "smartsim_scaling"
+
+
+def _common(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--exp_dir", type=Path, default=DEFAULT_ROOT / f"{command}-scaling",
+                        help="where the run directories go; default: %(default)s")
+    parser.add_argument("--address", default=None,
+                        help="an existing database (host:port, a comma list for a cluster, or unix:///path); "
+                             "default: start one with smartredis_io's launcher and stop it after")
+    parser.add_argument("--launcher", choices=["local", "mpi"], default="local",
+                        help="run client ranks as multiprocessing processes (local) or under mpirun with "
+                             "mpi4py (mpi, needs the [mpi] extra); default: local")
+    parser.add_argument("--mpirun", default="mpirun",
+                        help="MPI launch command, e.g. 'mpirun --hostfile hosts'; default: mpirun")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S,
+                        help="seconds one run may take before it is stopped; default: %(default)s")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the summary rows as JSON; default: EXP_DIR/summary.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.smartsim_scaling",
+        description="SmartSim scaling tests for smartredis_io: throughput, inference and data aggregation, "
+                    "then process_results for a CSV and plots.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level; default: INFO")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        _common(p, name)
+    p = sub.add_parser("process_results", help="collect every run's timings into one CSV and draw plots",
+                       description="Collect every run under --scaling_dir into SCALING_DIR/results/"
+                                   "scaling_results.csv (run attributes plus min/mean/max/median per "
+                                   "function), box plots per function, and for throughput runs GB/s "
+                                   "against tensor size (one line per client count) and a markdown table.")
+    p.add_argument("--scaling_dir", type=Path, default=DEFAULT_ROOT / "throughput-scaling",
+                   help="directory holding the run directories; default: %(default)s")
+    p.add_argument("--overwrite", action="store_true",
+                   help="rebuild the CSV from the runs alone instead of adding new runs to the existing one")
+    return parser
+
+
+def _log_row(columns):
+    def report(row):
+        shown = significant(row)
+        log.info("%s: %s", row["run"], ", ".join(f"{title}={shown.get(key)}" for key, title in columns.items()))
+    return report
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the deployment's context managers: nothing is left running
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "process_results":
+        out = process_results(args.scaling_dir, overwrite=args.overwrite)
+        print(f"{out['runs']} runs -> {out['csv']}")
+        for path in out["plots"]:
+            print(f"plot: {path}")
+        if out["table"]:
+            print(out["table"])
+        return 0
+    module = COMMANDS[args.command]
+    sweep = module.build_sweep(args)
+    rows = run_sweep(sweep, args.exp_dir, args.address, args.launcher, args.mpirun, args.timeout,
+                     report=_log_row(module.TABLE))
+    print(f"\n{args.command}: {len(rows)} runs in {args.exp_dir}")
+    print(format_table([significant(r) for r in rows], module.TABLE))
+    write_json(args.json or Path(args.exp_dir) / "summary.json", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

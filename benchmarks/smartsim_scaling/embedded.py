@@ -1,0 +1,63 @@
+"""The one place that knows how ``smartredis_io`` starts a database and its execution workers.
+
+The standard deployment is ``smartredis_io.server.Orchestrator`` (standalone or an N-shard cluster
+on loopback, plus workers). Two cases it does not cover are assembled from its parts: a colocated
+deployment (a standalone server on a Unix-domain socket) and workers for a database given by
+``--address``, both through ``python -m smartredis_io.worker``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from smartredis_io.server import Orchestrator, RedisServer
+
+log = logging.getLogger(__name__)
+
+WORKER_STOP_TIMEOUT_S = 10.0
+
+
+def worker_device(device: str) -> str:
+    """``cpu``/``cuda`` (the CLI's words) as the worker's ``--device``."""
+    return "cuda:0" if device == "cuda" else device
+
+
+@contextlib.contextmanager
+def deployment(db_nodes: int, workers: int, device: str = "cpu", colocated: bool = False) -> Iterator[str]:
+    """Start the database (and ``workers`` execution workers); yield its address; stop everything."""
+    if not colocated:
+        with Orchestrator(shards=db_nodes, workers=workers, device=worker_device(device)) as orc:
+            yield orc.address
+        return
+    with tempfile.TemporaryDirectory(prefix="redis-uds-") as tmp:
+        address = f"unix://{Path(tmp) / 'redis.sock'}"
+        with RedisServer(extra_args=("--unixsocket", address[len("unix://"):], "--unixsocketperm", "700")):
+            with workers_for(address, workers, device):
+                yield address
+
+
+@contextlib.contextmanager
+def workers_for(address: str, count: int, device: str = "cpu") -> Iterator[None]:
+    """``count`` worker processes (``python -m smartredis_io.worker``) for the database at ``address``."""
+    if count <= 0:
+        yield
+        return
+    argv = [sys.executable, "-m", "smartredis_io.worker", "--address", address, "--workers", str(count),
+            "--device", worker_device(device)]
+    log.info("starting execution workers: %s", " ".join(argv))
+    proc = subprocess.Popen(argv, start_new_session=True)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(WORKER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

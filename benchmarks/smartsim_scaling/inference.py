@@ -1,0 +1,165 @@
+"""Inference scaling: put an image batch, preprocess it with a script, run the model, read the result.
+
+As the seed's ``inference_scaling_imagenet.cpp``: the model (random weights, built in
+:mod:`.models`) and the preprocessing script are set once per run with ``set_model(...,
+batch_size=BATCH_SIZE)`` so that the execution workers batch concurrent requests as RedisAI does;
+each client then does one warm-up and ``iterations`` x (``put_tensor`` of an NHWC float32 image
+batch, ``run_script`` preprocessing, ``run_model``, ``unpack_tensor`` of the logits into a
+preallocated array), recording each step and the ``loop_time``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.smartsim_scaling.launch import App, Comm, Deployment, Sweep, Timings
+from benchmarks.smartsim_scaling.options import add_int_list
+from benchmarks.smartsim_scaling.results import derived, read_timings
+
+COMMAND = "inference"
+STEPS = ("put_tensor", "run_script", "run_model", "unpack_tensor")
+SCRIPT_KEY = "scaling_preprocess_script"
+NUM_CLASSES = 1000
+# TorchScript source run by the execution workers: NHWC images in 0..255 to normalised NCHW.
+PREPROCESS_FN = "pre_process_3ch"
+PREPROCESS_SCRIPT = """
+def pre_process_3ch(images):
+    x = images.float().div(255.0).permute(0, 3, 1, 2).contiguous()
+    mean = torch.tensor([0.485, 0.456, 0.406], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+"""
+HELP = "put_tensor, run_script, run_model, unpack_tensor latency against clients, batch size and workers"
+DESCRIPTION = f"""{HELP}.
+
+Each permutation of --clients x --batch_size x --workers x --db_nodes is one run directory under
+--exp_dir. The model is built from code with random weights: 'cnn' (default, a small CNN that keeps
+a CPU run short) or 'resnet50' (torchvision's architecture, written out here). --batch_size is the
+server-side batch the model is set with (requests of --images_per_request images are batched up to
+it); --workers execution worker processes run scripts and models. --colocated serves the clients
+on a Unix-domain socket (the one-machine analogue of SmartSim's colocated database)."""
+TABLE = {
+    "db_nodes": "db", "colocated": "colocated", "workers": "workers", "clients": "clients", "batch_size": "batch",
+    "put_tensor_ms": "put ms", "run_script_ms": "script ms", "run_model_ms": "model ms",
+    "unpack_tensor_ms": "unpack ms", "loop_ms_per_iter": "ms/iter", "inferences_per_s": "images/s",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_int_list(parser, "--clients", default=[1, 2], help="client processes; default: 1 2")
+    add_int_list(parser, "--batch_size", default=[1],
+                 help="batch size the model is set with (worker-side batching); default: 1")
+    add_int_list(parser, "--workers", default=[1], help="execution worker processes; default: 1")
+    add_int_list(parser, "--db_nodes", default=[1],
+                 help="database shards: 1 = standalone, >= 3 = Redis Cluster; default: 1")
+    parser.add_argument("--model", choices=["cnn", "resnet50"], default="cnn",
+                        help="model built from code with random weights; default: cnn")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="device the workers run the model on; default: cpu")
+    parser.add_argument("--images_per_request", type=int, default=1, help="images per put_tensor; default: 1")
+    parser.add_argument("--image_size", type=int, default=224, help="image height and width; default: 224")
+    parser.add_argument("--iterations", type=int, default=100,
+                        help="measured iterations per client, after one warm-up; default: 100")
+    parser.add_argument("--colocated", action="store_true",
+                        help="clients and workers on the database's Unix-domain socket (standalone only)")
+
+
+def build_sweep(args: argparse.Namespace) -> Sweep:
+    permutations = [
+        {"clients": c, "batch_size": b, "model": args.model, "device": args.device,
+         "images_per_request": args.images_per_request, "image_size": args.image_size,
+         "iterations": args.iterations}
+        for c, b in itertools.product(args.clients, args.batch_size)
+    ]
+    return Sweep(
+        command=COMMAND,
+        deployments=[{"db_nodes": d, "workers": w} for d, w in itertools.product(args.db_nodes, args.workers)],
+        permutations=permutations,
+        prepare=_prepare,
+        summarize=summarize,
+        name_keys={"model": "", "clients": "C", "db_nodes": "DBN", "workers": "W", "batch_size": "BS",
+                   "iterations": "ITER"},
+        device=args.device,
+        colocated=args.colocated,
+    )
+
+
+def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
+    """Set the model and the script (the seed's rank 0 does it; here the driver, before the clients)."""
+    from benchmarks.smartsim_scaling.models import torchscript_bytes
+    from smartredis_io import Client
+
+    device = "GPU" if attributes["device"] == "cuda" else "CPU"
+    model_key = f"scaling_{attributes['model']}_bs{attributes['batch_size']}"
+    client = Client(dep.cluster, dep.address)
+    client.set_model(model_key, torchscript_bytes(attributes["model"]), "TORCH", device,
+                     batch_size=attributes["batch_size"])
+    client.set_script(SCRIPT_KEY, PREPROCESS_SCRIPT, device)
+    params = {
+        "address": dep.address, "cluster": dep.cluster, "model_key": model_key, "script_key": SCRIPT_KEY,
+        "images_per_request": attributes["images_per_request"], "image_size": attributes["image_size"],
+        "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.",
+    }
+    return [App("clients", f"{__name__}:inference_client", attributes["clients"], params)]
+
+
+def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:
+    times = read_timings(run_dir)
+    row = {k: attributes[k] for k in ("db_nodes", "colocated", "workers", "clients", "batch_size")}
+    for step in STEPS:
+        if times.get(step):
+            row[f"{step}_ms"] = float(np.median(times[step])) * 1e3
+    if times.get("loop_time"):
+        images = attributes["images_per_request"] * attributes["iterations"]
+        row["inferences_per_s"] = sum(images / t for t in times["loop_time"])
+    return {**row, **derived(attributes, times)}
+
+
+def inference_client(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
+    """One client rank (the seed's ``run_mnist``): one warm-up, then the measured iterations."""
+    from smartredis_io import Client
+
+    start = time.perf_counter()
+    client = Client(params["cluster"], params["address"])
+    timings.add("client()", time.perf_counter() - start)
+    comm.barrier()
+
+    n, size = params["images_per_request"], params["image_size"]
+    images = np.random.default_rng(comm.rank).uniform(0, 255, (n, size, size, 3)).astype(np.float32)
+    result = np.empty((n, NUM_CLASSES), dtype=np.float32)
+    # Keys per rank, overwritten each iteration (the seed makes one per iteration; this keeps memory flat).
+    prefix = f"{params['key_prefix']}rank_{comm.rank}"
+    in_key, pre_key, out_key = f"{prefix}.input", f"{prefix}.preprocessed", f"{prefix}.output"
+    steps = (
+        lambda: client.put_tensor(in_key, images),
+        lambda: client.run_script(params["script_key"], PREPROCESS_FN, [in_key], [pre_key]),
+        lambda: client.run_model(params["model_key"], [pre_key], [out_key]),
+        lambda: client.unpack_tensor(out_key, result),
+    )
+    for step in steps:  # warm-up: loads the model and script into the workers; not recorded
+        step()
+    comm.barrier()
+
+    clock = time.perf_counter
+    samples: list[list[float]] = [[] for _ in steps]
+    loop_start = clock()
+    for _ in range(params["iterations"]):
+        for step, times in zip(steps, samples, strict=True):
+            t0 = clock()
+            step()
+            times.append(clock() - t0)
+    timings.add("loop_time", clock() - loop_start)
+    if not np.isfinite(result).all():
+        raise AssertionError(f"rank {comm.rank}: the model returned non-finite logits")
+    for name, times in zip(STEPS, samples, strict=True):
+        timings.extend(name, times)
+    for key in (in_key, pre_key, out_key):
+        client.delete_tensor(key)
+    comm.barrier()
