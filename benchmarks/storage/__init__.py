@@ -1,0 +1,52 @@
+"""Storage characterization (fio profiles) and checkpoint stall / accelerator utilization (AU).
+
+``python -m benchmarks.storage fio --help`` and ``python -m benchmarks.storage au --help``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+_SIZE_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional binary suffix (``512K``, ``64M``, ``1G``, ``1GiB``).
+
+    Raises:
+        ValueError: ``text`` is not such a size, or is not positive.
+    """
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4K, 64M, 1G)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return size
+
+
+def format_size(size: int) -> str:
+    """``size`` bytes in the largest binary unit that divides it (``1G``, ``64M``, ``4K``, ``100``)."""
+    for suffix in ("T", "G", "M", "K"):
+        unit = _SIZE_UNITS[suffix]
+        if size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
+
+
+def split_choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """The comma-separated names in ``text``, each one of ``allowed``.
+
+    Raises:
+        SystemExit: a name is unknown or none is given (the message names ``flag``).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
