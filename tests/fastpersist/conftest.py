@@ -1,0 +1,102 @@
+"""Fixtures for the fastpersist tests: O_DIRECT-capable directories, engines, staging buffers, tiny filesystems."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # fp_compare, also run as a script in fresh processes
+
+from fastpersist.handles import aio_op, get_pinned_buffer  # noqa: E402
+
+SMALL_BUFFER_MB = 1  # two 512 KiB halves: multi-megabyte tensors straddle several buffer turns
+ENGINES = ["aio", "python"]
+
+
+def o_direct_works(directory: Path) -> bool:
+    probe = directory / f".odirect-{uuid.uuid4().hex[:6]}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path: Path) -> Path:
+    """A fresh directory on a filesystem that accepts O_DIRECT."""
+    if not o_direct_works(tmp_path):
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    return tmp_path
+
+
+def require_engine(name: str) -> str:
+    if name == "aio" and aio_op() is None:
+        pytest.skip("DeepSpeed async_io op is not built here")
+    return name
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Each real engine in turn."""
+    return require_engine(request.param)
+
+
+@pytest.fixture
+def aio_engine() -> str:
+    """The DeepSpeed aio engine (skipped where its op is not built)."""
+    return require_engine("aio")
+
+
+@pytest.fixture(scope="session")
+def small_buffer() -> torch.Tensor:
+    """A 1 MiB page-locked staging buffer shared by the whole session."""
+    return get_pinned_buffer(SMALL_BUFFER_MB)
+
+
+def _run(*cmd: str) -> bool:
+    return shutil.which(cmd[0]) is not None and subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def mounted(mountpoint: Path, *mount_args: str) -> Iterator[Path]:
+    """Mount a small filesystem at ``mountpoint`` (root only), always unmounting it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    mountpoint.mkdir()
+    if not _run("mount", *mount_args, str(mountpoint)):
+        pytest.skip(f"cannot mount {' '.join(mount_args)} here")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs (it refuses O_DIRECT, so writes fall back to buffered I/O)."""
+    with mounted(tmp_path / "tmpfs", "-t", "tmpfs", "-o", "size=8m", "tmpfs") as mountpoint:
+        yield mountpoint
+
+
+@pytest.fixture
+def tiny_ext4(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB ext4 filesystem on a loop device (O_DIRECT works there)."""
+    image = tmp_path / "ext4.img"
+    with open(image, "wb") as handle:
+        handle.truncate(16 * 1024**2)
+    if not _run("mkfs.ext4", "-q", "-F", str(image)):
+        pytest.skip("mkfs.ext4 is unavailable")
+    with mounted(tmp_path / "ext4", "-o", "loop", str(image)) as mountpoint:
+        yield mountpoint
