@@ -192,7 +192,13 @@ class Worker:
             pipe.getrange(key, 0, wire.HEADER_MAX_BYTES - 1)
             pipe.set(key, value)
             inline.append(key)
-        results = self._reply(request, pipe=pipe)
+        if self.db.cluster and inline:
+            # A cluster pipeline writes to every shard before reading any reply, so the reply could
+            # land before an output on another shard: store the outputs first, then answer.
+            results = pipe.execute()
+            self._reply(request)
+        else:
+            results = self._reply(request, pipe=pipe)
         for key, old in zip(inline, results[0:2 * len(inline):2], strict=True):
             if old:
                 wire.delete_replaced_chunks(self.db, key, old)
