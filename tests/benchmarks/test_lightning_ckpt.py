@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from benchmarks import lightning_ckpt
+from tests.processes import foreground_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON_KEYS = {"type", "layers", "size_mb", "save_s", "save_mbps", "load_s", "load_mbps", "peak_rss_mb"}
@@ -25,7 +26,8 @@ def _bench(*args: str, env: dict[str, str] | None = None, **kwargs) -> subproces
     full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-m", "benchmarks.lightning_ckpt", *args],
-        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
+        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=foreground_sigint, **kwargs,
     )
 
 

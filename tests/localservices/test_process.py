@@ -14,6 +14,7 @@ import pytest
 
 from localservices import ManagedProcess, MissingBinaryError, ServiceStartError, find_binary
 from smartredis_io.server import RedisServer
+from tests.processes import foreground_sigint
 
 
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -84,7 +85,9 @@ def test_services_die_with_their_parent(sig):
             time.sleep(120)
         """
     )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=foreground_sigint
+    )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
