@@ -96,7 +96,6 @@ class Worker:
         self._take_batch = self.db.redis.register_script(models.TAKE_BATCH_LUA)
         self._handoff = self.db.redis.register_script(models.HANDOFF_LUA)
         self._release_batch = self.db.redis.register_script(models.RELEASE_BATCH_LUA)
-        self._busy = False
         self._stop = False
 
     # ---- life cycle -----------------------------------------------------------------------------
@@ -109,9 +108,13 @@ class Worker:
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
         try:
             while not self._stop:
-                popped = self.db.redis.blpop([models.QUEUE_KEY], timeout=POP_TIMEOUT_S)
+                try:
+                    popped = self.db.redis.blpop([models.QUEUE_KEY], timeout=POP_TIMEOUT_S)
+                except redis.exceptions.ConnectionError:
+                    if self._stop:
+                        break  # the database went first (launcher stopping everything)
+                    raise
                 if popped:
-                    self._busy = True
                     try:
                         self.handle(popped[1])
                     except (redis.exceptions.RedisError, ValueError, TypeError, KeyError):
@@ -119,17 +122,13 @@ class Worker:
                         # times out at its deadline; this worker goes on with the next request.
                         log.exception("request could not be handled")
                         time.sleep(ERROR_BACKOFF_S)
-                    finally:
-                        self._busy = False
-        except SystemExit:
-            pass
         finally:
             self._unregister()
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        # Only a flag: raising here could cut a Redis command in half (the blocking pop, or the
+        # clean-up below when a second signal arrives); an idle worker sees it within POP_TIMEOUT_S.
         self._stop = True
-        if not self._busy:
-            raise SystemExit(0)
 
     def _unregister(self) -> None:
         try:
