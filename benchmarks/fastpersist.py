@@ -22,10 +22,8 @@ import math
 import os
 import shutil
 import socket
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, write_json
+from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, timed, write_json
 from fastpersist import fastpersist_load, fastpersist_save, get_aio_handle, get_pinned_buffer
 from fastpersist.handles import ALIGNMENT_BYTES, MiB, aio_op
 
@@ -124,19 +122,6 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
         return self.lm_head(self.ln_f(self.blocks(x)))
-
-
-def timed(
-    run: Callable[[], Any], repeat: int, before: Callable[[], None] = lambda: None
-) -> tuple[float, Any]:
-    """Median seconds of ``repeat`` runs (``before`` runs untimed ahead of each) and the last result."""
-    times, result = [], None
-    for _ in range(repeat):
-        before()
-        start = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def torch_save_fsync(obj: Any, path: Path) -> None:

@@ -33,14 +33,22 @@ def configure_logging(level: int = logging.INFO) -> None:
         logging.getLogger(name).setLevel(level)
 
 
+def timed(
+    run: Callable[[], Any], repeat: int, before: Callable[[], None] = lambda: None
+) -> tuple[float, Any]:
+    """Median seconds of ``repeat`` runs (``before`` runs untimed ahead of each) and the last result."""
+    times, result = [], None
+    for _ in range(repeat):
+        before()
+        start = time.perf_counter()
+        result = run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
 def median_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
     """Median wall-clock seconds of ``repeat`` calls of ``fn``."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(fn, repeat)[0]
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
