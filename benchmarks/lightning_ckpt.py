@@ -98,6 +98,7 @@ class Services:
     _gcs_dir: str | None = None
     _redis_address: str | None = None
     emulator: Any = None
+    redis_prefix: str = field(default_factory=lambda: f"ckpts-{uuid.uuid4().hex[:8]}")
 
     def local_dir(self) -> str:
         if self._local_dir is None:
@@ -143,7 +144,7 @@ class Services:
             return self.gcs_dir()
         if storage == "redis":
             self.redis_address()
-            return f"ckpts-{uuid.uuid4().hex[:8]}"
+            return self.redis_prefix
         raise ValueError(f"unknown storage {storage!r}")
 
 
