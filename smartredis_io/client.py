@@ -546,10 +546,9 @@ class Client:
             time.time() + timeout_s, fn_name,
         )
         # One round trip: both keys share the {srio} tag, and the pop blocks until the reply.
-        pipe = self._db.redis.pipeline(transaction=False)
-        pipe.rpush(models.QUEUE_KEY, request.encode())
-        pipe.blpop([request.reply_key], timeout=timeout_s)
-        popped = pipe.execute()[1]
+        popped = self._db.exchange(
+            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, timeout_s)]
+        )[1]
         if popped is None:
             raise RedisTimeoutError(
                 f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms "

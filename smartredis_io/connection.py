@@ -1,9 +1,11 @@
 """One connection layer over a standalone Redis or a Redis Cluster, with the zero-copy tensor paths.
 
-Everything goes through redis-py except the two hot paths: a tensor put is sent as the header
-followed by a memoryview of the caller's array (no concatenation copy), and a tensor get reads the
+Everything goes through redis-py except the hot paths: a tensor put is sent as the header
+followed by a memoryview of the caller's array (no concatenation copy), a tensor get reads the
 reply body with ``recv_into`` straight into the caller's array (the only copy after the socket read
-is the kernel's into that array; a few hundred bytes of the first read pass through a scratch buffer).
+is the kernel's into that array; a few hundred bytes of the first read pass through a scratch buffer),
+and the run_model request/reply exchanges are sent and read on a pooled connection without
+redis-py's pipeline machinery (``Database.exchange``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ CRLF = b"\r\n"
 
 # plan(first bytes of the value, total value length) -> (bytes to skip, destination of the rest)
 ReadPlan = Callable[[memoryview, int], tuple[int, memoryview]]
+# (NAME, key, *arguments): a command whose first argument is the only key it touches
+Command = tuple[Any, ...]
 
 
 class _Fallback(Exception):
@@ -112,9 +116,17 @@ class Database:
             return self.redis.get_node_from_key(key).redis_connection.connection_pool
         return self.redis.connection_pool
 
+    def _shared_pool(self, commands: Sequence[Command]) -> redis.ConnectionPool | None:
+        """The pool of the one node every command's key lives on; None when they span nodes."""
+        if not self.cluster:
+            return self.redis.connection_pool
+        first, *rest = (self.redis.get_node_from_key(command[1]) for command in commands)
+        if any(node.name != first.name for node in rest):
+            return None
+        return first.redis_connection.connection_pool
+
     @contextmanager
-    def _connection(self, key: str):
-        pool = self._pool(key)
+    def _connection(self, pool: redis.ConnectionPool):
         conn = pool.get_connection()
         try:
             yield conn
@@ -125,6 +137,37 @@ class Database:
         finally:
             pool.release(conn)
 
+    def exchange(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
+        """Run ``commands`` in one round trip, as ``pipeline(transaction=False).execute(raise_on_error)``.
+
+        The replies are the server's, without redis-py's response callbacks (``SET`` gives b"OK",
+        ``BLPOP`` a list). On one node the commands are packed and read on a pooled connection; a
+        command redirected by the cluster (MOVED / ASK) is run again through redis-py, alone (the
+        others have run), and commands spanning cluster nodes go through redis-py's pipeline: those
+        replies are redis-py's (``SET`` gives True).
+        """
+        pool = self._shared_pool(commands)
+        if pool is None:
+            return self._pipeline(commands, raise_on_error)
+        with self._connection(pool) as conn:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [self._read_reply(conn) for _ in commands]
+        redirected = [i for i, reply in enumerate(replies) if _redirected(reply)]
+        if redirected:
+            for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
+                replies[i] = reply
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, redis.exceptions.ResponseError):
+                    raise reply
+        return replies
+
+    def _pipeline(self, commands: Sequence[Command], raise_on_error: bool) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=raise_on_error)
+
     def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int) -> bytes:
         """``SET key <parts joined>`` without joining them; returns the first ``peek`` bytes it replaced."""
         total = sum(memoryview(p).nbytes for p in parts)
@@ -133,34 +176,29 @@ class Database:
             b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%d\r\n" % (len(bkey), bkey, len(str(peek - 1)), peek - 1)
             + b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total)
         )
-        try:
-            with self._connection(key) as conn:
-                conn.send_packed_command([head, *parts, CRLF])
-                old = self._read_reply(conn)
-                status = self._read_reply(conn)
-        except _Fallback:
+        with self._connection(self._pool(key)) as conn:
+            conn.send_packed_command([head, *parts, CRLF])
+            old = self._read_reply(conn)
+            status = self._read_reply(conn)
+        if _redirected(old) or _redirected(status):
             data = b"".join(bytes(p) for p in parts)  # rare path (cluster redirection): one join copy
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.getrange(key, 0, peek - 1)
-            pipe.set(key, data)
-            old, status = pipe.execute(raise_on_error=False)
+            old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data)], False)
         if isinstance(status, Exception):
             raise status
         return old if isinstance(old, bytes) else b""
 
     @staticmethod
     def _read_reply(conn: Any) -> Any:
+        """The next reply on ``conn``; an error reply as its exception (all replies are read)."""
         try:
             return conn.read_response()
         except redis.exceptions.ResponseError as exc:
-            if str(exc).startswith(("MOVED", "ASK")):
-                raise _Fallback() from exc
             return exc
 
     def get_into(self, key: str, plan: ReadPlan, peek: int) -> bool:
         """``GET key`` read straight into the buffer ``plan`` picks; False when the key does not exist."""
         try:
-            with self._connection(key) as conn:
+            with self._connection(self._pool(key)) as conn:
                 conn.send_command("GET", key)
                 return self._read_bulk_into(conn._sock, plan, peek)
         except _Fallback:
@@ -209,6 +247,11 @@ class Database:
         if tail < 2:
             _recv_exact_into(sock, memoryview(bytearray(2 - tail)))
         return True
+
+
+def _redirected(reply: Any) -> bool:
+    """Whether a reply is a cluster redirection (the command did not run on that node)."""
+    return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError))
 
 
 def detect_cluster(address: str, timeout_s: float = 10.0) -> bool:

@@ -8,6 +8,7 @@ races an overwrite finds a chunk gone or a checksum off and reads again.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import uuid
@@ -51,7 +52,8 @@ def bulk_limit() -> int:
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:
-    return dtype.name == "bfloat16" or bool(dtype.metadata and dtype.metadata.get("smartredis_io.dtype") == "bfloat16")
+    # type.__name__ is what dtype.name gives for a foreign (ml_dtypes) bfloat16, at ~1/30 of the cost
+    return dtype.type.__name__ == "bfloat16" or bool(dtype.metadata and dtype.metadata.get("smartredis_io.dtype") == "bfloat16")
 
 
 def dtype_code(dtype: np.dtype) -> int:
@@ -90,7 +92,7 @@ class Header:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def chunk_keys(self, key: str) -> list[str]:
         return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]

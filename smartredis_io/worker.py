@@ -33,7 +33,7 @@ import redis
 import torch
 
 from smartredis_io import models, wire
-from smartredis_io.connection import Database, detect_cluster
+from smartredis_io.connection import Command, Database, detect_cluster
 from smartredis_io.error import RedisKeyError
 from smartredis_io.models import Manifest, Request
 
@@ -50,13 +50,22 @@ CONNECT_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
 
-def _to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory (read-only inputs are not written by inference)."""
+def _take_readonly_warning() -> None:
+    """Take, silenced, the one warning torch gives per process about tensors on read-only arrays.
+
+    Inputs are views of the (immutable) values read from Redis and inference does not write them;
+    taking the warning once here spares ``_to_torch`` a ``catch_warnings`` per tensor.
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if wire.is_bfloat16(array.dtype):
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
-        return torch.from_numpy(array).to(device)
+        torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
+
+
+def _to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (read-only inputs are not written by inference)."""
+    if wire.is_bfloat16(array.dtype):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array).to(device)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -88,9 +97,11 @@ class Worker:
     """One execution worker on one database (standalone or cluster)."""
 
     def __init__(self, address: str, cluster: bool, device: str = "cpu", name: str = "") -> None:
+        _take_readonly_warning()
         self.db = Database(address, cluster, CONNECT_TIMEOUT_S)
         self.device = torch.device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self._ok_reply = json.dumps({"ok": True, "error": "", "worker": self.name})
         self._cache: dict[str, tuple[str, Any]] = {}  # key -> (version, loaded model or script)
         self._manifests: dict[str, tuple[bytes, Manifest]] = {}  # key -> (raw manifest, parsed)
         self._take_batch = self.db.redis.register_script(models.TAKE_BATCH_LUA)
@@ -109,7 +120,7 @@ class Worker:
         try:
             while not self._stop:
                 try:
-                    popped = self.db.redis.blpop([models.QUEUE_KEY], timeout=POP_TIMEOUT_S)
+                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)])[0]
                 except redis.exceptions.ConnectionError:
                     if self._stop:
                         break  # the database went first (launcher stopping everything)
@@ -146,12 +157,11 @@ class Worker:
             return
         try:
             # One round trip for the bookkeeping, the manifest and the inputs.
-            pipe = self.db.redis.pipeline(transaction=False)
-            pipe.hset(models.INFLIGHT_KEY, self.name, request.id)
-            pipe.get(request.key)
-            for key in request.inputs:
-                pipe.get(key)
-            _, first_manifest, *raw_inputs = pipe.execute(raise_on_error=False)
+            _, first_manifest, *raw_inputs = self.db.exchange(
+                [("HSET", models.INFLIGHT_KEY, self.name, request.id), ("GET", request.key),
+                 *(("GET", key) for key in request.inputs)],
+                raise_on_error=False,
+            )
             manifest, runnable = self._load(request.key, request.kind, first_manifest)
             if request.kind == "model" and manifest.batch_size > 0:
                 batch = self._gather(request, manifest)
@@ -167,12 +177,15 @@ class Worker:
             log.exception("request %s on %s failed", request.id, request.key)
             self._reply(request, f"{type(exc).__name__}: {exc}")
 
-    def _reply(self, request: Request, error: str | None = None, pipe: Any = None) -> list[Any]:
-        pipe = pipe if pipe is not None else self.db.redis.pipeline(transaction=False)
-        pipe.rpush(request.reply_key, json.dumps({"ok": error is None, "error": error or "", "worker": self.name}))
-        pipe.pexpire(request.reply_key, models.REPLY_TTL_MS)
-        pipe.hdel(models.INFLIGHT_KEY, self.name)
-        return pipe.execute()
+    def _reply(self, request: Request, error: str | None = None, before: Sequence[Command] = ()) -> list[Any]:
+        """Push the reply (after the commands ``before``, in the same round trip); all their replies."""
+        body = self._ok_reply if error is None else json.dumps({"ok": False, "error": error, "worker": self.name})
+        return self.db.exchange([
+            *before,
+            ("RPUSH", request.reply_key, body),
+            ("PEXPIRE", request.reply_key, models.REPLY_TTL_MS),
+            ("HDEL", models.INFLIGHT_KEY, self.name),
+        ])
 
     def _finish(self, request: Request, outputs: Sequence[torch.Tensor]) -> None:
         """Store the outputs and reply; small outputs go in the reply's round trip."""
@@ -180,7 +193,7 @@ class Worker:
             raise RunError(
                 f"ERR {request.key!r} produced {len(outputs)} outputs but {len(request.outputs)} were named"
             )
-        pipe = self.db.redis.pipeline(transaction=False)
+        stores: list[Command] = []
         inline: list[str] = []
         for key, tensor in zip(request.outputs, outputs, strict=True):
             array = _to_numpy(tensor)
@@ -188,16 +201,15 @@ class Worker:
             if value is None:
                 wire.put_array(self.db, key, array)  # large: zero-copy path, before the reply
                 continue
-            pipe.getrange(key, 0, wire.HEADER_MAX_BYTES - 1)
-            pipe.set(key, value)
+            stores += [("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1), ("SET", key, value)]
             inline.append(key)
         if self.db.cluster and inline:
             # A cluster pipeline writes to every shard before reading any reply, so the reply could
             # land before an output on another shard: store the outputs first, then answer.
-            results = pipe.execute()
+            results = self.db.exchange(stores)
             self._reply(request)
         else:
-            results = self._reply(request, pipe=pipe)
+            results = self._reply(request, before=stores)
         for key, old in zip(inline, results[0:2 * len(inline):2], strict=True):
             if old:
                 wire.delete_replaced_chunks(self.db, key, old)
