@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,12 +54,17 @@ class ObjectReader(io.RawIOBase):
         self.size, self._expected_crc = info.size, info.crc32c
         self._url = f"{gcs.media_url(*path)}&generation={info.generation}" if info.generation else gcs.media_url(*path)
         # The one copy of the object in memory; torch.load copies from it into tensor storages.
-        self._buffer = bytearray(info.size)
+        # Anonymous mmap pages are zeroed lazily by the kernel, as the download threads first touch
+        # them, not all up front by this thread as bytearray(size) would.
+        self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, info.size) if info.size else bytearray()
         self._view = memoryview(self._buffer)
         self._pos = 0
         step = chunk_size if parallel else max(info.size, 1)
         self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
         self._arrived = [threading.Event() for _ in self._ranges]
+        self._complete = False  # every range arrived without error: reads skip the waits
+        self._pending = len(self._ranges)
+        self._pending_lock = threading.Lock()
         self._error: BaseException | None = None
         self._verified = False
         self._executor = ThreadPoolExecutor(max_workers if parallel else 1, thread_name_prefix="dataflux-download")
@@ -83,6 +89,9 @@ class ObjectReader(io.RawIOBase):
                 event.set()
         finally:
             self._arrived[index].set()
+            with self._pending_lock:
+                self._pending -= 1
+                self._complete = self._pending == 0 and self._error is None
 
     def _fetch_once(self, start: int, end: int, what: str) -> None:
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
@@ -99,7 +108,7 @@ class ObjectReader(io.RawIOBase):
                 got += n
 
     def _wait(self, start: int, end: int) -> None:
-        if end <= start:
+        if self._complete or end <= start:
             return
         step = self._ranges[0][1] - self._ranges[0][0]
         for index in range(start // step, (end - 1) // step + 1):
@@ -139,7 +148,15 @@ class ObjectReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        # torch.load seeks before every read of a record: this is a hot path.
+        if whence == io.SEEK_SET:
+            base = 0
+        elif whence == io.SEEK_CUR:
+            base = self._pos
+        elif whence == io.SEEK_END:
+            base = self.size
+        else:
+            raise ValueError(f"invalid whence {whence!r}")
         if base + offset < 0:
             raise ValueError(f"negative seek position {base + offset}")
         self._pos = base + offset
@@ -167,7 +184,7 @@ class ObjectReader(io.RawIOBase):
             self._executor.shutdown(wait=True, cancel_futures=True)
             super().close()
             self._view.release()
-            self._buffer = bytearray()
+            self._buffer = bytearray()  # the mmap is unmapped once no view of it is left
 
     def __del__(self) -> None:
         if "_executor" in self.__dict__ and not self.closed:  # not when __init__ failed

@@ -76,6 +76,25 @@ def test_embedded_default_prints_averages_table_and_json(tmp_path):
         assert row["layers"] == 1 and row["size_mb"] > 1 and row["save_mbps"] > 0 and row["load_mbps"] > 0
 
 
+@pytest.mark.parametrize("backend", ["memory", "filesystem"])
+def test_compare_measures_ceilings_and_ratios(tmp_path, backend):
+    out_json = tmp_path / "rows.json"
+    proc = _bench("--compare", "--types", "torch-gcsfs,dataflux-tm", "--gcs-emulator-backend", backend,
+                  "--json", str(out_json), env={"LAYERS": "1", "STEPS": "1"})
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert f"({backend} backend)" in out
+    baseline, dataflux = json.loads(out_json.read_text())
+    assert baseline["save_vs_baseline"] == baseline["load_vs_baseline"] == 1.0
+    for key in ("ceiling_save_mbps", "ceiling_composite_save_mbps", "ceiling_load_mbps"):
+        assert dataflux[key] > 0 and dataflux[key] == baseline[key]
+    assert dataflux["save_vs_ceiling"] == pytest.approx(dataflux["save_median_mbps"] / dataflux["ceiling_save_mbps"])
+    assert dataflux["save_vs_composite_ceiling"] == pytest.approx(
+        dataflux["save_median_mbps"] / dataflux["ceiling_composite_save_mbps"])
+    assert dataflux["load_vs_ceiling"] == pytest.approx(dataflux["load_median_mbps"] / dataflux["ceiling_load_mbps"])
+    assert "Comp. ceil. MB/s" in out
+
+
 def _service_children(pid: int) -> list[psutil.Process]:
     try:
         return [c for c in psutil.Process(pid).children(recursive=True) if c.name() in SERVICE_NAMES]
