@@ -157,8 +157,11 @@ class DatafluxCheckpointIO(CheckpointIO):
         log.debug("removed %s", target)
 
     def teardown(self) -> None:
-        """Close this process' connections; the next use opens new ones."""
+        """Wait for the background deletion of part objects, then close this process' connections;
+        the next use opens new ones."""
         with self._lock:
+            if self._gcs is not None:
+                self._gcs.wait_background()
             if self._gcs is not None and self._client is None:
                 self._gcs.session.close()
                 self._gcs = None

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
@@ -28,6 +31,7 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0
 HTTP_TIMEOUT_S = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
 SPARE_CONNECTIONS = 4
+BACKGROUND_THREADS = 2
 OCTET_STREAM = "application/octet-stream"
 
 
@@ -60,13 +64,41 @@ class Gcs:
         self.retry = retry
         self.session: requests.Session = client._http
         self.host = _get_host_name(client._connection).rstrip("/")
-        self._ensure_pool(connections + SPARE_CONNECTIONS)
+        self._ensure_pool(connections + SPARE_CONNECTIONS + BACKGROUND_THREADS)
+        self._background: ThreadPoolExecutor | None = None
+        self._pending: set[Future[None]] = set()
+        self._pending_lock = threading.Lock()
 
     def _ensure_pool(self, size: int) -> None:
         for prefix in ("https://", "http://"):
             adapter = self.session.get_adapter(prefix)
             if getattr(adapter, "_pool_maxsize", size) < size:
                 self.session.mount(prefix, requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=size))
+
+    # Background housekeeping -----------------------------------------------------------------
+    def in_background(self, fn: Callable[[], Any], what: str) -> None:
+        """Run ``fn`` (housekeeping no caller needs to wait for, such as deleting the part objects
+        of a completed upload) on a background thread; a failure is logged as a warning.
+        :meth:`wait_background` waits for everything submitted so far."""
+        with self._pending_lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="dataflux-background")
+            future = self._background.submit(fn)
+            self._pending.add(future)
+
+        def done(finished: Future[None]) -> None:
+            with self._pending_lock:
+                self._pending.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                log.warning("%s failed: %s", what, finished.exception())
+
+        future.add_done_callback(done)
+
+    def wait_background(self) -> None:
+        """Wait for the background housekeeping submitted so far."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        wait(pending)
 
     # URLs ------------------------------------------------------------------------------------
     def object_url(self, bucket: str, name: str) -> str:

@@ -22,6 +22,7 @@ import struct
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol
 
 from google.cloud.storage import exceptions as media_exceptions
@@ -75,18 +76,19 @@ class _CompositeEngine:
         return name
 
     def complete(self, tokens: list[str]) -> str:
-        bucket, level = self._path.bucket, 0
+        bucket, level, temporary = self._path.bucket, 0, list(tokens)
         while len(tokens) > MAX_COMPOSE_SOURCES:
             groups = [tokens[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(tokens), MAX_COMPOSE_SOURCES)]
             names = [f"{self._prefix}c{level}-{i:06d}" for i in range(len(groups))]
             list(self._executor.map(lambda g, n: self._gcs.compose(bucket, g, n), groups, names))
+            temporary += names
             tokens, level = names, level + 1
         meta = self._gcs.compose(bucket, tokens, self._path.key)
-        try:
-            self._cleanup()
-        except Exception as exc:  # the object is complete; stray parts are only clutter
-            log.warning("%s is saved, but deleting its part objects under %s failed: %s",
-                        self._path, self._prefix, exc)
+        # The object is complete: the save returns now and the parts are deleted in the background
+        # (the plugin's teardown waits for that); a part left behind is only clutter.
+        for name in temporary:
+            self._gcs.in_background(partial(self._gcs.delete, bucket, name),
+                                    f"deleting part object gs://{bucket}/{name} of {self._path}")
         return meta.get("crc32c", "")
 
     def abort(self) -> None:

@@ -196,15 +196,20 @@ def xml_proxy(gcs_emulator: FakeGcsServer) -> Iterator[GcsProxy]:
 
 
 @pytest.fixture
-def make_plugin(gcs_emulator: FakeGcsServer) -> Callable[..., DatafluxCheckpointIO]:
+def make_plugin(gcs_emulator: FakeGcsServer) -> Iterator[Callable[..., DatafluxCheckpointIO]]:
     """Plugins with small parts and quick retries; ``client=None`` talks to the session emulator."""
+
+    made: list[DatafluxCheckpointIO] = []
 
     def make(client: storage.Client | None = None, **kwargs: object) -> DatafluxCheckpointIO:
         options = {"chunk_size": RESUMABLE_CHUNK_MULTIPLE_BYTES, "stream_chunk_size": RESUMABLE_CHUNK_MULTIPLE_BYTES,
                    "max_workers": 3, "retry": FAST_RETRY, **kwargs}
-        return DatafluxCheckpointIO(storage_client=client, **options)
+        made.append(DatafluxCheckpointIO(storage_client=client, **options))
+        return made[-1]
 
-    return make
+    yield make
+    for plugin in made:
+        plugin.teardown()  # background deletions end within the test that started them
 
 
 @pytest.fixture

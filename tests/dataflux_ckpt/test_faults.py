@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -127,3 +128,31 @@ def test_server_stopped_mid_upload_leaves_previous_object_and_no_parts(tmp_path,
         server.stop()
         for s in restarted:
             s.stop()
+
+
+def test_part_objects_are_deleted_in_the_background_and_teardown_waits(gcs_proxy, gcs_bucket, make_plugin):
+    release = threading.Event()
+    gcs_proxy.fault = lambda r, seen: release.wait(30) and None if r.method == "DELETE" else None
+    plugin = make_plugin(gcs_proxy.client(), upload_mode="composite")
+    path = f"gs://{gcs_bucket}/bg/last.ckpt"
+    data = _data(3 * C + 5)
+    with plugin.writer(path) as stream:
+        stream.write(data)
+    # The save returned while every part deletion is still held by the proxy.
+    assert len(plugin.gcs.list_names(gcs_bucket, "bg/last.ckpt" + PARTS_SUFFIX)) == 4
+    with plugin.reader(path) as stream:
+        assert stream.read() == data
+    release.set()
+    plugin.teardown()
+    assert plugin.gcs.list_names(gcs_bucket, "bg/") == ["bg/last.ckpt"]
+
+
+def test_failed_background_deletion_is_logged_and_the_checkpoint_kept(gcs_proxy, gcs_bucket, make_plugin, caplog):
+    gcs_proxy.fault = lambda r, seen: 500 if r.method == "DELETE" else None
+    plugin = make_plugin(gcs_proxy.client(), upload_mode="composite")
+    path = f"gs://{gcs_bucket}/bgfail/last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="dataflux_ckpt.gcs"):
+        plugin.save_checkpoint({"w": torch.arange(C, dtype=torch.uint8)}, path)
+        plugin.teardown()
+    assert any("deleting part object" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    assert torch.equal(plugin.load_checkpoint(path)["w"], torch.arange(C, dtype=torch.uint8))

@@ -22,6 +22,8 @@ def _payload(size: int, seed: int) -> bytes:
 
 
 def _names(plugin: DatafluxCheckpointIO, bucket: str) -> list[str]:
+    """Every object in ``bucket``, once the plugin's background deletion of part objects is done."""
+    plugin.gcs.wait_background()
     return plugin.gcs.list_names(bucket, "")
 
 
