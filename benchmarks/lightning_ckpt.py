@@ -345,6 +345,14 @@ def _emulator_request(url: str, method: str, target: str, body: bytes | memoryvi
         conn.close()
 
 
+def _upload_target(bucket: str, name: str) -> str:
+    return f"/upload/storage/v1/b/{bucket}/o?" + urllib.parse.urlencode({"uploadType": "media", "name": name})
+
+
+def _object_target(bucket: str, name: str) -> str:
+    return f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
+
+
 def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes) -> None:
     """A parallel composite upload with no GCS client library in the way: parts of the plugin's
     default size (at most 32 of them, so that one compose suffices) sent on parallel connections,
@@ -358,17 +366,16 @@ def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes
              for i, start in enumerate(range(0, len(data), part_bytes))}
 
     def upload(part: str) -> None:
-        query = urllib.parse.urlencode({"uploadType": "media", "name": part})
-        _emulator_request(emulator_url, "POST", f"/upload/storage/v1/b/{bucket}/o?{query}", parts[part])
+        _emulator_request(emulator_url, "POST", _upload_target(bucket, part), parts[part])
 
     def delete(part: str) -> None:
-        _emulator_request(emulator_url, "DELETE", f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(part, safe='')}")
+        _emulator_request(emulator_url, "DELETE", _object_target(bucket, part))
 
     with ThreadPoolExecutor(MAX_WORKERS) as executor:
         list(executor.map(upload, parts))
         body = json.dumps({"sourceObjects": [{"name": part} for part in parts],
                            "destination": {"contentType": "application/octet-stream"}})
-        target = f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}/compose"
+        target = f"{_object_target(bucket, name)}/compose"
         _emulator_request(emulator_url, "POST", target, body.encode(), content_type="application/json")
         list(executor.map(delete, parts))
 
@@ -382,9 +389,8 @@ def measure_gcs_ceilings(emulator_url: str, bucket: str, data: bytes, repeats: i
     by ``torch.load`` of those bytes from memory.
     """
     name = f"ceiling-{uuid.uuid4().hex[:8]}"
-    quoted = urllib.parse.quote(name, safe="")
-    upload = f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quoted}"
-    download = f"/storage/v1/b/{bucket}/o/{quoted}?alt=media"
+    upload = _upload_target(bucket, name)
+    download = f"{_object_target(bucket, name)}?alt=media"
     save_times, composite_times, load_times = [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -399,8 +405,8 @@ def measure_gcs_ceilings(emulator_url: str, bucket: str, data: bytes, repeats: i
         torch.load(io.BytesIO(fetched))
         load_times.append(time.perf_counter() - start)
         del fetched
-    for target in (quoted, urllib.parse.quote(f"{name}-composite", safe="")):
-        _emulator_request(emulator_url, "DELETE", f"/storage/v1/b/{bucket}/o/{target}")
+    for stored in (name, f"{name}-composite"):
+        _emulator_request(emulator_url, "DELETE", _object_target(bucket, stored))
     size_mb = len(data) / MB
     return {
         "ceiling_save_mbps": size_mb / statistics.median(save_times),
