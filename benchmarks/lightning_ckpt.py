@@ -293,11 +293,12 @@ def run_type(ctype: CheckpointType, services: Services, model, dataloader, args)
     trainer.fit(model, dataloader)
     paths = [f"{directory}/ckpt_{i}.ckpt" for i in range(args.steps)]
     save_times, load_times = [], []
-    with PeakRSS() as rss:
+    with PeakRSS() as save_rss:
         for path in _progress(paths, f"save {ctype.name}"):
             start = time.perf_counter()
             trainer.save_checkpoint(path)
             save_times.append(time.perf_counter() - start)
+    with PeakRSS() as load_rss:
         for path in _progress(paths, f"load {ctype.name}"):
             start = time.perf_counter()
             checkpoint_io.load_checkpoint(path)
@@ -323,7 +324,12 @@ def run_type(ctype: CheckpointType, services: Services, model, dataloader, args)
         "load_mbps": size_mb / load_s,
         "save_median_s": statistics.median(save_times),
         "load_median_s": statistics.median(load_times),
-        "peak_rss_mb": rss.peak_mb,
+        "save_times_s": save_times,
+        "load_times_s": load_times,
+        "peak_rss_mb": max(save_rss.peak_mb, load_rss.peak_mb),
+        # What the saves added on top of the process, which already holds the model and optimizer.
+        "save_extra_rss_mb": save_rss.peak_mb - save_rss.start_mb,
+        "load_extra_rss_mb": load_rss.peak_mb - load_rss.start_mb,
         "steps": args.steps,
         "location": directory if ctype.storage != "redis" else services.redis_address(),
     }
@@ -353,10 +359,11 @@ def _object_target(bucket: str, name: str) -> str:
     return f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
 
 
-def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes) -> None:
+def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes) -> list[str]:
     """A parallel composite upload with no GCS client library in the way: parts of the plugin's
     default size (at most 32 of them, so that one compose suffices) sent on parallel connections,
-    one compose, the parts deleted."""
+    then one compose. Returns the part objects, left for the caller to delete: like the plugin,
+    which deletes them in the background, the upload is complete once the compose is."""
     from dataflux_ckpt import CHUNK_SIZE_BYTES, MAX_WORKERS
     from dataflux_ckpt.upload import MAX_COMPOSE_SOURCES
 
@@ -368,25 +375,27 @@ def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes
     def upload(part: str) -> None:
         _emulator_request(emulator_url, "POST", _upload_target(bucket, part), parts[part])
 
-    def delete(part: str) -> None:
-        _emulator_request(emulator_url, "DELETE", _object_target(bucket, part))
-
     with ThreadPoolExecutor(MAX_WORKERS) as executor:
         list(executor.map(upload, parts))
-        body = json.dumps({"sourceObjects": [{"name": part} for part in parts],
-                           "destination": {"contentType": "application/octet-stream"}})
-        target = f"{_object_target(bucket, name)}/compose"
-        _emulator_request(emulator_url, "POST", target, body.encode(), content_type="application/json")
-        list(executor.map(delete, parts))
+    body = json.dumps({"sourceObjects": [{"name": part} for part in parts],
+                       "destination": {"contentType": "application/octet-stream"}})
+    target = f"{_object_target(bucket, name)}/compose"
+    _emulator_request(emulator_url, "POST", target, body.encode(), content_type="application/json")
+    return list(parts)
+
+
+def _delete_objects(emulator_url: str, bucket: str, names: Sequence[str]) -> None:
+    for stored in names:
+        _emulator_request(emulator_url, "DELETE", _object_target(bucket, stored))
 
 
 def measure_gcs_ceilings(emulator_url: str, bucket: str, data: bytes, repeats: int) -> dict[str, float]:
     """The emulator's ceilings for ``data``, with no GCS client library in the way.
 
     ``ceiling_save_mbps``: one raw single-request HTTP upload. ``ceiling_composite_save_mbps``: a
-    raw parallel composite upload (parts, compose, part deletion), the best any composite upload
-    can do on this server. ``ceiling_load_mbps``: the serial bound of one raw HTTP download followed
-    by ``torch.load`` of those bytes from memory.
+    raw parallel composite upload (parts and compose; the parts are deleted after the clock
+    stops), the best any composite upload can do on this server. ``ceiling_load_mbps``: the serial
+    bound of one raw HTTP download followed by ``torch.load`` of those bytes from memory.
     """
     name = f"ceiling-{uuid.uuid4().hex[:8]}"
     upload = _upload_target(bucket, name)
@@ -397,16 +406,16 @@ def measure_gcs_ceilings(emulator_url: str, bucket: str, data: bytes, repeats: i
         _emulator_request(emulator_url, "POST", upload, data)
         save_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        _raw_composite_upload(emulator_url, bucket, f"{name}-composite", data)
+        parts = _raw_composite_upload(emulator_url, bucket, f"{name}-composite", data)
         composite_times.append(time.perf_counter() - start)
+        _delete_objects(emulator_url, bucket, parts)
         start = time.perf_counter()
         fetched = _emulator_request(emulator_url, "GET", download)
         # torch.load's own defaults, as every row's load_checkpoint(path) gets them.
         torch.load(io.BytesIO(fetched))
         load_times.append(time.perf_counter() - start)
         del fetched
-    for stored in (name, f"{name}-composite"):
-        _emulator_request(emulator_url, "DELETE", _object_target(bucket, stored))
+    _delete_objects(emulator_url, bucket, [name, f"{name}-composite"])
     size_mb = len(data) / MB
     return {
         "ceiling_save_mbps": size_mb / statistics.median(save_times),
@@ -458,6 +467,7 @@ TABLE_COLUMNS = {
     "load_s": "Avg Load (s)",
     "load_mbps": "Read MB/s",
     "peak_rss_mb": "Peak RSS MB",
+    "save_extra_rss_mb": "Save +RSS MB",
 }
 RATIO_COLUMNS = {
     "type": "Checkpoint Type",

@@ -38,7 +38,8 @@ class DatafluxCheckpointIO(CheckpointIO):
             checkpoint through one resumable upload / one GET.
         chunk_size: bytes per part and per ranged read (transfer manager).
         stream_chunk_size: bytes per request of the resumable upload (no transfer manager); a
-            multiple of 256 KiB. Up to three such buffers are alive during a save.
+            multiple of 256 KiB. Up to four such buffers are alive during a save: two being filled
+            and sent, the resumable upload's own buffer, and the request body it cuts from it.
         max_workers: concurrent part uploads / ranged reads.
         upload_mode: ``"auto"`` (probe XML multipart once per bucket, else composite uploads),
             ``"xml"`` or ``"composite"``.

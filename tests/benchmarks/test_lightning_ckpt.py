@@ -74,6 +74,9 @@ def test_embedded_default_prints_averages_table_and_json(tmp_path):
     for row in rows:
         assert JSON_KEYS <= row.keys()
         assert row["layers"] == 1 and row["size_mb"] > 1 and row["save_mbps"] > 0 and row["load_mbps"] > 0
+        assert len(row["save_times_s"]) == len(row["load_times_s"]) == 2
+        assert row["save_median_s"] == pytest.approx(sum(row["save_times_s"]) / 2)
+        assert 0 <= row["save_extra_rss_mb"] <= row["peak_rss_mb"]
 
 
 @pytest.mark.parametrize("backend", ["memory", "filesystem"])
