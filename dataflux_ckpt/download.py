@@ -2,8 +2,9 @@
 
 :class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the last range
 first: a torch zip archive is read from its end) and serves reads as soon as the ranges they touch
-have arrived, so ``torch.load`` overlaps with the download. The whole object's crc32c is checked
-against the server's metadata by :meth:`ObjectReader.verify` (called on close).
+have arrived, so ``torch.load`` overlaps with the download. The whole object's crc32c, combined
+from the crc32c each download thread takes of its range, is checked against the server's metadata
+by :meth:`ObjectReader.verify` (called on close).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import requests
 
-from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
+from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
 from dataflux_ckpt.gcs import Gcs
 from dataflux_ckpt.paths import GcsPath
@@ -62,6 +63,9 @@ class ObjectReader(io.RawIOBase):
         step = chunk_size if parallel else max(info.size, 1)
         self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
         self._arrived = [threading.Event() for _ in self._ranges]
+        # Each range's crc32c, taken by its download thread while the bytes are still in cache;
+        # verify() combines them instead of reading the whole buffer once more at the end.
+        self._range_crcs = [0] * len(self._ranges)
         self._complete = False  # every range arrived without error: reads skip the waits
         self._pending = len(self._ranges)
         self._pending_lock = threading.Lock()
@@ -81,7 +85,7 @@ class ObjectReader(io.RawIOBase):
         what = f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
         try:
             if self._error is None and not self._abandoned:
-                self._gcs.retry.call(lambda: self._fetch_once(start, end, what), what)
+                self._gcs.retry.call(lambda: self._fetch_once(index, what), what)
         except BaseException as exc:
             self._error = TransferError(f"{what} failed: {exc}")
             self._error.__cause__ = exc
@@ -93,7 +97,8 @@ class ObjectReader(io.RawIOBase):
                 self._pending -= 1
                 self._complete = self._pending == 0 and self._error is None
 
-    def _fetch_once(self, start: int, end: int, what: str) -> None:
+    def _fetch_once(self, index: int, what: str) -> None:
+        start, end = self._ranges[index]
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
         with self._gcs.request("GET", self._url, what, ok=(200, 206), headers=headers, stream=True) as response:
             if response.status_code == 200 and (start, end) != (0, self.size):
@@ -106,6 +111,7 @@ class ObjectReader(io.RawIOBase):
                 if not n:
                     raise ConnectionError(f"{what}: connection closed after {got} of {end - start} bytes")
                 got += n
+        self._range_crcs[index] = crc32c_extend(0, target)
 
     def _wait(self, start: int, end: int) -> None:
         if self._complete or end <= start:
@@ -125,7 +131,10 @@ class ObjectReader(io.RawIOBase):
         if self._verified:
             return
         self.wait_all()
-        actual = crc32c_b64(crc32c_extend(0, self._view))
+        crc = 0
+        for (start, end), range_crc in zip(self._ranges, self._range_crcs, strict=True):
+            crc = crc32c_combine(crc, range_crc, end - start)
+        actual = crc32c_b64(crc)
         if actual != self._expected_crc:
             raise DataCorruptionError(
                 f"{self.path}: downloaded bytes have crc32c {actual}, the server says {self._expected_crc}"

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from google.cloud.storage import exceptions as media_exceptions
 from google.cloud.storage._media.requests.upload import XMLMPUContainer, XMLMPUPart
 
-from dataflux_ckpt.checksums import BytesLike, crc32c_b64, crc32c_extend
+from dataflux_ckpt.checksums import BytesLike, crc32c_b64, crc32c_combine, crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError, TransferError
 from dataflux_ckpt.gcs import HTTP_TIMEOUT_S, OCTET_STREAM, Gcs
 from dataflux_ckpt.paths import GcsPath
@@ -279,7 +279,7 @@ class _ChunkingWriter(io.RawIOBase):
         buffer = self._buffer if self._buffer is not None else bytearray()
         data = memoryview(buffer)[: self._fill]
         crc = crc32c_extend(0, data)
-        self._crc = crc32c_extend(self._crc, data)
+        self._crc = crc32c_combine(self._crc, crc, data.nbytes)
         self._buffer, self._fill = None, 0
         return buffer, data, crc
 
