@@ -1,18 +1,44 @@
-# Set-up shared by the two README commands. Every step is idempotent and cheap when already done:
+# The checkout's set-up and the README's commands. Every step is idempotent and cheap when done:
 # Debian packages are checked with dpkg, the rest is guarded by stamp files.
+#
+#   make setup   both environments, the service binaries and DeepSpeed's async_io op
+#   make test    lint, the whole suite on the newest releases, then the oldest-supported subset
+#   make bench   the main job: python -m benchmarks.lightning_ckpt
 SHELL := /bin/bash
 PYTHON ?= python3
+# The oldest supported Python for the oldest-supported environment, where pyenv has it.
+PYTHON_OLDEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3) $(PYTHON))
 VENV := .venv
+VENV_OLDEST := .venv-oldest
 PY := $(VENV)/bin/python
+PY_OLDEST := $(VENV_OLDEST)/bin/python
 TOOLS_BIN := .tools/bin
 FAKE_GCS_SERVER_VERSION := v1.52.2
-APT_PACKAGES := libaio-dev redis-server redis-tools fio
+TOXIPROXY_VERSION := v2.12.0
+APT_PACKAGES := libaio-dev redis-server redis-tools fio openmpi-bin libopenmpi-dev
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+# The oldest releases we support, tested in their own environment: FastPersist's validated torch and
+# the Lightning and DeepSpeed releases of its time.
+OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post0 deepspeed==0.16.4
+# What the oldest environment runs: everything of fastpersist and the Lightning plugins of all three.
+OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/dataflux_ckpt/test_trainer.py \
+	tests/smartredis_io/test_lightning.py
+# Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: its build gets
+# the plain architecture numbers.
+ifdef TORCH_CUDA_ARCH_LIST
+export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E 's/([0-9])a\b/\1/g')
+endif
+export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
+export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
-.PHONY: setup apt-packages test lint bench clean
+.PHONY: setup setup-newest setup-oldest apt-packages tools test test-newest test-oldest lint bench clean
 
-## setup: everything the tests and benchmarks need (safe to run again: under 15 s when done)
-setup: apt-packages $(VENV)/.installed $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(VENV)/.async-io-built
+## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
+setup: setup-newest setup-oldest
+
+setup-newest: apt-packages tools $(VENV)/.installed $(VENV)/.async-io-built
+setup-oldest: apt-packages tools $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
+tools: $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION)
 
 apt-packages:
 	@missing=$$(for p in $(APT_PACKAGES); do \
@@ -26,9 +52,18 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 
-$(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python
-	@echo ">> installing the package (editable) with its test extra into $(VENV)"
-	$(PY) -m pip install -q -e '.[test]'
+$(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python apt-packages
+	@echo ">> installing the package (editable) with its test and mpi extras into $(VENV)"
+	$(PY) -m pip install -q -e '.[test,mpi]'
+	@touch $@
+
+$(VENV_OLDEST)/bin/python:
+	$(PYTHON_OLDEST) -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip setuptools wheel
+
+$(VENV_OLDEST)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_OLDEST)/bin/python
+	@echo ">> installing the oldest supported releases ($(OLDEST_PINS)) into $(VENV_OLDEST) ($$($(PY_OLDEST) -V))"
+	$(PY_OLDEST) -m pip install -q -e '.[all]' $(OLDEST_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
 	@touch $@
 
 $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION):
@@ -38,22 +73,40 @@ $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION):
 	GOBIN=$(abspath $(TOOLS_BIN)) go install github.com/fsouza/fake-gcs-server@$(FAKE_GCS_SERVER_VERSION)
 	@touch $@
 
+$(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION):
+	@command -v go >/dev/null || { echo "Go is needed to build toxiproxy: install golang" >&2; exit 1; }
+	@echo ">> building toxiproxy $(TOXIPROXY_VERSION) into $(TOOLS_BIN)"
+	@mkdir -p $(TOOLS_BIN)
+	GOBIN=$(abspath $(TOOLS_BIN)) go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION)
+	mv -f $(TOOLS_BIN)/server $(TOOLS_BIN)/toxiproxy-server
+	@touch $@
+
+# DeepSpeed JIT-builds the op into torch's extension cache, one per Python and torch version.
 $(VENV)/.async-io-built: $(VENV)/.installed | apt-packages
-	@echo ">> building DeepSpeed's async_io op once (JIT compile, 4-5 minutes on 2 cores)"
+	@echo ">> building DeepSpeed's async_io op for $(VENV) (JIT compile, 4-5 minutes on 2 cores)"
 	$(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
 	@touch $@
 
-## test: set up, lint, run the whole suite
-test: setup
-	$(PY) -m ruff check .
+$(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed | apt-packages
+	@echo ">> building DeepSpeed's async_io op for $(VENV_OLDEST) (JIT compile, 4-5 minutes on 2 cores)"
+	$(PY_OLDEST) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+	@touch $@
+
+## test: set up, lint, run the whole suite (newest releases), then the oldest-supported subset
+test: lint test-newest test-oldest
+
+test-newest: setup-newest
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: setup
+test-oldest: setup-oldest
+	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
+
+lint: setup-newest
 	$(PY) -m ruff check .
 
 ## bench: set up, run the main job (python -m benchmarks.lightning_ckpt on its embedded default)
-bench: setup
+bench: setup-newest
 	$(PY) -m benchmarks.lightning_ckpt $(ARGS)
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_OLDEST) .tools .pytest_cache .hypothesis build *.egg-info

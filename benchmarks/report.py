@@ -16,7 +16,7 @@ import psutil
 
 RSS_SAMPLE_INTERVAL_S = 0.01
 MB = 1e6
-PROJECT_LOGGERS = ("benchmarks", "localservices", "dataflux_ckpt", "fastpersist", "smartredis_io")
+PROJECT_LOGGERS = ("benchmarks", "lightning_storage_plugins", "dataflux_ckpt", "fastpersist", "smartredis_io")
 
 
 def configure_logging(level: int = logging.INFO) -> None:

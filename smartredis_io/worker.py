@@ -13,7 +13,6 @@ most ``min_batch_timeout`` ms for ``min_batch_size``. A request whose deadline h
 from __future__ import annotations
 
 import argparse
-import ctypes
 import io
 import json
 import logging
@@ -32,6 +31,7 @@ import numpy as np
 import redis
 import torch
 
+from lightning_storage_plugins.services import die_with_parent
 from smartredis_io import models, wire
 from smartredis_io.connection import Command, Database, detect_cluster
 from smartredis_io.error import RedisKeyError
@@ -47,7 +47,6 @@ BATCH_SCAN_LIMIT = 1024  # queue entries looked at when gathering a batch
 PIPELINED_OUTPUT_MAX_BYTES = 1 << 20  # outputs up to this size are sent with the reply (one round trip)
 BATCH_LOCK_MARGIN_MS = 5_000  # a batching lock outlives min_batch_timeout by this (a dead holder's expires)
 CONNECT_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 def _take_readonly_warning() -> None:
@@ -350,14 +349,9 @@ class Worker:
             self._finish(job.request, [parts[i] for parts in split])
 
 
-def _die_with_parent() -> None:
-    """A child worker stops when the worker that started it dies (even by SIGKILL)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _serve(address: str, cluster: bool, device: str, name: str, threads: int, child: bool = False) -> None:
     if child:
-        _die_with_parent()
+        die_with_parent()  # a child worker stops when the worker that started it dies
     logging.basicConfig(level=os.environ.get("SRIO_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)

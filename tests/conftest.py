@@ -12,6 +12,17 @@ import pytest  # noqa: E402
 
 from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
 from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
+from tests.support import ROOT  # noqa: E402
+
+# The checkout's set-up (`make setup`) builds fake-gcs-server here; the installed package never looks
+# in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
+_CHECKOUT_FAKE_GCS = ROOT / ".tools" / "bin" / "fake-gcs-server"
+if _CHECKOUT_FAKE_GCS.exists():
+    os.environ.setdefault("FAKE_GCS_SERVER_BIN", str(_CHECKOUT_FAKE_GCS))
+# Child processes (workers, fresh-process readers) import the test-support package too.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 
 
 @pytest.fixture(scope="session")

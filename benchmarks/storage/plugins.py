@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lightning.fabric.plugins import CheckpointIO
 
-from localservices import MissingBinaryError
+from lightning_storage_plugins.services import MissingBinaryError
 
 MODES = ("sync", "async", "native-async")
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (ImportError, MissingBinaryError)

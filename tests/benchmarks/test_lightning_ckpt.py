@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from benchmarks import lightning_ckpt
-from tests.processes import foreground_sigint
+from tests.support.processes import foreground_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON_KEYS = {"type", "layers", "size_mb", "save_s", "save_mbps", "load_s", "load_mbps", "peak_rss_mb"}

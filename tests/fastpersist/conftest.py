@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # fp_compare, also run as a script in fresh processes
-
-from fastpersist.handles import aio_op, get_pinned_buffer  # noqa: E402
+from fastpersist.handles import aio_op, get_pinned_buffer
 
 SMALL_BUFFER_MB = 1  # two 512 KiB halves: multi-megabyte tensors straddle several buffer turns
 ENGINES = ["aio", "python"]

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from fp_compare import assert_same
 
 from fastpersist import FastPersistCheckpointEngine, enable_fastpersist
+from tests.support.fp_compare import assert_same
 
 deepspeed = pytest.importorskip("deepspeed")
 

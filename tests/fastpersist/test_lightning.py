@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from fp_compare import assert_same
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -16,6 +15,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from fastpersist import FastPersistCheckpointIO
 from fastpersist.writer import TEMP_SUFFIX
+from tests.support.fp_compare import assert_same
 
 BUFFER_MB = 1
 

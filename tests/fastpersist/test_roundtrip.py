@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from fp_compare import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastpersist import fastpersist_load, fastpersist_save
 from fastpersist.handles import ALIGNMENT_BYTES, aio_op
+from tests.support import fp_compare
+from tests.support.fp_compare import assert_same
 
 HALF = 512 * 1024  # half of the 1 MiB small_buffer
 DTYPES = [
@@ -38,7 +39,7 @@ BOUNDARY_BYTES = [
 FIXED = settings(
     deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-FRESH_PROCESS_SCRIPT = Path(__file__).with_name("fp_compare.py")
+FRESH_PROCESS_SCRIPT = Path(fp_compare.__file__)
 
 
 def available_engines() -> list[str]:

@@ -4,14 +4,11 @@ and an Orchestrator (its own redis-server plus two execution workers) started on
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 
 import pytest
 
 from smartredis_io import Client, Orchestrator
-
-sys.path.insert(0, os.path.dirname(__file__))  # srio_testmodels, also imported by child processes
 
 CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_MODEL_TIMEOUT",
               "SRIO_BULK_LIMIT_BYTES")

@@ -153,7 +153,7 @@ def test_a_key_that_is_not_a_tensor(standalone: Client, uid: str) -> None:
 
 
 def test_unreachable_address_fails_within_the_connection_timeout(monkeypatch) -> None:
-    from localservices import free_port
+    from lightning_storage_plugins.services import free_port
 
     monkeypatch.setenv("SR_CONN_TIMEOUT", "500")
     start = time.monotonic()

@@ -13,9 +13,9 @@ import redis
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from srio_testmodels import TinyRegressor
 
 from smartredis_io import Client, Orchestrator, SmartRedisCheckpointIO, SmartRedisModelPublisher, models, wire
+from tests.support.srio_models import TinyRegressor
 
 SMALL_CHUNK = 4096
 

@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from srio_testmodels import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 
 from smartredis_io import Client, Orchestrator, models
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
+from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 
 X = np.random.default_rng(1).random((3, 4), dtype=np.float32)
 
@@ -230,7 +230,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
     """``python -m smartredis_io.worker --workers 2``: two processes share the queue and stop together."""
     import sys
 
-    from localservices import ManagedProcess
+    from lightning_storage_plugins.services import ManagedProcess
 
     name = f"cli-{uid}"
     cli = ManagedProcess(

@@ -1,4 +1,11 @@
-"""Start a service process, wait until it answers, and always stop it."""
+"""Supervised local service processes (fake-gcs-server, redis-server, toxiproxy, workers).
+
+The plugins' embedded launchers (``dataflux_ckpt.FakeGcsServer``, ``smartredis_io.RedisServer``...)
+are built on :class:`ManagedProcess`, so that every service started for a user, a test or a
+benchmark is waited for, reports its log tail when it fails, and never outlives the Python process
+that started it. Binaries are found by :func:`find_binary`: an environment variable, then ``PATH``,
+then an optional package that ships the binary; never a path into a source checkout.
+"""
 
 from __future__ import annotations
 
@@ -19,11 +26,19 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SETUP_COMMAND = "make setup"
 LOG_TAIL_BYTES = 4096
 POLL_INTERVAL_S = 0.05
 STOP_TIMEOUT_S = 5.0
 _PR_SET_PDEATHSIG = 1
+
+__all__ = [
+    "ManagedProcess",
+    "MissingBinaryError",
+    "ServiceStartError",
+    "die_with_parent",
+    "find_binary",
+    "free_port",
+]
 
 _running: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
 _running_lock = threading.Lock()
@@ -44,31 +59,47 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def find_binary(name: str, env_var: str, extra_dirs: Sequence[Path] = ()) -> str:
-    """Locate ``name``: ``$env_var`` first, then ``extra_dirs``, then ``PATH``."""
+def find_binary(
+    name: str,
+    env_var: str,
+    *,
+    install_hint: str,
+    providers: Sequence[Callable[[], str | None]] = (),
+) -> str:
+    """Locate the executable ``name``.
+
+    Looked up, in order: ``$env_var`` (which must then be executable), ``PATH``, and each of
+    ``providers`` (callables returning a path from an optional package, or ``None``).
+
+    Raises:
+        MissingBinaryError: nothing found; the message names every place looked at and
+            ``install_hint``, which says how to get the binary.
+    """
     explicit = os.environ.get(env_var)
     if explicit:
-        if os.access(explicit, os.X_OK):
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
             return explicit
-        raise MissingBinaryError(f"{env_var}={explicit!r} is not an executable file")
-    for directory in extra_dirs:
-        candidate = Path(directory) / name
-        if os.access(candidate, os.X_OK):
-            return str(candidate)
+        raise MissingBinaryError(f"${env_var}={explicit!r} is not an executable file")
     found = shutil.which(name)
     if found:
         return found
-    raise MissingBinaryError(
-        f"{name} not found (looked at ${env_var}, {', '.join(map(str, extra_dirs)) or 'no extra dirs'} "
-        f"and PATH); run `{SETUP_COMMAND}` in the project root to install it"
-    )
+    for provider in providers:
+        candidate = provider()
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise MissingBinaryError(f"{name} not found: ${env_var} is not set and {name} is not on PATH. {install_hint}")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the parent dies, even by SIGKILL, the kernel
-    # sends the child SIGTERM, so no service outlives the process that started it.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send this process ``sig`` when its parent dies, even by SIGKILL.
+
+    Used between fork and exec of a service, and at the start of a worker child process, so that
+    nothing outlives the process that started it. A no-op where ``prctl`` does not exist.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except AttributeError:  # not Linux
+        pass
 
 
 class ManagedProcess:
@@ -126,7 +157,7 @@ class ManagedProcess:
             cwd=self._cwd,
             env=self._env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         with _running_lock:
             _running.add(self)

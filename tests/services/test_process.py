@@ -12,9 +12,14 @@ import time
 import psutil
 import pytest
 
-from localservices import ManagedProcess, MissingBinaryError, ServiceStartError, find_binary
+from lightning_storage_plugins.services import (
+    ManagedProcess,
+    MissingBinaryError,
+    ServiceStartError,
+    find_binary,
+)
 from smartredis_io.server import RedisServer
-from tests.processes import foreground_sigint
+from tests.support.processes import foreground_sigint
 
 
 def _gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -29,16 +34,55 @@ def _gone(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_missing_binary_names_the_setup_command(monkeypatch):
+def test_missing_binary_says_how_to_get_it(monkeypatch):
     monkeypatch.delenv("NO_SUCH_SERVICE_BIN", raising=False)
-    with pytest.raises(MissingBinaryError, match="make setup"):
-        find_binary("no-such-service-binary", "NO_SUCH_SERVICE_BIN")
+    with pytest.raises(MissingBinaryError, match=r"(?s)NO_SUCH_SERVICE_BIN.*PATH.*apt-get install no-such"):
+        find_binary("no-such-service-binary", "NO_SUCH_SERVICE_BIN", install_hint="apt-get install no-such")
 
 
 def test_env_var_pointing_nowhere_is_reported(monkeypatch):
     monkeypatch.setenv("NO_SUCH_SERVICE_BIN", "/nonexistent/service")
     with pytest.raises(MissingBinaryError, match="NO_SUCH_SERVICE_BIN"):
-        find_binary("service", "NO_SUCH_SERVICE_BIN")
+        find_binary("service", "NO_SUCH_SERVICE_BIN", install_hint="")
+
+
+def _executable(path, name: str) -> str:
+    binary = path / name
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    return str(binary)
+
+
+def test_lookup_order_is_env_var_then_path_then_providers(tmp_path, monkeypatch):
+    (tmp_path / "env").mkdir()
+    (tmp_path / "path").mkdir()
+    (tmp_path / "extra").mkdir()
+    from_env = _executable(tmp_path / "env", "svc")
+    on_path = _executable(tmp_path / "path", "svc")
+    provided = _executable(tmp_path / "extra", "svc")
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+
+    monkeypatch.setenv("SVC_BIN", from_env)
+    assert find_binary("svc", "SVC_BIN", install_hint="", providers=[lambda: provided]) == from_env
+    monkeypatch.delenv("SVC_BIN")
+    assert find_binary("svc", "SVC_BIN", install_hint="", providers=[lambda: provided]) == on_path
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    assert find_binary("svc", "SVC_BIN", install_hint="", providers=[lambda: None, lambda: provided]) == provided
+
+
+def test_fake_gcs_server_error_tells_a_pip_user_what_to_do(monkeypatch, tmp_path):
+    from dataflux_ckpt.emulator import find_fake_gcs_server
+
+    monkeypatch.delenv("FAKE_GCS_SERVER_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # the optional extra is absent
+    with pytest.raises(MissingBinaryError) as caught:
+        find_fake_gcs_server()
+    message = str(caught.value)
+    assert "go install github.com/fsouza/fake-gcs-server@" in message
+    assert "lightning-storage-plugins[emulator]" in message
+    assert "FAKE_GCS_SERVER_BIN" in message
+    assert ".tools" not in message.split("In a source checkout")[0]
 
 
 def test_early_exit_reports_the_log_tail():
