@@ -1,19 +1,16 @@
 """One connection layer over a standalone Redis or a Redis Cluster, with the zero-copy tensor paths.
 
-Everything goes through redis-py except the hot paths: a tensor put is sent as the header
-followed by a memoryview of the caller's array (no concatenation copy), a tensor get reads the
-reply body with ``recv_into`` straight into the caller's array (the only copy after the socket read
-is the kernel's into that array; a few hundred bytes of the first read pass through a scratch buffer),
-and the run_model request/reply exchanges are sent and read on a pooled connection without
-redis-py's pipeline machinery (``Database.exchange``).
+Everything goes through redis-py except the hot paths (see :mod:`smartredis_io._redispy`): a tensor
+put is sent as the header followed by a memoryview of the caller's array, a tensor get reads the
+reply body straight into the caller's array, and the run_model request/reply exchanges are sent and
+read on a pooled connection without redis-py's pipeline machinery (``Database.exchange``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -21,22 +18,15 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from smartredis_io import _redispy
+from smartredis_io._redispy import Command, ReadPlan
 from smartredis_io.error import RedisConnectionError
+
+__all__ = ["Command", "Database", "ReadPlan", "detect_cluster", "parse_address"]
 
 log = logging.getLogger(__name__)
 
-RECV_SCRATCH_BYTES = 1024
 CONNECT_RETRY_INTERVAL_S = 0.1
-CRLF = b"\r\n"
-
-# plan(first bytes of the value, total value length) -> (bytes to skip, destination of the rest)
-ReadPlan = Callable[[memoryview, int], tuple[int, memoryview]]
-# (NAME, key, *arguments): a command whose first argument is the only key it touches
-Command = tuple[Any, ...]
-
-
-class _Fallback(Exception):
-    """The fast path met a reply it does not handle (e.g. a cluster redirection); use redis-py."""
 
 
 def parse_address(address: str) -> list[tuple[str, int] | str]:
@@ -57,18 +47,6 @@ def parse_address(address: str) -> list[tuple[str, int] | str]:
     if not endpoints:
         raise RedisConnectionError(f"No address in {address!r}")
     return endpoints
-
-
-def _recv_into(sock: Any, view: memoryview) -> int:
-    n = sock.recv_into(view)
-    if n == 0:
-        raise redis.exceptions.ConnectionError("Connection closed by server")
-    return n
-
-
-def _recv_exact_into(sock: Any, view: memoryview) -> None:
-    while view.nbytes:
-        view = view[_recv_into(sock, view):]
 
 
 class Database:
@@ -111,32 +89,6 @@ class Database:
     def close(self) -> None:
         self.redis.close()
 
-    def _pool(self, key: str) -> redis.ConnectionPool:
-        if self.cluster:
-            return self.redis.get_node_from_key(key).redis_connection.connection_pool
-        return self.redis.connection_pool
-
-    def _shared_pool(self, commands: Sequence[Command]) -> redis.ConnectionPool | None:
-        """The pool of the one node every command's key lives on; None when they span nodes."""
-        if not self.cluster:
-            return self.redis.connection_pool
-        first, *rest = (self.redis.get_node_from_key(command[1]) for command in commands)
-        if any(node.name != first.name for node in rest):
-            return None
-        return first.redis_connection.connection_pool
-
-    @contextmanager
-    def _connection(self, pool: redis.ConnectionPool):
-        conn = pool.get_connection()
-        try:
-            yield conn
-        except BaseException:
-            # The reply may be half read: the connection cannot be reused.
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-
     def exchange(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
         """Run ``commands`` in one round trip, as ``pipeline(transaction=False).execute(raise_on_error)``.
 
@@ -146,13 +98,13 @@ class Database:
         others have run), and commands spanning cluster nodes go through redis-py's pipeline: those
         replies are redis-py's (``SET`` gives True).
         """
-        pool = self._shared_pool(commands)
+        pool = _redispy.shared_pool(self.redis, [command[1] for command in commands])
         if pool is None:
             return self._pipeline(commands, raise_on_error)
-        with self._connection(pool) as conn:
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [self._read_reply(conn) for _ in commands]
-        redirected = [i for i, reply in enumerate(replies) if _redirected(reply)]
+        with _redispy.pooled_connection(pool) as conn:
+            _redispy.send_commands(conn, commands)
+            replies = [_redispy.read_reply(conn) for _ in commands]
+        redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]
         if redirected:
             for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
                 replies[i] = reply
@@ -171,37 +123,25 @@ class Database:
     def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int) -> bytes:
         """``SET key <parts joined>`` without joining them; returns the first ``peek`` bytes it replaced."""
         total = sum(memoryview(p).nbytes for p in parts)
-        bkey = key.encode()
-        head = (
-            b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%d\r\n" % (len(bkey), bkey, len(str(peek - 1)), peek - 1)
-            + b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total)
-        )
-        with self._connection(self._pool(key)) as conn:
-            conn.send_packed_command([head, *parts, CRLF])
-            old = self._read_reply(conn)
-            status = self._read_reply(conn)
-        if _redirected(old) or _redirected(status):
+        head = _redispy.pack_getrange_and_set(key, total, peek)
+        with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
+            _redispy.send_parts(conn, [head, *parts, _redispy.CRLF])
+            old = _redispy.read_reply(conn)
+            status = _redispy.read_reply(conn)
+        if _redispy.is_redirect(old) or _redispy.is_redirect(status):
             data = b"".join(bytes(p) for p in parts)  # rare path (cluster redirection): one join copy
             old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data)], False)
         if isinstance(status, Exception):
             raise status
         return old if isinstance(old, bytes) else b""
 
-    @staticmethod
-    def _read_reply(conn: Any) -> Any:
-        """The next reply on ``conn``; an error reply as its exception (all replies are read)."""
-        try:
-            return conn.read_response()
-        except redis.exceptions.ResponseError as exc:
-            return exc
-
     def get_into(self, key: str, plan: ReadPlan, peek: int) -> bool:
         """``GET key`` read straight into the buffer ``plan`` picks; False when the key does not exist."""
         try:
-            with self._connection(self._pool(key)) as conn:
+            with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
                 conn.send_command("GET", key)
-                return self._read_bulk_into(conn._sock, plan, peek)
-        except _Fallback:
+                return _redispy.read_bulk_into(conn, plan, peek)
+        except _redispy.Redirected:
             value = self.redis.get(key)
             if value is None:
                 return False
@@ -209,49 +149,6 @@ class Database:
             skip, dest = plan(view[:peek], len(value))
             dest[:] = view[skip:]  # rare path (cluster redirection): redis-py's copy plus this one
             return True
-
-    @staticmethod
-    def _read_bulk_into(sock: Any, plan: ReadPlan, peek: int) -> bool:
-        scratch = bytearray(max(RECV_SCRATCH_BYTES, peek + 64))
-        buf = memoryview(scratch)
-        have = _recv_into(sock, buf)
-        while (eol := scratch.find(CRLF, 0, have)) < 0:
-            have += _recv_into(sock, buf[have:])
-        line = bytes(scratch[:eol])
-        if line[:1] == b"-":
-            message = line[1:].decode(errors="replace")
-            if message.startswith(("MOVED", "ASK")):
-                raise _Fallback()
-            raise redis.exceptions.ResponseError(message)
-        if line[:1] == b"_":  # RESP3 null: no such key
-            return False
-        if line[:1] != b"$":
-            raise redis.exceptions.InvalidResponse(f"Unexpected reply to GET: {line[:64]!r}")
-        length = int(line[1:])
-        if length < 0:
-            return False
-        start = eol + 2
-        end_needed = start + min(length, peek)
-        while have < end_needed:
-            have += _recv_into(sock, buf[have:])
-        skip, dest = plan(buf[start:end_needed], length)
-        if skip + dest.nbytes != length:
-            raise redis.exceptions.InvalidResponse(f"value of {length} bytes does not fill {skip}+{dest.nbytes}")
-        body_start = start + skip
-        got = max(0, min(have - body_start, dest.nbytes))
-        dest[:got] = buf[body_start:body_start + got]  # at most RECV_SCRATCH_BYTES from the first read
-        tail = have - (body_start + got)
-        if got < dest.nbytes:
-            _recv_exact_into(sock, dest[got:])
-            tail = 0
-        if tail < 2:
-            _recv_exact_into(sock, memoryview(bytearray(2 - tail)))
-        return True
-
-
-def _redirected(reply: Any) -> bool:
-    """Whether a reply is a cluster redirection (the command did not run on that node)."""
-    return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError))
 
 
 def detect_cluster(address: str, timeout_s: float = 10.0) -> bool:

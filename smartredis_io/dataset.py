@@ -134,6 +134,12 @@ def dataset_key(prefix: str, name: str) -> str:
     return f"{prefix}{{{name}}}"
 
 
+def renamed(dataset: Dataset, name: str) -> Dataset:
+    """``dataset`` (one just read, owned by the caller) under a new name."""
+    dataset._name = name
+    return dataset
+
+
 def _tensor_key(base: str, version: str, tensor: str) -> str:
     return f"{base}.{version}.{tensor}"
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from smartredis_io import models, wire
+from smartredis_io import wire
 from smartredis_io.client import Client
 from smartredis_io.connection import Database, detect_cluster
 from smartredis_io.error import RedisKeyError
@@ -225,8 +225,7 @@ class SmartRedisModelPublisher(pl.Callback):
         torch.jit.save(exported, buffer)
         version_name = f"{self.name}.v{step}"
         self.client.set_model(version_name, buffer.getvalue(), "TORCH", **self._model_args)
-        db = self.client._db
-        models.alias(db, self.client._put_key("model", self.name), self.client._put_key("model", version_name))
+        self.client._alias_model(self.name, version_name)
         if version_name not in self.published:
             self.published.append(version_name)
         for old in self.published[:-self.keep]:

@@ -3,7 +3,6 @@ and an Orchestrator (its own redis-server plus two execution workers) started on
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
@@ -16,12 +15,9 @@ CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "S
 
 @pytest.fixture(autouse=True)
 def _client_env(monkeypatch: pytest.MonkeyPatch):
-    """Each test starts without SmartRedis variables, and what a Client sets (SSDB) is undone."""
+    """Each test starts without SmartRedis variables."""
     for name in CLIENT_ENV:
         monkeypatch.delenv(name, raising=False)
-    yield
-    for name in CLIENT_ENV:
-        os.environ.pop(name, None)
 
 
 @pytest.fixture

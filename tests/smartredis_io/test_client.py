@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -183,6 +184,14 @@ def test_constructors(redis_server, redis_cluster, monkeypatch, uid: str) -> Non
         client.put_tensor(uid, np.zeros(2))
     with Client(cluster=False) as client:
         assert client.tensor_exists(uid)
+
+
+def test_the_address_given_is_not_written_to_the_environment(redis_server, uid: str) -> None:
+    with Client(False, redis_server.address) as client:
+        client.put_tensor(uid, np.zeros(1))
+    assert "SSDB" not in os.environ
+    with pytest.raises(RedisConnectionError, match="SSDB"):
+        Client(False)  # so a later client without an address does not silently reuse it
 
 
 def test_config_options() -> None:
