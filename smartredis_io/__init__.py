@@ -1,4 +1,9 @@
-"""SmartRedis-compatible tensor, dataset and model client on a stock Redis server."""
+"""SmartRedis-compatible tensor, dataset and model client on a stock Redis server.
+
+``import smartredis_io as smartredis`` gives SmartRedis 0.6.1's Python API: the names below, and the
+modules ``error``, ``util``, ``dataset_utils``, ``srobject``, ``logger``, ``logcontext`` and
+``configoptions``.
+"""
 
 from typing import Any
 
@@ -6,20 +11,34 @@ from smartredis_io import error
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.dataset import Dataset
+from smartredis_io.dataset_utils import DatasetConverter
+from smartredis_io.logcontext import LogContext
+from smartredis_io.logger import LLDebug, LLDeveloper, LLInfo, LLQuiet, log_data, log_error, log_warning
 from smartredis_io.server import Orchestrator, RedisCluster, RedisServer
+from smartredis_io.srobject import SRObject
 from smartredis_io.wire import bfloat16
 
 __all__ = [
     "Client",
     "ConfigOptions",
     "Dataset",
+    "DatasetConverter",
+    "LLDebug",
+    "LLDeveloper",
+    "LLInfo",
+    "LLQuiet",
+    "LogContext",
     "Orchestrator",
     "RedisCluster",
     "RedisServer",
+    "SRObject",
     "SmartRedisCheckpointIO",
     "SmartRedisModelPublisher",
     "bfloat16",
     "error",
+    "log_data",
+    "log_error",
+    "log_warning",
 ]
 
 _LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelPublisher")

@@ -38,6 +38,24 @@ def node_pool(client: redis.Redis | RedisCluster, key: str) -> redis.ConnectionP
     return client.connection_pool
 
 
+def pool_at(client: redis.Redis | RedisCluster, endpoint: tuple[str, int] | str) -> redis.ConnectionPool | None:
+    """The pool of the database node at ``endpoint`` (``(host, port)`` or a socket path); None if none is there.
+
+    A standalone client has one node: its own address, compared as given (no name resolution,
+    as SmartRedis compares). A cluster client knows every node from the cluster's slot map.
+    """
+    if isinstance(client, RedisCluster):
+        if not isinstance(endpoint, tuple):
+            return None
+        node = client.get_node(host=endpoint[0], port=endpoint[1])
+        return None if node is None else node.redis_connection.connection_pool
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    if isinstance(endpoint, tuple):
+        return pool if (kwargs.get("host"), kwargs.get("port")) == endpoint else None
+    return pool if kwargs.get("path") == endpoint else None
+
+
 def shared_pool(client: redis.Redis | RedisCluster, keys: Sequence[str]) -> redis.ConnectionPool | None:
     """The pool of the one node every key lives on; None when they span cluster nodes."""
     if not isinstance(client, RedisCluster):

@@ -12,6 +12,9 @@ from smartredis_io.dataset_commands import DatasetCommands
 from smartredis_io.error import RedisConnectionError
 from smartredis_io.list_commands import ListCommands
 from smartredis_io.model_commands import ModelCommands
+from smartredis_io.multigpu_commands import MultiGPUCommands
+from smartredis_io.node_commands import NodeCommands
+from smartredis_io.srobject import SRObject
 from smartredis_io.tensor_commands import TensorCommands
 
 __all__ = ["Client"]
@@ -22,7 +25,8 @@ DEFAULT_CONNECT_TIMEOUT_MS = 5_000  # SR_CONN_TIMEOUT: how long construction kee
 DEFAULT_MODEL_TIMEOUT_MS = 60_000  # SR_MODEL_TIMEOUT: deadline of run_model / run_script
 
 
-class Client(TensorCommands, DatasetCommands, ModelCommands, ListCommands, AdminCommands):
+class Client(SRObject, TensorCommands, DatasetCommands, MultiGPUCommands, ModelCommands, ListCommands, AdminCommands,
+             NodeCommands):
     """A SmartRedis client: tensors, datasets, aggregation lists, models and scripts in Redis."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
@@ -76,6 +80,7 @@ class Client(TensorCommands, DatasetCommands, ModelCommands, ListCommands, Admin
         self._setup(options, cluster, logger_name)
 
     def _setup(self, options: ConfigOptions, cluster: bool, logger_name: str) -> None:
+        SRObject.__init__(self, logger_name)
         self._options = options
         self._logger_name = logger_name
         self._log = logging.getLogger(f"{__name__}.{logger_name}")
@@ -87,13 +92,21 @@ class Client(TensorCommands, DatasetCommands, ModelCommands, ListCommands, Admin
         self._log.debug("connected to %s (%s)", address, "cluster" if cluster else "standalone")
 
     def __str__(self) -> str:
-        """A one-line description: the database type and address
+        """A description of the client and its connection, laid out as SmartRedis' ``to_string()``
 
         :return: the description
         :rtype: str
         """
-        kind = "Clustered" if self._db.cluster else "Standalone"
-        return f"Client (smartredis_io) logger {self._logger_name!r}: {kind} database at {self._db.address}"
+        kind = "Clustered" if self._db.cluster else "Non-clustered"
+        if self._db.cluster:
+            shards = sorted(node.name for node in self._db.redis.get_primaries())
+        else:
+            shards = self._db.address.replace(";", ",").split(",")
+        protocol = "Unix Domain Socket" if self._db.address.startswith("unix://") else "TCP"
+        lines = [f"Client ({self._logger_name}):", f"{kind} Redis connection:", "  Redis shards at:",
+                 *(f"    {shard.strip()}" for shard in shards if shard.strip()), f"  Protocol: {protocol}",
+                 f"  Model and script timeout (ms): {self._model_timeout_s * 1000:.0f}"]
+        return "\n".join(lines) + "\n"
 
     def close(self) -> None:
         """Close the client's connections (SmartRedis closes them when the client is destroyed)"""

@@ -25,9 +25,59 @@ class ConfigOptions:
         self._suffix = ""
         self._overrides: dict[str, str | int] = {}
 
+    @staticmethod
+    def from_pybind(configoptions: ConfigOptions) -> ConfigOptions:
+        """A new ConfigOptions with the source and overrides of another
+
+        SmartRedis takes its pybind object here; smartredis_io has none, so this takes what
+        ``get_data()`` returns.
+
+        :param configoptions: the options to copy
+        :type configoptions: ConfigOptions
+        :return: the new ConfigOptions
+        :rtype: ConfigOptions
+        :raises TypeError: if the argument is not a ConfigOptions
+        """
+        typecheck(configoptions, "configoptions", ConfigOptions)
+        result = ConfigOptions()
+        result.set_configoptions(configoptions)
+        return result
+
+    def get_data(self) -> ConfigOptions:
+        """The object holding these options (this ConfigOptions itself)
+
+        :return: the options
+        :rtype: ConfigOptions
+        :raises RedisRuntimeError: if this object was not made by a factory method
+        """
+        self._check_factory()
+        return self
+
+    def set_configoptions(self, configoptions: ConfigOptions) -> None:
+        """Take the source (environment suffix) and overrides of another ConfigOptions
+
+        :param configoptions: the options to take
+        :type configoptions: ConfigOptions
+        :raises TypeError: if the argument is not a ConfigOptions
+        """
+        typecheck(configoptions, "configoptions", ConfigOptions)
+        self._suffix = configoptions._suffix
+        self._overrides = dict(configoptions._overrides)
+        self._is_created_via_factory = configoptions._is_created_via_factory
+
     @classmethod
     def create_from_environment(cls, db_suffix: str) -> ConfigOptions:
-        """Options read from environment variables, ``NAME_<db_suffix>`` when the suffix is non-empty."""
+        """Instantiate ConfigOptions, getting selections from environment variables
+
+        If ``db_suffix`` is non-empty, ``_{db_suffix}`` is appended to the name of each
+        environment variable that is read.
+
+        :param db_suffix: suffix to append to environment variables, or an empty string
+        :type db_suffix: str
+        :return: the options
+        :rtype: ConfigOptions
+        :raises TypeError: if ``db_suffix`` is not a string
+        """
         typecheck(db_suffix, "db_suffix", str)
         result = cls()
         result._suffix = db_suffix
@@ -36,6 +86,7 @@ class ConfigOptions:
 
     @property
     def is_factory_object(self) -> bool:
+        """Whether this object was made by a factory method (``create_from_environment``)"""
         return self._is_created_via_factory
 
     def _check_factory(self) -> None:
@@ -53,7 +104,17 @@ class ConfigOptions:
         return os.environ.get(self._env_name(option_name))
 
     def get_integer_option(self, option_name: str) -> int:
-        """The option as an integer; ``RedisKeyError`` when unset, ``RedisRuntimeError`` when not a number."""
+        """Retrieve the value of a numeric configuration option from the selected source
+
+        :param option_name: The name of the configuration option to retrieve
+        :type option_name: str
+        :return: the value of the option
+        :rtype: int
+        :raises TypeError: if ``option_name`` is not a string
+        :raises RedisKeyError: if the option is not set
+        :raises RedisRuntimeError: if the value is not an integer, or this object was not made by a
+            factory method
+        """
         value = self._lookup(option_name)
         if value is None:
             raise RedisKeyError(f"Configuration option {self._env_name(option_name)} is not set")
@@ -63,22 +124,58 @@ class ConfigOptions:
             raise RedisRuntimeError(f"The value {value!r} of {option_name} is not an integer") from None
 
     def get_string_option(self, option_name: str) -> str:
-        """The option as a string; ``RedisKeyError`` when unset."""
+        """Retrieve the value of a string configuration option from the selected source
+
+        :param option_name: The name of the configuration option to retrieve
+        :type option_name: str
+        :return: the value of the option
+        :rtype: str
+        :raises TypeError: if ``option_name`` is not a string
+        :raises RedisKeyError: if the option is not set
+        :raises RedisRuntimeError: if this object was not made by a factory method
+        """
         value = self._lookup(option_name)
         if value is None:
             raise RedisKeyError(f"Configuration option {self._env_name(option_name)} is not set")
         return str(value)
 
     def is_configured(self, option_name: str) -> bool:
+        """Check whether a configuration option is set in the selected source or overridden
+
+        :param option_name: The name of the configuration option to check
+        :type option_name: str
+        :return: whether the option is set
+        :rtype: bool
+        :raises TypeError: if ``option_name`` is not a string
+        :raises RedisRuntimeError: if this object was not made by a factory method
+        """
         return self._lookup(option_name) is not None
 
     def override_integer_option(self, option_name: str, value: int) -> None:
+        """Override the value of a numeric configuration option, for this object only
+
+        :param option_name: The name of the configuration option to override
+        :type option_name: str
+        :param value: The value to store for the configuration option
+        :type value: int
+        :raises TypeError: if an argument has the wrong type
+        :raises RedisRuntimeError: if this object was not made by a factory method
+        """
         typecheck(option_name, "option_name", str)
         typecheck(value, "value", int)
         self._check_factory()
         self._overrides[option_name] = value
 
     def override_string_option(self, option_name: str, value: str) -> None:
+        """Override the value of a string configuration option, for this object only
+
+        :param option_name: The name of the configuration option to override
+        :type option_name: str
+        :param value: The value to store for the configuration option
+        :type value: str
+        :raises TypeError: if an argument has the wrong type
+        :raises RedisRuntimeError: if this object was not made by a factory method
+        """
         typecheck(option_name, "option_name", str)
         typecheck(value, "value", str)
         self._check_factory()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import textwrap
 import time
@@ -13,12 +14,14 @@ from collections.abc import Callable
 from smartredis_io import models
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
-from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
+from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
 
 BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
 EXECUTABLE_BACKENDS = ("TORCH",)
+
+log = logging.getLogger(__name__)
 
 
 def _check_device(device: str) -> str:
@@ -27,6 +30,24 @@ def _check_device(device: str) -> str:
     if not device.startswith(("CPU", "GPU")):
         raise TypeError("Device argument must start with either CPU or GPU")
     return device
+
+
+def _check_batching(batch_size: int, min_batch_size: int, min_batch_timeout: int, method: str) -> None:
+    """SmartRedis' checks of the batching arguments (and its warning for a minimum without a timeout)."""
+    if min(batch_size, min_batch_size, min_batch_timeout) < 0:
+        raise RedisRuntimeError("batch_size, min_batch_size and min_batch_timeout must be non-negative", method)
+    if batch_size == 0 and (min_batch_size > 0 or min_batch_timeout > 0):
+        raise RedisRuntimeError("batch_size must be non-zero if min_batch_size or min_batch_timeout is used; "
+                                "otherwise batching will not be performed.", method)
+    if min_batch_timeout > 0 and min_batch_size == 0:
+        raise RedisRuntimeError("min_batch_size must be non-zero if min_batch_timeout is used; otherwise the "
+                                "min_batch_timeout parameter is ignored.", method)
+    if min_batch_size > batch_size:
+        raise RedisRuntimeError("min_batch_size must not exceed batch_size", method)
+    if min_batch_size > 0 and min_batch_timeout == 0:
+        log.warning("min_batch_timeout was not set when a non-zero min_batch_size was selected: a model waits "
+                    "for min_batch_size requests without a time limit. Setting a small value (~10 ms) for "
+                    "min_batch_timeout may improve performance.")
 
 
 def _check_file(path: str) -> str:
@@ -40,9 +61,11 @@ class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
     _model_timeout_s: float
+    #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
+    _model_chunk_bytes: int | None = None
 
     def _store(self, name: str, blob: bytes, manifest: models.Manifest) -> None:
-        models.store(self._db, self._put_key("model", name), blob, manifest)
+        models.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
 
     @command
     def set_model(
@@ -99,7 +122,8 @@ class ModelCommands(ClientBase):
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
-                        tag: str, inputs: str | list[str] | None, outputs: str | list[str] | None) -> models.Manifest:
+                        tag: str, inputs: str | list[str] | None, outputs: str | list[str] | None,
+                        method: str = "set_model") -> models.Manifest:
         typecheck(backend, "backend", str)
         typecheck(batch_size, "batch_size", int)
         typecheck(min_batch_size, "min_batch_size", int)
@@ -109,20 +133,18 @@ class ModelCommands(ClientBase):
         backend = backend.upper()
         if backend not in BACKENDS:
             raise TypeError(f"Backend type {backend} unsupported")
+        input_names, output_names = names(inputs, "inputs"), names(outputs, "outputs")
+        if backend != "TF" and input_names:
+            raise ValueError("INPUTS in the model set command is only valid for TF models")
+        if backend != "TF" and output_names:
+            raise ValueError("OUTPUTS in the model set command is only valid for TF models")
         if backend not in EXECUTABLE_BACKENDS:
             raise RedisReplyError(f"ERR unsupported backend {backend}: smartredis_io workers run TORCH models",
-                                  "set_model")
-        if min(batch_size, min_batch_size, min_batch_timeout) < 0:
-            raise RedisReplyError("ERR BATCHSIZE, MINBATCHSIZE and MINBATCHTIMEOUT must be non-negative", "set_model")
-        if min_batch_size and not batch_size:
-            raise RedisReplyError("ERR MINBATCHSIZE specified without BATCHSIZE", "set_model")
-        if min_batch_timeout and not min_batch_size:
-            raise RedisReplyError("ERR MINBATCHTIMEOUT specified without MINBATCHSIZE", "set_model")
-        if min_batch_size > batch_size:
-            raise RedisReplyError("ERR MINBATCHSIZE must not exceed BATCHSIZE", "set_model")
+                                  method)
+        _check_batching(batch_size, min_batch_size, min_batch_timeout, method)
         return models.Manifest(
             "model", models.new_version(), backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
-            names(inputs, "inputs"), names(outputs, "outputs"),
+            input_names, output_names,
         )
 
     def set_model_from_file(

@@ -57,6 +57,15 @@ return rest
 """
 
 
+#: what the workers count per model or script key (RedisAI's AI.INFO statistics); duration in microseconds
+STATS_FIELDS = ("duration", "samples", "calls", "errors")
+
+
+def stats_key(key: str) -> str:
+    """The hash holding the statistics of the model or script at ``key``."""
+    return f"{{srio}}.stats.{key}"
+
+
 def batch_keys(key: str) -> tuple[str, str]:
     """The lock a worker holds while it gathers a batch for ``key``, and its hand-over list."""
     return f"{{srio}}.batching.{key}", f"{{srio}}.handoff.{key}"
@@ -94,9 +103,12 @@ def _publish(db: Database, key: str, manifest: Manifest) -> None:
         wire.delete_value(db, blob_key(key, previous.version))
 
 
-def store(db: Database, key: str, blob: bytes, manifest: Manifest) -> None:
-    """Write the blob under a new version, publish the manifest, then drop the previous blob."""
-    wire.put_array(db, blob_key(key, manifest.version), np.frombuffer(blob, dtype=np.uint8))
+def store(db: Database, key: str, blob: bytes, manifest: Manifest, chunk_bytes: int | None = None) -> None:
+    """Write the blob under a new version, publish the manifest, then drop the previous blob.
+
+    ``chunk_bytes`` caps the size of one stored value (default: the bulk limit).
+    """
+    wire.put_array(db, blob_key(key, manifest.version), np.frombuffer(blob, dtype=np.uint8), chunk_bytes)
     _publish(db, key, manifest)
 
 

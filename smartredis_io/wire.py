@@ -167,11 +167,11 @@ def decode_value(db: Database, key: str, raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=header.dtype, offset=header.size).reshape(header.shape)
 
 
-def put_array(db: Database, key: str, array: np.ndarray) -> None:
-    """Store ``array`` at ``key``: inline up to the bulk limit, else as checksummed chunks."""
+def put_array(db: Database, key: str, array: np.ndarray, chunk_bytes: int | None = None) -> None:
+    """Store ``array`` at ``key``: inline up to the bulk limit (or ``chunk_bytes``), else as checksummed chunks."""
     code = dtype_code(array.dtype)
     payload = _as_bytes(array)
-    limit = bulk_limit()
+    limit = bulk_limit() if chunk_bytes is None else min(chunk_bytes, bulk_limit())
     if payload.nbytes + HEADER_MAX_BYTES <= limit:
         old = db.set_parts(key, [encode_header(code, array.shape), payload], HEADER_MAX_BYTES)
         if old:

@@ -110,9 +110,9 @@ def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_clien
 
 def test_set_model_rejects_what_smartredis_rejects(orch_client: Client, uid: str) -> None:
     blob = torchscript_bytes(linear(0), torch.from_numpy(X))
-    with pytest.raises(RedisReplyError, match="MINBATCHSIZE specified without BATCHSIZE"):
+    with pytest.raises(RedisReplyError, match="batch_size must be non-zero"):
         orch_client.set_model(uid, blob, "TORCH", min_batch_size=2)
-    with pytest.raises(RedisReplyError, match="MINBATCHTIMEOUT specified without MINBATCHSIZE"):
+    with pytest.raises(RedisReplyError, match="min_batch_size must be non-zero"):
         orch_client.set_model(uid, blob, "TORCH", batch_size=4, min_batch_timeout=10)
     with pytest.raises(TypeError, match="Backend"):
         orch_client.set_model(uid, blob, "PYTORCH")
