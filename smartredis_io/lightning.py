@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 from typing import Any
 
 import lightning.pytorch as pl
@@ -77,13 +78,15 @@ class SmartRedisCheckpointIO(CheckpointIO):
         address: ``host:port`` (or a comma list for a cluster); default ``$SSDB``.
         cluster: whether the database is a Redis Cluster; default: asked from the server.
         chunk_bytes: size of one stored chunk (and of the one save buffer).
+        weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
+            ``None`` (Lightning 2.5 always does): ``None`` is torch's default, ``True``.
 
     Raises:
         ValueError: no address given and ``$SSDB`` unset.
     """
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
-                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, weights_only: bool | None = None) -> None:
         self.address = address or os.environ.get("SSDB", "")
         if not self.address:
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
@@ -91,6 +94,7 @@ class SmartRedisCheckpointIO(CheckpointIO):
             raise ValueError(f"chunk_bytes must be in (0, {wire.BULK_LIMIT_BYTES - wire.HEADER_MAX_BYTES}]")
         self.cluster = cluster
         self.chunk_bytes = chunk_bytes
+        self.weights_only = weights_only
         self._db: Database | None = None
         self._pid = 0
 
@@ -124,8 +128,16 @@ class SmartRedisCheckpointIO(CheckpointIO):
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint at ``path``.
 
+        Args:
+            path: the checkpoint's path or ``redis://`` URL.
+            map_location: as for ``torch.load``.
+            weights_only: as for ``torch.load``; ``None`` takes this plugin's ``weights_only``, and
+                when that is ``None`` too, torch's default (``True``: no code runs while loading).
+
         Raises:
             FileNotFoundError: no checkpoint at that key (the message names key and address).
+            pickle.UnpicklingError: the checkpoint holds objects that only ``weights_only=False``
+                loads (the message names key, address and the object).
         """
         key = checkpoint_key(path)
         header = wire.read_header(self.db, key)
@@ -136,8 +148,22 @@ class SmartRedisCheckpointIO(CheckpointIO):
             wire.get_array(self.db, key, buffer)
         except RedisKeyError:
             raise FileNotFoundError(f"Checkpoint {key!r} was removed while being read") from None
-        return torch.load(_BufferReader(memoryview(buffer)), map_location=map_location,
-                          weights_only=weights_only if weights_only is not None else False)
+        if weights_only is None:
+            weights_only = self.weights_only
+        try:
+            return torch.load(_BufferReader(memoryview(buffer)), map_location=map_location, weights_only=weights_only)
+        except pickle.UnpicklingError as exc:
+            if weights_only is False:
+                raise
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else repr(exc)).rstrip(".")
+            raise pickle.UnpicklingError(
+                f"Checkpoint {key!r} in the database at {self.address} cannot be loaded with weights_only=True "
+                f"(torch's default, under which loading runs no code): {detail}. If you trust everyone who can "
+                "write to this database, load it with weights_only=False (Trainer.fit(..., weights_only=False), "
+                "SmartRedisCheckpointIO(weights_only=False) or load_checkpoint(path, weights_only=False)), or "
+                "allow that type with torch.serialization.add_safe_globals."
+            ) from None
 
     def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
         """Bytes of the stored checkpoint at ``path``; ``FileNotFoundError`` when there is none."""

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from smartredis_io import models
+from smartredis_io import models, torchscript_policy
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
@@ -112,13 +112,16 @@ class ModelCommands(ClientBase):
         :type outputs: list[str]
         :raises TypeError: if an argument has the wrong type, or the backend or device is unknown
         :raises RedisReplyError: if the batching arguments are inconsistent, no worker runs the
-            backend, or the model fails to set
+            backend, the model is not a TorchScript archive, it uses an op that touches files,
+            processes or the network (see ``smartredis_io.torchscript_policy``), or it fails to set
         """
         typecheck(name, "name", str)
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
-        self._store(name, bytes(model), manifest)
+        blob = bytes(model)
+        torchscript_policy.check_archive(blob, f"model {name!r}", "set_model")
+        self._store(name, blob, manifest)
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
@@ -274,10 +277,12 @@ class ModelCommands(ClientBase):
         :param device: device to run the script on: CPU or GPU
         :type device: str
         :raises TypeError: if an argument has the wrong type or the device is unknown
-        :raises RedisReplyError: if the script fails to set
+        :raises RedisReplyError: if the script uses an op that touches files, processes or the
+            network (see ``smartredis_io.torchscript_policy``), or it fails to set
         """
         typecheck(name, "name", str)
         typecheck(script, "script", str)
+        torchscript_policy.check_source(script, f"script {name!r}", "set_script")
         self._store(name, script.encode(), models.Manifest("script", models.new_version(), device=_check_device(device)))
 
     def set_function(self, name: str, function: Callable, device: str = "CPU") -> None:

@@ -182,6 +182,18 @@ class RedisCluster:
 WORKER_READY_TIMEOUT_S = 60.0  # a worker imports torch before it registers
 
 
+DEFAULT_WORKER_USER = "nobody"
+
+
+def _worker_privileges(user: str | None, allow_root: bool) -> list[str]:
+    """The worker's command-line flags that say which user runs the models."""
+    if user:
+        return ["--user", user]
+    if allow_root:
+        return ["--allow-root"]
+    return ["--user", DEFAULT_WORKER_USER] if os.geteuid() == 0 else []
+
+
 def _workers_registered(address: str, cluster: bool, names: list[str]) -> bool:
     db = Database(address, cluster, connect_timeout_s=1.0)
     try:
@@ -196,10 +208,14 @@ class Orchestrator:
     ``shards=1`` starts a standalone redis-server, ``shards>=3`` a real Redis Cluster; ``workers``
     worker processes (``python -m smartredis_io.worker``) serve run_model / run_script. Everything
     stops on exit. ``env`` holds the variables a SmartRedis client reads (``SSDB``, ``SR_DB_TYPE``).
+
+    Workers run whatever models the database's writers store. Started by root, they drop to
+    ``worker_user`` (default ``nobody``) once connected, unless ``allow_root_workers`` is set.
     """
 
     def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
-                 host: str = "127.0.0.1", worker_env: dict[str, str] | None = None) -> None:
+                 host: str = "127.0.0.1", worker_env: dict[str, str] | None = None,
+                 worker_user: str | None = None, allow_root_workers: bool = False) -> None:
         if shards not in (1,) and shards < 3:
             raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
         self.cluster = shards > 1
@@ -207,6 +223,7 @@ class Orchestrator:
         self._device = device
         self._threads = threads
         self._worker_env = worker_env
+        self._worker_privileges = _worker_privileges(worker_user, allow_root_workers)
         self._n_workers = workers
         self.workers: list[ManagedProcess] = []
         self._started = 0
@@ -237,7 +254,7 @@ class Orchestrator:
         worker = ManagedProcess(
             f"smartredis-worker:{name}",
             [sys.executable, "-m", "smartredis_io.worker", "--address", self.address, "--device", self._device,
-             "--threads", str(self._threads), "--name", name],
+             "--threads", str(self._threads), "--name", name, *self._worker_privileges],
             ready=lambda: True,  # registration is awaited below, for all workers at once
             env={**os.environ, **(self._worker_env or {})},
         )

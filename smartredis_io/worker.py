@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pwd
 import signal
 import socket
 import sys
@@ -32,9 +33,9 @@ import redis
 import torch
 
 from lightning_storage_plugins.services import die_with_parent
-from smartredis_io import models, wire
+from smartredis_io import _torchscript, models, torchscript_policy, wire
 from smartredis_io.connection import Command, Database, detect_cluster
-from smartredis_io.error import RedisKeyError
+from smartredis_io.error import RedisKeyError, RedisReplyError
 from smartredis_io.models import Manifest, Request
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class Worker:
                 self._run_batched(batch, runnable, manifest)
             else:
                 self._finish(request, self._call(runnable, request, self._inputs(request, raw_inputs)))
-        except RunError as exc:
+        except (RunError, RedisReplyError) as exc:
             self._reply(request, str(exc))
         except Exception as exc:  # noqa: BLE001 - any model failure goes back to the caller
             log.exception("request %s on %s failed", request.id, request.key)
@@ -233,18 +234,25 @@ class Worker:
                 blob = models.load_blob(self.db, key, manifest)
             except RedisKeyError:
                 continue  # replaced while loading: read the new manifest
-            runnable = self._compile(blob, kind)
+            runnable = self._compile(blob, kind, key)
             self._cache[key] = (manifest.version, runnable)
             log.info("loaded %s %s version %s", kind, key, manifest.version)
             return manifest, runnable
         raise RunError(f"ERR {kind} {key!r} kept changing while being loaded")
 
-    def _compile(self, blob: bytes, kind: str) -> Any:
+    def _compile(self, blob: bytes, kind: str, key: str) -> Any:
+        """The runnable form of a stored model or script, after the checks of ``torchscript_policy``."""
+        what = f"{kind} {key!r}"
         if kind == "script":
-            return torch.jit.CompilationUnit(blob.decode())
-        module = torch.jit.load(io.BytesIO(blob), map_location=self.device)
-        module.eval()
-        return module
+            source = blob.decode()
+            torchscript_policy.check_source(source, what)
+            runnable = _torchscript.compile_script(source)
+        else:
+            torchscript_policy.check_archive(blob, what)  # before loading: loading runs __setstate__
+            runnable = torch.jit.load(io.BytesIO(blob), map_location=self.device)
+            runnable.eval()
+        torchscript_policy.check_ops(_torchscript.op_kinds(runnable), what)
+        return runnable
 
     def _inputs(self, request: Request, raw: Sequence[bytes | None] | None = None) -> list[torch.Tensor]:
         """The request's input tensors, from values already fetched (``raw``) or read now."""
@@ -349,13 +357,44 @@ class Worker:
             self._finish(job.request, [parts[i] for parts in split])
 
 
-def _serve(address: str, cluster: bool, device: str, name: str, threads: int, child: bool = False) -> None:
+def _warm_up() -> None:
+    """Load and compile once, so that every module these need is imported while files are readable."""
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Identity()), buffer)
+    torch.jit.load(io.BytesIO(buffer.getvalue()))
+    _torchscript.op_kinds(_torchscript.compile_script("def f(x):\n    return x\n"))
+
+
+def drop_privileges(user: str) -> None:
+    """Become ``user`` (its uid and gid, no supplementary groups) for good.
+
+    Raises:
+        KeyError: no such user.
+        PermissionError: this process may not change its user.
+    """
+    entry = pwd.getpwnam(user)
+    parent = os.getppid()
+    os.setgroups([])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+    die_with_parent()  # the kernel forgets the parent-death signal when credentials change
+    if os.getppid() != parent:
+        raise SystemExit(f"the process that started this worker exited while it became {user}")
+    log.info("running as %s (uid %d)", user, entry.pw_uid)
+
+
+def _serve(address: str, cluster: bool, device: str, name: str, threads: int, user: str | None,
+           child: bool = False) -> None:
     if child:
         die_with_parent()  # a child worker stops when the worker that started it dies
     logging.basicConfig(level=os.environ.get("SRIO_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
-    Worker(address, cluster, device, name).serve()
+    worker = Worker(address, cluster, device, name)
+    if user and os.geteuid() == 0:
+        _warm_up()
+        drop_privileges(user)
+    worker.serve()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -365,20 +404,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--name", default="", help="worker name prefix (default host:pid)")
+    parser.add_argument("--user", default=None,
+                        help="run models as this user: started as root, the worker connects, then drops to it")
+    parser.add_argument("--allow-root", action="store_true",
+                        help="run models as root (refused without this flag or --user when started as root)")
     args = parser.parse_args(argv)
     if not args.address:
         parser.error("--address or $SSDB is required")
+    if os.geteuid() == 0 and not args.user and not args.allow_root:
+        parser.error("refusing to run stored models as root: pass --user NAME (e.g. --user nobody) to drop to "
+                     "an unprivileged user, or --allow-root if the database's writers are trusted with root")
+    if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
+        parser.error(f"--user {args.user}: only a worker started as root can change its user")
     cluster = detect_cluster(args.address)
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_serve, args=(args.address, cluster, args.device, f"{base}.{i}", args.threads, True),
+        context.Process(target=_serve, args=(args.address, cluster, args.device, f"{base}.{i}", args.threads, args.user, True),
                         daemon=True)
         for i in range(1, args.workers)
     ]
     for child in children:
         child.start()
-    _serve(args.address, cluster, args.device, f"{base}.0", args.threads)
+    _serve(args.address, cluster, args.device, f"{base}.0", args.threads, args.user)
     for child in children:
         child.terminate()
         child.join()

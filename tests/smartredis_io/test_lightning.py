@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import pickle
 import subprocess
 import sys
 
@@ -55,6 +58,42 @@ def test_save_load_remove(ckpt_io: SmartRedisCheckpointIO, uid: str) -> None:
         ckpt_io.save_checkpoint(state, path, storage_options={"x": 1})
     with pytest.raises(ValueError):
         ckpt_io.save_checkpoint(state, "")
+
+
+class _RunsACommand:
+    """A pickle payload: unpickling it runs a shell command (here, one that creates ``marker``)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_checkpoint_runs_no_code_by_default(redis_server, tmp_path, uid: str) -> None:
+    marker = tmp_path / "pwned"
+    io = SmartRedisCheckpointIO(redis_server.address)
+    path = f"{uid}/evil.ckpt"
+    io.save_checkpoint({"state_dict": {}, "payload": _RunsACommand(marker)}, path)
+    with pytest.raises(pickle.UnpicklingError, match=rf"{uid}/evil.ckpt.*weights_only=False"):
+        io.load_checkpoint(path)
+    with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):
+        _trainer(tmp_path, [io], max_steps=1, limit_val_batches=0).fit(TinyRegressor.make(), ckpt_path=path)
+    assert not marker.exists(), "loading the checkpoint ran the payload"
+    io.teardown()
+
+
+def test_a_checkpoint_that_needs_weights_only_false_says_so(redis_server, uid: str) -> None:
+    io = SmartRedisCheckpointIO(redis_server.address)
+    state = {"w": torch.ones(2), "hyper_parameters": argparse.Namespace(lr=0.1)}
+    io.save_checkpoint(state, f"{uid}.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match=r"argparse\.Namespace.*weights_only=False"):
+        io.load_checkpoint(f"{uid}.ckpt")
+    assert io.load_checkpoint(f"{uid}.ckpt", weights_only=False)["hyper_parameters"].lr == 0.1
+    trusting = SmartRedisCheckpointIO(redis_server.address, weights_only=False)
+    assert trusting.load_checkpoint(f"{uid}.ckpt")["hyper_parameters"].lr == 0.1
+    io.teardown()
+    trusting.teardown()
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint(redis_server, uid: str, monkeypatch) -> None:

@@ -236,7 +236,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
     cli = ManagedProcess(
         "worker-cli",
         [sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address, "--workers", "2",
-         "--name", name],
+         "--name", name, *(["--user", "nobody"] if os.geteuid() == 0 else [])],
         ready=lambda: len([n for n in _registered(redis_server) if n.startswith(name)]) == 2,
         startup_timeout_s=90,
     )
@@ -258,3 +258,42 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
 def _registered(redis_server) -> list[str]:
     with Client(False, redis_server.address) as client:
         return [n.decode() for n in client._db.redis.hkeys("{srio}.workers")]
+
+
+def _uid_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("Uid:")).split()[1])
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's root policy applies to workers started as root")
+
+
+@needs_root
+def test_a_worker_started_as_root_refuses_without_a_user_or_override(redis_server) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "refusing to run stored models as root" in result.stderr and "--user" in result.stderr
+
+
+@needs_root
+def test_workers_started_by_root_drop_to_an_unprivileged_user(orchestrator: Orchestrator, orch_client: Client,
+                                                               uid: str) -> None:
+    assert {_uid_of(pid) for pid in orchestrator.worker_pids} == {65534}  # nobody
+    orch_client.set_script(uid, SCRIPT)
+    orch_client.put_tensor(uid + "x", X)
+    orch_client.run_script(uid, "double", [uid + "x"], [uid + "y"])
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), 2 * X)
+
+
+@needs_root
+def test_allow_root_workers_is_an_explicit_choice(uid: str) -> None:
+    with Orchestrator(workers=1, allow_root_workers=True) as orch, Client(False, orch.address) as client:
+        assert [_uid_of(pid) for pid in orch.worker_pids] == [0]
+        client.set_script(uid, SCRIPT)
+        client.put_tensor(uid + "x", X)
+        client.run_script(uid, "double", [uid + "x"], [uid + "y"])
+        np.testing.assert_allclose(client.get_tensor(uid + "y"), 2 * X)
