@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from smartredis_io import models, torchscript_policy
+from smartredis_io import export_policy, models, torchscript_policy
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
@@ -83,8 +83,10 @@ class ModelCommands(ClientBase):
     ) -> None:
         """Put a serialized model to the database
 
-        The model (TorchScript bytes for backend ``TORCH``, e.g. from ``torch.jit.save``) is run by
-        the execution workers with ``run_model()``. With ``batch_size > 0`` the workers batch
+        The model (for backend ``TORCH``: a ``torch.export.save`` archive of a program exported
+        with ``torch.export.export``, or TorchScript from ``torch.jit.save``) is run by the
+        execution workers with ``run_model()``; export the batch dimension as dynamic
+        (``torch.export.Dim``) to run batched. With ``batch_size > 0`` the workers batch
         concurrent requests as RedisAI does: up to ``batch_size`` rows, waiting at most
         ``min_batch_timeout`` ms for ``min_batch_size`` of them. The key may be formed by applying a
         prefix to the name; see ``use_model_ensemble_prefix()``. Replacing a model is atomic: a
@@ -106,21 +108,24 @@ class ModelCommands(ClientBase):
         :type min_batch_timeout: int
         :param tag: additional tag for model information
         :type tag: str
-        :param inputs: names of the model's inputs (informational for TORCH)
-        :type inputs: list[str]
-        :param outputs: names of the model's outputs (informational for TORCH)
-        :type outputs: list[str]
+        :param inputs: model inputs (TF only), defaults to None
+        :type inputs: str | list[str] | None
+        :param outputs: model outputs (TF only), defaults to None
+        :type outputs: str | list[str] | None
         :raises TypeError: if an argument has the wrong type, or the backend or device is unknown
-        :raises RedisReplyError: if the batching arguments are inconsistent, no worker runs the
-            backend, the model is not a TorchScript archive, it uses an op that touches files,
-            processes or the network (see ``smartredis_io.torchscript_policy``), or it fails to set
+        :raises ValueError: if inputs or outputs are given for another backend than TF
+        :raises RedisRuntimeError: if the batching arguments are inconsistent
+        :raises RedisReplyError: if no worker runs the backend, the model is neither a TorchScript
+            nor a torch.export archive, it uses an op that touches files, processes or the network
+            (see ``smartredis_io.torchscript_policy``), loading it would run code from it (see
+            ``smartredis_io.export_policy``), or it fails to set
         """
         typecheck(name, "name", str)
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
         blob = bytes(model)
-        torchscript_policy.check_archive(blob, f"model {name!r}", "set_model")
+        export_policy.check_model(blob, f"model {name!r}", "set_model")
         self._store(name, blob, manifest)
 
     @staticmethod
@@ -183,15 +188,20 @@ class ModelCommands(ClientBase):
         :type min_batch_timeout: int
         :param tag: additional tag for model information
         :type tag: str
-        :param inputs: names of the model's inputs (informational for TORCH)
-        :type inputs: list[str]
-        :param outputs: names of the model's outputs (informational for TORCH)
-        :type outputs: list[str]
+        :param inputs: model inputs (TF only), defaults to None
+        :type inputs: str | list[str] | None
+        :param outputs: model outputs (TF only), defaults to None
+        :type outputs: str | list[str] | None
         :raises TypeError: if an argument has the wrong type
+        :raises ValueError: if inputs or outputs are given for another backend than TF
         :raises FileNotFoundError: if ``model_file`` does not exist
+        :raises RedisRuntimeError: if the batching arguments are inconsistent
         :raises RedisReplyError: if the model fails to set
         """
+        typecheck(name, "name", str)
         typecheck(model_file, "model_file", str)
+        self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs,
+                             "set_model_from_file")
         with open(_check_file(model_file), "rb") as f:
             blob = f.read()
         self.set_model(name, blob, backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs,
@@ -282,8 +292,9 @@ class ModelCommands(ClientBase):
         """
         typecheck(name, "name", str)
         typecheck(script, "script", str)
+        device = _check_device(device)
         torchscript_policy.check_source(script, f"script {name!r}", "set_script")
-        self._store(name, script.encode(), models.Manifest("script", models.new_version(), device=_check_device(device)))
+        self._store(name, script.encode(), models.Manifest("script", models.new_version(), device=device))
 
     def set_function(self, name: str, function: Callable, device: str = "CPU") -> None:
         """Put a TorchScript-compatible Python function to the database as a script
@@ -317,7 +328,9 @@ class ModelCommands(ClientBase):
         :raises FileNotFoundError: if ``file`` does not exist
         :raises RedisReplyError: if the script fails to set
         """
+        typecheck(name, "name", str)
         typecheck(file, "file", str)
+        _check_device(device)
         with open(_check_file(file)) as f:
             self.set_script(name, f.read(), device)
 

@@ -151,6 +151,7 @@ def delete(db: Database, key: str) -> bool:
     db.redis.delete(key)
     if not manifest.blob:
         wire.delete_value(db, blob_key(key, manifest.version))
+    db.redis.delete(stats_key(key))
     return True
 
 

@@ -16,7 +16,7 @@ import inspect
 import textwrap
 from collections.abc import Callable
 
-from smartredis_io import models
+from smartredis_io import export_policy, models
 from smartredis_io.client_base import command, names
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
@@ -100,6 +100,7 @@ class MultiGPUCommands(ModelCommands):
         blob = bytes(model)
         arguments = (batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs, "set_model_multigpu")
         general = self._model_manifest(backend, "GPU", *arguments)
+        export_policy.check_model(blob, f"model {name!r}", "set_model_multigpu")
         for gpu in gpus:
             self._store(gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
         self._store(name, blob, general)

@@ -33,12 +33,22 @@ import redis
 import torch
 
 from lightning_storage_plugins.services import die_with_parent
-from smartredis_io import _torchscript, models, torchscript_policy, wire
+from smartredis_io import (
+    _torch_export,
+    _torchscript,
+    devices,
+    export_policy,
+    models,
+    torchscript_policy,
+    wire,
+)
 from smartredis_io.connection import Command, Database, detect_cluster
 from smartredis_io.error import RedisKeyError, RedisReplyError
 from smartredis_io.models import Manifest, Request
 
 log = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
 
 WORKERS_KEY = "{srio}.workers"  # hash: worker name -> pid, for launchers waiting until workers are up
 ERROR_BACKOFF_S = 0.1  # pause after a request that could not be handled (e.g. database unreachable)
@@ -103,6 +113,8 @@ class Worker:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._ok_reply = json.dumps({"ok": True, "error": "", "worker": self.name})
         self._cache: dict[str, tuple[str, Any]] = {}  # key -> (version, loaded model or script)
+        self._devices: dict[str, torch.device] = {}  # key -> device its model or script runs on
+        self._stats: dict[str, dict[str, int]] = {}  # key -> statistics not yet added to its stats hash
         self._manifests: dict[str, tuple[bytes, Manifest]] = {}  # key -> (raw manifest, parsed)
         self._take_batch = self.db.redis.register_script(models.TAKE_BATCH_LUA)
         self._handoff = self.db.redis.register_script(models.HANDOFF_LUA)
@@ -180,8 +192,11 @@ class Worker:
     def _reply(self, request: Request, error: str | None = None, before: Sequence[Command] = ()) -> list[Any]:
         """Push the reply (after the commands ``before``, in the same round trip); all their replies."""
         body = self._ok_reply if error is None else json.dumps({"ok": False, "error": error, "worker": self.name})
+        if error is not None and request.key in self._cache:
+            self._count(request.key, errors=1)
         return self.db.exchange([
             *before,
+            *self._stats_commands(),
             ("RPUSH", request.reply_key, body),
             ("PEXPIRE", request.reply_key, models.REPLY_TTL_MS),
             ("HDEL", models.INFLIGHT_KEY, self.name),
@@ -234,22 +249,29 @@ class Worker:
                 blob = models.load_blob(self.db, key, manifest)
             except RedisKeyError:
                 continue  # replaced while loading: read the new manifest
-            runnable = self._compile(blob, kind, key)
+            runnable = self._compile(blob, kind, key, manifest.device)
             self._cache[key] = (manifest.version, runnable)
             log.info("loaded %s %s version %s", kind, key, manifest.version)
             return manifest, runnable
         raise RunError(f"ERR {kind} {key!r} kept changing while being loaded")
 
-    def _compile(self, blob: bytes, kind: str, key: str) -> Any:
-        """The runnable form of a stored model or script, after the checks of ``torchscript_policy``."""
+    def _compile(self, blob: bytes, kind: str, key: str, device_name: str = "CPU") -> Any:
+        """The runnable form of a stored model or script, after the checks of ``torchscript_policy``
+        (and of ``export_policy`` for a torch.export program), on the device it was set for."""
         what = f"{kind} {key!r}"
+        device, warning = devices.model_device(device_name, self.device)
+        if warning:
+            log.warning("%s: %s", what, warning)
+        self._devices[key] = device
+        if kind == "model" and export_policy.is_export_archive(blob):
+            return _torch_export.load(blob, device, what)
         if kind == "script":
             source = blob.decode()
             torchscript_policy.check_source(source, what)
             runnable = _torchscript.compile_script(source)
         else:
             torchscript_policy.check_archive(blob, what)  # before loading: loading runs __setstate__
-            runnable = torch.jit.load(io.BytesIO(blob), map_location=self.device)
+            runnable = torch.jit.load(io.BytesIO(blob), map_location=device)
             runnable.eval()
         torchscript_policy.check_ops(_torchscript.op_kinds(runnable), what)
         return runnable
@@ -258,25 +280,48 @@ class Worker:
         """The request's input tensors, from values already fetched (``raw``) or read now."""
         try:
             if raw is None:
-                return [_to_torch(wire.get_array(self.db, key), self.device) for key in request.inputs]
+                return [_to_torch(wire.get_array(self.db, key), _CPU) for key in request.inputs]
             tensors = []
             for key, value in zip(request.inputs, raw, strict=True):
                 if isinstance(value, Exception):
                     raise RunError(f"ERR reading tensor {key!r}: {value}")
                 if value is None:
                     raise RedisKeyError(f"The tensor {key!r} does not exist")
-                tensors.append(_to_torch(wire.decode_value(self.db, key, value), self.device))
+                tensors.append(_to_torch(wire.decode_value(self.db, key, value), _CPU))
             return tensors
         except RedisKeyError as exc:
             raise RunError(f"ERR tensor key is empty: {exc}") from None
 
     def _call(self, runnable: Any, request: Request, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        device = self._devices.get(request.key, _CPU)
+        if device.type != "cpu":
+            inputs = [tensor.to(device, non_blocking=True) for tensor in inputs]
+        function = runnable
+        if request.kind == "script":
+            if not hasattr(runnable, request.fn):
+                raise RunError(f"ERR function {request.fn!r} does not exist in script {request.key!r}")
+            function = getattr(runnable, request.fn)
+        start = time.perf_counter()
         with torch.inference_mode():
-            if request.kind == "script":
-                if not hasattr(runnable, request.fn):
-                    raise RunError(f"ERR function {request.fn!r} does not exist in script {request.key!r}")
-                return _as_list(getattr(runnable, request.fn)(*inputs))
-            return _as_list(runnable(*inputs))
+            outputs = _as_list(function(*inputs))
+        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+        self._count(request.key, duration=round((time.perf_counter() - start) * 1e6), samples=rows, calls=1)
+        return outputs
+
+    def _count(self, key: str, **increments: int) -> None:
+        """Add to the statistics of ``key`` (written with the next reply)."""
+        pending = self._stats.setdefault(key, dict.fromkeys(models.STATS_FIELDS, 0))
+        for field, value in increments.items():
+            pending[field] += value
+
+    def _stats_commands(self) -> list[Command]:
+        """The commands that add the pending statistics to their stats hashes."""
+        commands: list[Command] = [
+            ("HINCRBY", models.stats_key(key), field, value)
+            for key, pending in self._stats.items() for field, value in pending.items() if value
+        ]
+        self._stats.clear()
+        return commands
 
     # ---- batching ------------------------------------------------------------------------------
 
