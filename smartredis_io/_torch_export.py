@@ -17,6 +17,7 @@ changes here break this module and its test (``tests/smartredis_io/test_torch_ex
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import operator
@@ -29,7 +30,7 @@ from smartredis_io import export_policy
 from smartredis_io.error import RedisReplyError
 from smartredis_io.torchscript_policy import RefusedGraph, check_ops
 
-__all__ = ["ExportedModel", "load", "op_kinds"]
+__all__ = ["ExportedModel", "load", "op_kinds", "warm_up"]
 
 _BUILTINS = {
     *(getattr(operator, name.split(".")[1]) for name in export_policy.ALLOWED_BUILTINS if name.startswith("_operator.")),
@@ -50,7 +51,7 @@ def _weights_only(data: bytes, what: str, name: str) -> Any:
 def _deserialize(archive: export_policy.ExportArchive, blob: bytes) -> torch.export.ExportedProgram:
     what = archive.what
     if archive.layout == "pt2":
-        if not hasattr(torch.export, "pt2_archive"):
+        if importlib.util.find_spec("torch.export.pt2_archive") is None:
             raise RedisReplyError(f"ERR {what} was saved by a newer torch than this worker's {torch.__version__}")
         _weights_only(archive.read(export_policy.PT2_SAMPLE_INPUTS), what, "sample inputs")
         return torch.export.load(io.BytesIO(blob))
@@ -176,3 +177,29 @@ def load(blob: bytes, device: torch.device, what: str) -> ExportedModel:
     program = _deserialize(archive, blob)
     check_ops(op_kinds(program, what), what)
     return ExportedModel(program, device, what)
+
+
+def warm_up() -> None:
+    """Export, save, load and run a tiny program in both layouts, so that every module loading one needs
+    is imported (a worker that drops its privileges may no longer read Python's own files)."""
+    import zipfile
+
+    from torch._export.serde.schema import SCHEMA_VERSION
+    from torch._export.serde.serialize import serialize
+
+    example = torch.zeros(2, 1)
+    program = torch.export.export(torch.nn.Identity(), (example,),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=8)},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    artifact = serialize(program)
+    legacy = io.BytesIO()
+    with zipfile.ZipFile(legacy, "w") as archive:
+        for name, data in zip(export_policy.LEGACY_TENSORS,
+                              (artifact.state_dict, artifact.constants, artifact.example_inputs), strict=True):
+            archive.writestr(name, data)
+        archive.writestr(export_policy.LEGACY_PROGRAM, artifact.exported_program)
+        archive.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
+    with torch.inference_mode():
+        for blob in (buffer.getvalue(), legacy.getvalue()):
+            load(blob, torch.device("cpu"), "warm-up program")(example)

@@ -108,7 +108,7 @@ class ExportArchive:
         return self.zip.read(self.member(name))
 
     def refuse(self, why: str) -> RedisReplyError:
-        return RedisReplyError(f"ERR {self.what} was refused: {why}", self.method)
+        return _refused(self.what, why, self.method)
 
 
 def is_export_archive(blob: bytes) -> bool:
@@ -122,25 +122,37 @@ def is_export_archive(blob: bytes) -> bool:
     return LEGACY_PROGRAM in names or any(n == PT2_MODEL or n.endswith("/" + PT2_MODEL) for n in names)
 
 
-def check_expression(text: str, archive: ExportArchive) -> None:
-    """Refuse a symbolic-shape expression that is not arithmetic on symbols and numbers."""
+def _refused(what: str, why: str, method: str = "") -> RedisReplyError:
+    return RedisReplyError(f"ERR {what} was refused: {why}", method)
+
+
+def check_expression(text: str, what: str, method: str = "") -> None:
+    """Refuse a symbolic-shape expression that is not arithmetic on symbols and numbers
+
+    :param text: the expression (``expr_str`` of the program)
+    :param what: names the model in errors
+    :param method: the client method errors are raised from
+    :raises RedisReplyError: if the expression does anything else (the loader would ``eval`` it)
+    """
+    shown = repr(text[:80])
     if len(text) > MAX_EXPRESSION_CHARS:
-        raise archive.refuse("a symbolic shape expression is too long to check")
+        raise _refused(what, "a symbolic shape expression is too long to check", method)
     try:
         tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError):
-        raise archive.refuse(f"the symbolic shape expression {text[:80]!r} does not parse") from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise _refused(what, f"the symbolic shape expression {shown} does not parse", method) from None
     for node in ast.walk(tree):
         if not isinstance(node, _SAFE_NODES):
-            raise archive.refuse(f"the symbolic shape expression {text[:80]!r} is not plain arithmetic")
+            raise _refused(what, f"the symbolic shape expression {shown} is not plain arithmetic", method)
         if isinstance(node, ast.Call) and not isinstance(node.func, ast.Name):
-            raise archive.refuse(f"the symbolic shape expression {text[:80]!r} calls something that is not a name")
+            raise _refused(what, f"the symbolic shape expression {shown} calls something that is not a name",
+                           method)
         if isinstance(node, ast.Name) and node.id not in EXPRESSION_NAMES and not _SYMBOL.match(node.id):
-            raise archive.refuse(f"the symbolic shape expression {text[:80]!r} names {node.id!r}")
+            raise _refused(what, f"the symbolic shape expression {shown} names {node.id!r}", method)
         if isinstance(node, ast.keyword) and node.arg not in EXPRESSION_NAMES:
-            raise archive.refuse(f"the symbolic shape expression {text[:80]!r} has the keyword {node.arg!r}")
+            raise _refused(what, f"the symbolic shape expression {shown} has the keyword {node.arg!r}", method)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and not _SAFE_STRING.match(node.value):
-            raise archive.refuse(f"the symbolic shape expression {text[:80]!r} has the string {node.value!r}")
+            raise _refused(what, f"the symbolic shape expression {shown} has the string {node.value!r}", method)
 
 
 def _walk(value: Any) -> Iterator[tuple[str, Any]]:
@@ -179,7 +191,7 @@ def _check_program(program: Any, archive: ExportArchive) -> None:
             if kind is not None:
                 kinds.add(kind)
         elif key == "expr_str" and isinstance(value, str):
-            check_expression(value, archive)
+            check_expression(value, archive.what, archive.method)
         elif key in REFUSED_ARGUMENTS:
             raise archive.refuse(f"it has an argument of kind {key} (subgraphs, custom objects and operator "
                                  "values are not loaded)")

@@ -408,6 +408,7 @@ def _warm_up() -> None:
     torch.jit.save(torch.jit.script(torch.nn.Identity()), buffer)
     torch.jit.load(io.BytesIO(buffer.getvalue()))
     _torchscript.op_kinds(_torchscript.compile_script("def f(x):\n    return x\n"))
+    _torch_export.warm_up()
 
 
 def drop_privileges(user: str) -> None:
@@ -442,10 +443,20 @@ def _serve(address: str, cluster: bool, device: str, name: str, threads: int, us
     worker.serve()
 
 
+def worker_device(device: str, index: int, gpus: int | None = None) -> str:
+    """The device of worker ``index``: ``cuda`` spreads the workers over the GPUs, one GPU each in turn."""
+    if device != "cuda":
+        return device
+    count = torch.cuda.device_count() if gpus is None else gpus
+    return f"cuda:{index % count}" if count else "cpu"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m smartredis_io.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default=os.environ.get("SSDB"), help="host:port[,host:port...] (default $SSDB)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda:N, or cuda (worker i on GPU i modulo the GPU count): where models set for "
+                             "device GPU run; a model set for GPU:N runs on GPU N, one set for CPU on the CPU")
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--name", default="", help="worker name prefix (default host:pid)")
@@ -465,13 +476,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_serve, args=(args.address, cluster, args.device, f"{base}.{i}", args.threads, args.user, True),
-                        daemon=True)
+        context.Process(target=_serve, args=(args.address, cluster, worker_device(args.device, i), f"{base}.{i}",
+                                             args.threads, args.user, True), daemon=True)
         for i in range(1, args.workers)
     ]
     for child in children:
         child.start()
-    _serve(args.address, cluster, args.device, f"{base}.0", args.threads, args.user)
+    _serve(args.address, cluster, worker_device(args.device, 0), f"{base}.0", args.threads, args.user)
     for child in children:
         child.terminate()
         child.join()
