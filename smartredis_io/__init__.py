@@ -14,11 +14,12 @@ from smartredis_io.dataset import Dataset
 from smartredis_io.dataset_utils import DatasetConverter
 from smartredis_io.logcontext import LogContext
 from smartredis_io.logger import LLDebug, LLDeveloper, LLInfo, LLQuiet, log_data, log_error, log_warning
-from smartredis_io.server import Orchestrator, RedisCluster, RedisServer
+from smartredis_io.server import AclUser, Orchestrator, RedisCluster, RedisServer, TlsFiles
 from smartredis_io.srobject import SRObject
 from smartredis_io.wire import bfloat16
 
 __all__ = [
+    "AclUser",
     "Client",
     "ConfigOptions",
     "Dataset",
@@ -34,6 +35,7 @@ __all__ = [
     "SRObject",
     "SmartRedisCheckpointIO",
     "SmartRedisModelPublisher",
+    "TlsFiles",
     "bfloat16",
     "error",
     "log_data",

@@ -7,7 +7,7 @@ from typing import Any
 
 from smartredis_io.admin_commands import AdminCommands
 from smartredis_io.configoptions import ConfigOptions, typecheck
-from smartredis_io.connection import Database
+from smartredis_io.connection import ConnectionSettings, Database
 from smartredis_io.dataset_commands import DatasetCommands
 from smartredis_io.error import RedisConnectionError
 from smartredis_io.list_commands import ListCommands
@@ -21,8 +21,7 @@ __all__ = ["Client"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONNECT_TIMEOUT_MS = 5_000  # SR_CONN_TIMEOUT: how long construction keeps trying to connect
-DEFAULT_MODEL_TIMEOUT_MS = 60_000  # SR_MODEL_TIMEOUT: deadline of run_model / run_script
+DEFAULT_MODEL_TIMEOUT_MS = 60_000  # SR_MODEL_TIMEOUT (milliseconds, as SmartRedis): deadline of run_model
 
 
 class Client(SRObject, TensorCommands, DatasetCommands, MultiGPUCommands, ModelCommands, ListCommands, AdminCommands,
@@ -42,6 +41,14 @@ class Client(SRObject, TensorCommands, DatasetCommands, MultiGPUCommands, ModelC
         ``Standalone``). With the second, ``address`` (default ``SSDB``) names the database and
         ``cluster`` whether it is a Redis Cluster; the address given is not written to the
         environment.
+
+        Credentials come from ``SR_USERNAME`` / ``SR_PASSWORD`` or a
+        ``redis://user:password@host:port`` address; TLS from a ``rediss://`` address or ``SR_TLS``
+        (with ``SR_TLS_CA_CERT``, ``SR_TLS_CERT``, ``SR_TLS_KEY``). Deadlines are SmartRedis':
+        ``SR_CONN_TIMEOUT`` (seconds, default 100) to connect, retried every ``SR_CONN_INTERVAL``
+        ms; ``SR_CMD_TIMEOUT`` (seconds, default 100) for each command and each method call;
+        ``SR_MODEL_TIMEOUT`` (milliseconds, default 60000) for ``run_model`` / ``run_script``.
+        Every option can also be set on a ``ConfigOptions`` with its ``override_*_option`` methods.
 
         :param a: the positional arguments of either signature
         :type a: tuple[any]
@@ -76,20 +83,18 @@ class Client(SRObject, TensorCommands, DatasetCommands, MultiGPUCommands, ModelC
         typecheck(options, "config_options", ConfigOptions)
         if not options.is_configured("SSDB"):
             raise RedisConnectionError("Could not connect to database. $SSDB not set")
-        cluster = options.string_or("SR_DB_TYPE", "Standalone").lower() in ("clustered", "cluster")
-        self._setup(options, cluster, logger_name)
+        self._setup(options, None, logger_name)
 
-    def _setup(self, options: ConfigOptions, cluster: bool, logger_name: str) -> None:
+    def _setup(self, options: ConfigOptions, cluster: bool | None, logger_name: str) -> None:
         SRObject.__init__(self, logger_name)
         self._options = options
         self._logger_name = logger_name
         self._log = logging.getLogger(f"{__name__}.{logger_name}")
-        address = options.get_string_option("SSDB")
-        connect_s = options.integer_or("SR_CONN_TIMEOUT", DEFAULT_CONNECT_TIMEOUT_MS) / 1000
+        settings = ConnectionSettings.from_options(options, cluster=cluster)
         self._model_timeout_s = options.integer_or("SR_MODEL_TIMEOUT", DEFAULT_MODEL_TIMEOUT_MS) / 1000
-        self._db = Database(address, cluster, connect_s)
+        self._db = Database(settings)
         self._init_prefixes(options.string_or("SSKEYIN", ""), options.string_or("SSKEYOUT", ""))
-        self._log.debug("connected to %s (%s)", address, "cluster" if cluster else "standalone")
+        self._log.debug("connected to %s (%s)", settings.address, "cluster" if settings.cluster else "standalone")
 
     def __str__(self) -> str:
         """A description of the client and its connection, laid out as SmartRedis' ``to_string()``

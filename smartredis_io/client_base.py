@@ -27,17 +27,29 @@ __all__ = ["ClientBase", "command", "names", "poll"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def command(method: F) -> F:
-    """Turn redis-py errors into SmartRedis' exception types, naming the method and its first argument."""
+def command(method: F | None = None, *, timeout: Callable[[Any], float] | None = None) -> Any:
+    """Make a client method one operation with one deadline, and its errors SmartRedis' exceptions.
+
+    The deadline is ``SR_CMD_TIMEOUT`` (``timeout(self)`` seconds when given); redis-py errors become
+    ``RedisTimeoutError`` / ``RedisConnectionError`` / ``RedisReplyError`` naming the method, its
+    first argument (the key, for most methods) and the database.
+    """
+    if method is None:
+        return functools.partial(command, timeout=timeout)
 
     @functools.wraps(method)
     def wrapper(self: ClientBase, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            with self._db.operation(None if timeout is None else timeout(self)):
+                return method(self, *args, **kwargs)
         except redis.exceptions.TimeoutError as exc:
             raise RedisTimeoutError(f"{_target(self, args)}: {exc}", method.__name__) from exc
         except redis.exceptions.ConnectionError as exc:
             raise RedisConnectionError(f"{method.__name__} {_target(self, args)}: {exc}") from exc
+        except redis.exceptions.NoPermissionError as exc:
+            user = self._db.settings.username or "default"
+            raise RedisReplyError(f"{_target(self, args)}: permission denied to user {user!r} (ACL): {exc}",
+                                  method.__name__) from exc
         except redis.exceptions.RedisError as exc:
             raise RedisReplyError(f"{_target(self, args)}: {exc}", method.__name__) from exc
 

@@ -15,7 +15,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from smartredis_io import wire
 from smartredis_io.client import Client
-from smartredis_io.connection import Database, detect_cluster
+from smartredis_io.configoptions import ConfigOptions
+from smartredis_io.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.error import RedisKeyError
 
 __all__ = ["SmartRedisCheckpointIO", "SmartRedisModelPublisher"]
@@ -23,7 +24,6 @@ __all__ = ["SmartRedisCheckpointIO", "SmartRedisModelPublisher"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CHUNK_BYTES = 64 * wire.MiB  # one Redis value per chunk; also the save buffer's size
-CONNECT_TIMEOUT_S = 10.0
 KEY_SCHEME = "redis://"
 
 
@@ -35,8 +35,10 @@ def checkpoint_key(path: str | os.PathLike[str]) -> str:
     return key
 
 
-def _is_cluster(address: str, cluster: bool | None) -> bool:
-    return cluster if cluster is not None else detect_cluster(address)
+def _settings(address: str, cluster: bool | None, options: ConfigOptions | None) -> ConnectionSettings:
+    """Connection settings as a SmartRedis client reads them, the address (and cluster flag) given winning."""
+    settings = ConnectionSettings.from_options(options, address=address or None, cluster=bool(cluster))
+    return settings if cluster is not None else settings.with_(cluster=detect_cluster(settings))
 
 
 class _BufferReader(io.RawIOBase):
@@ -75,9 +77,13 @@ class SmartRedisCheckpointIO(CheckpointIO):
     checkpoint. Loading reads every chunk straight into one preallocated buffer and checks the CRC.
 
     Args:
-        address: ``host:port`` (or a comma list for a cluster); default ``$SSDB``.
+        address: ``host:port`` (or a comma list for a cluster, or a ``redis://user:password@...``
+            URL); default ``SSDB``.
         cluster: whether the database is a Redis Cluster; default: asked from the server.
         chunk_bytes: size of one stored chunk (and of the one save buffer).
+        config_options: where credentials, TLS and deadlines come from, as for a SmartRedis
+            ``Client`` (``SR_USERNAME``, ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CONN_TIMEOUT``,
+            ``SR_CMD_TIMEOUT``); default: the environment.
         weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
             ``None`` (Lightning 2.5 always does): ``None`` is torch's default, ``True``.
 
@@ -86,8 +92,11 @@ class SmartRedisCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
-                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, weights_only: bool | None = None) -> None:
-        self.address = address or os.environ.get("SSDB", "")
+                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, weights_only: bool | None = None,
+                 config_options: ConfigOptions | None = None) -> None:
+        self.config_options = config_options
+        options = config_options or ConfigOptions.create_from_environment("")
+        self.address = address or options.string_or("SSDB", "")
         if not self.address:
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
         if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
@@ -102,8 +111,9 @@ class SmartRedisCheckpointIO(CheckpointIO):
     def db(self) -> Database:
         """One connection per process (re-made after a fork)."""
         if self._db is None or self._pid != os.getpid():
-            self.cluster = _is_cluster(self.address, self.cluster)
-            self._db = Database(self.address, self.cluster, CONNECT_TIMEOUT_S)
+            settings = _settings(self.address, self.cluster, self.config_options)
+            self.cluster = settings.cluster
+            self._db = Database(settings)
             self._pid = os.getpid()
         return self._db
 
@@ -195,6 +205,7 @@ class SmartRedisModelPublisher(pl.Callback):
 
     Args:
         address: database address (default ``$SSDB``); cluster auto-detected unless ``cluster`` given.
+        config_options: credentials, TLS and deadlines as for ``SmartRedisCheckpointIO``.
         name: the alias clients run.
         every_n_steps: publish every N optimizer steps (None: not by steps).
         on_validation_end: publish at each validation end.
@@ -207,13 +218,15 @@ class SmartRedisModelPublisher(pl.Callback):
                  every_n_steps: int | None = None, on_validation_end: bool = True,
                  example_input: torch.Tensor | None = None, method: str = "trace", keep: int = 2,
                  device: str = "CPU", batch_size: int = 0, min_batch_size: int = 0,
-                 min_batch_timeout: int = 0) -> None:
+                 min_batch_timeout: int = 0, config_options: ConfigOptions | None = None) -> None:
         if method not in ("trace", "script"):
             raise ValueError(f"method must be 'trace' or 'script', got {method!r}")
         if keep < 2:
             raise ValueError("keep must be >= 2 so that a request in flight keeps its model")
         self.name = name
-        self.address = address or os.environ.get("SSDB", "")
+        self.config_options = config_options
+        options = config_options or ConfigOptions.create_from_environment("")
+        self.address = address or options.string_or("SSDB", "")
         if not self.address:
             raise ValueError("SmartRedisModelPublisher needs an address (or $SSDB)")
         self.cluster = cluster
@@ -230,7 +243,10 @@ class SmartRedisModelPublisher(pl.Callback):
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(_is_cluster(self.address, self.cluster), self.address)
+            settings = _settings(self.address, self.cluster, self.config_options)
+            options = (self.config_options or ConfigOptions.create_from_environment("")).derived(
+                SSDB=self.address, SR_DB_TYPE="Clustered" if settings.cluster else "Standalone")
+            self._client = Client(options)
         return self._client
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

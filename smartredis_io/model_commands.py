@@ -362,7 +362,7 @@ class ModelCommands(ClientBase):
         self._manifest_of(name, "script")
         models.delete(self._db, self._get_key("model", name))
 
-    @command
+    @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
     def run_model(self, name: str, inputs: str | list[str] | None = None, outputs: str | list[str] | None = None) -> None:
         """Execute a stored model
 
@@ -384,7 +384,7 @@ class ModelCommands(ClientBase):
         typecheck(name, "name", str)
         self._run("model", name, "", names(inputs, "inputs"), names(outputs, "outputs"), "run_model")
 
-    @command
+    @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
     def run_script(self, name: str, fn_name: str, inputs: str | list[str], outputs: str | list[str]) -> None:
         """Execute a function of a stored script
 
@@ -414,7 +414,7 @@ class ModelCommands(ClientBase):
         )
         # One round trip: both keys share the {srio} tag, and the pop blocks until the reply.
         popped = self._db.exchange(
-            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, timeout_s)]
+            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, timeout_s)], block_s=timeout_s
         )[1]
         if popped is None:
             raise RedisTimeoutError(

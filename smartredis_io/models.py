@@ -13,6 +13,7 @@ request's deadline. All protocol keys share the ``{srio}`` hash tag (one shard i
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -23,7 +24,7 @@ from smartredis_io.connection import Database
 from smartredis_io.error import RedisKeyError
 
 QUEUE_KEY = "{srio}.requests"
-INFLIGHT_KEY = "{srio}.inflight"  # hash: worker id -> id of the request it is running
+INFLIGHT_KEY = "{srio}.inflight"  # hash: worker name -> the request it is running (as queued)
 REPLY_TTL_MS = 60_000  # a reply nobody collects (its caller timed out) expires after this
 SEPARATOR = "\n"
 
@@ -64,6 +65,15 @@ STATS_FIELDS = ("duration", "samples", "calls", "errors")
 def stats_key(key: str) -> str:
     """The hash holding the statistics of the model or script at ``key``."""
     return f"{{srio}}.stats.{key}"
+
+
+MANIFEST_PREFIX = b'{"kind": '  # how a stored manifest (json.dumps of Manifest) starts
+_INTERNAL_KEY = re.compile(r"^\{srio\}\.|\.(blob|chunk)\.[0-9a-f]{32}(\.\d+)?$")
+
+
+def is_internal_key(key: str) -> bool:
+    """Whether ``key`` belongs to the protocol or to the parts of a stored value (never a run's output)."""
+    return bool(_INTERNAL_KEY.search(key))
 
 
 def batch_keys(key: str) -> tuple[str, str]:

@@ -15,13 +15,12 @@ import redis
 
 from smartredis_io import _redispy, models
 from smartredis_io.client_base import ClientBase, command
-from smartredis_io.configoptions import ConfigOptions, typecheck
+from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import parse_address
 from smartredis_io.error import RedisConnectionError, RedisRuntimeError
 
 __all__ = ["NodeCommands"]
 
-DEFAULT_COMMAND_TIMEOUT_S = 100  # SR_CMD_TIMEOUT, seconds, as SmartRedis: deadline of one node command
 MODEL_CHUNK_MAX_BYTES = 512 * 1024 * 1024  # Redis' largest value
 
 
@@ -58,7 +57,6 @@ def parse_fields(info: str) -> dict[str, str]:
 class NodeCommands(ClientBase):
     """Commands run on given database nodes, and the model chunk size."""
 
-    _options: ConfigOptions
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
 
@@ -76,10 +74,10 @@ class NodeCommands(ClientBase):
     def _run_at(self, address: str, *args: Any) -> Any:
         """Run one command on the node at ``address``; its raw reply (``RedisRuntimeError`` for an error)."""
         pool = self._node_pool(address)
-        timeout_s = self._options.integer_or("SR_CMD_TIMEOUT", DEFAULT_COMMAND_TIMEOUT_S)
-        with _redispy.pooled_connection(pool) as conn:
+        self._db.check_deadline()
+        with _redispy.pooled_connection(pool) as conn:  # its socket waits end at SR_CMD_TIMEOUT
             _redispy.send_commands(conn, [args])
-            reply = _redispy.read_reply(conn, timeout=timeout_s)
+            reply = _redispy.read_reply(conn)
         if isinstance(reply, Exception):
             raise RedisRuntimeError(f"{' '.join(map(str, args[:2]))} command failed on {address}: {reply}")
         return reply

@@ -42,7 +42,7 @@ from smartredis_io import (
     torchscript_policy,
     wire,
 )
-from smartredis_io.connection import Command, Database, detect_cluster
+from smartredis_io.connection import Command, ConnectionSettings, Database, detect_cluster
 from smartredis_io.error import RedisKeyError, RedisReplyError
 from smartredis_io.models import Manifest, Request
 
@@ -57,7 +57,6 @@ BATCH_POLL_INTERVAL_S = 0.001  # while a batch waits (at most min_batch_timeout)
 BATCH_SCAN_LIMIT = 1024  # queue entries looked at when gathering a batch
 PIPELINED_OUTPUT_MAX_BYTES = 1 << 20  # outputs up to this size are sent with the reply (one round trip)
 BATCH_LOCK_MARGIN_MS = 5_000  # a batching lock outlives min_batch_timeout by this (a dead holder's expires)
-CONNECT_TIMEOUT_S = 10.0
 
 
 def _take_readonly_warning() -> None:
@@ -97,6 +96,24 @@ class RunError(Exception):
     """An error that goes back to the caller as the reply's message."""
 
 
+def _output_heads(request: Request) -> list[Command]:
+    """Commands reading the first bytes of every output key (to see what an output would replace)."""
+    return [("GETRANGE", key, 0, len(models.MANIFEST_PREFIX) - 1) for key in request.outputs]
+
+
+def _check_outputs(request: Request, heads: Sequence[Any]) -> None:
+    """Refuse outputs that would overwrite a model, a script, or a protocol or chunk key.
+
+    The worker writes with its own rights; without this, a client allowed to run models but not
+    to write models could have a worker replace one for it.
+    """
+    for key, head in zip(request.outputs, heads, strict=True):
+        if models.is_internal_key(key):
+            raise RunError(f"ERR output key {key!r} is reserved for stored values' parts and the run protocol")
+        if isinstance(head, bytes) and head.startswith(models.MANIFEST_PREFIX):
+            raise RunError(f"ERR output key {key!r} holds a model or script; a run does not replace it")
+
+
 @dataclass
 class _Job:
     request: Request
@@ -106,9 +123,10 @@ class _Job:
 class Worker:
     """One execution worker on one database (standalone or cluster)."""
 
-    def __init__(self, address: str, cluster: bool, device: str = "cpu", name: str = "") -> None:
+    def __init__(self, settings: ConnectionSettings, device: str = "cpu", name: str = "") -> None:
         _take_readonly_warning()
-        self.db = Database(address, cluster, CONNECT_TIMEOUT_S)
+        self.db = Database(settings)
+        self.db.redis.ping()  # the pooled connection is made now, with the rights the process starts with
         self.device = torch.device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._ok_reply = json.dumps({"ok": True, "error": "", "worker": self.name})
@@ -132,7 +150,7 @@ class Worker:
         try:
             while not self._stop:
                 try:
-                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)])[0]
+                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)], block_s=POP_TIMEOUT_S)[0]
                 except redis.exceptions.ConnectionError:
                     if self._stop:
                         break  # the database went first (launcher stopping everything)
@@ -168,12 +186,14 @@ class Worker:
             log.warning("dropping request %s for %s: its deadline passed", request.id, request.key)
             return
         try:
-            # One round trip for the bookkeeping, the manifest and the inputs.
-            _, first_manifest, *raw_inputs = self.db.exchange(
-                [("HSET", models.INFLIGHT_KEY, self.name, request.id), ("GET", request.key),
-                 *(("GET", key) for key in request.inputs)],
+            # One round trip for the bookkeeping, the manifest, the inputs and what the outputs replace.
+            _, first_manifest, *fetched = self.db.exchange(
+                [("HSET", models.INFLIGHT_KEY, self.name, request.encode()), ("GET", request.key),
+                 *(("GET", key) for key in request.inputs), *_output_heads(request)],
                 raise_on_error=False,
             )
+            raw_inputs = fetched[:len(request.inputs)]
+            _check_outputs(request, fetched[len(request.inputs):])
             manifest, runnable = self._load(request.key, request.kind, first_manifest)
             if request.kind == "model" and manifest.batch_size > 0:
                 batch = self._gather(request, manifest)
@@ -357,6 +377,8 @@ class Worker:
             if request.deadline < time.time():
                 continue
             try:
+                heads = _output_heads(request)
+                _check_outputs(request, self.db.exchange(heads, raise_on_error=False) if heads else [])
                 jobs.append(_Job(request, self._inputs(request)))
             except RunError as exc:
                 self._reply(request, str(exc))
@@ -429,15 +451,20 @@ def drop_privileges(user: str) -> None:
     log.info("running as %s (uid %d)", user, entry.pw_uid)
 
 
-def _serve(address: str, cluster: bool, device: str, name: str, threads: int, user: str | None,
+def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, user: str | None,
            child: bool = False) -> None:
     if child:
         die_with_parent()  # a child worker stops when the worker that started it dies
     logging.basicConfig(level=os.environ.get("SRIO_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
-    worker = Worker(address, cluster, device, name)
-    if user and os.geteuid() == 0:
+    dropping = bool(user) and os.geteuid() == 0
+    if dropping and settings.tls_ca_cert:
+        # Connections made after the drop must not need files only root can read.
+        with open(settings.tls_ca_cert) as ca:
+            settings = settings.with_(tls_ca_data=ca.read(), tls_ca_cert=None)
+    worker = Worker(settings, device, name)
+    if dropping:
         _warm_up()
         drop_privileges(user)
     worker.serve()
@@ -472,17 +499,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "an unprivileged user, or --allow-root if the database's writers are trusted with root")
     if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
         parser.error(f"--user {args.user}: only a worker started as root can change its user")
-    cluster = detect_cluster(args.address)
+    settings = ConnectionSettings.from_options(address=args.address, cluster=False)
+    settings = settings.with_(cluster=detect_cluster(settings))
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_serve, args=(args.address, cluster, worker_device(args.device, i), f"{base}.{i}",
-                                             args.threads, args.user, True), daemon=True)
+        context.Process(target=_serve, args=(settings, worker_device(args.device, i), f"{base}.{i}", args.threads,
+                                             args.user, True), daemon=True)
         for i in range(1, args.workers)
     ]
     for child in children:
         child.start()
-    _serve(args.address, cluster, worker_device(args.device, 0), f"{base}.0", args.threads, args.user)
+    _serve(settings, worker_device(args.device, 0), f"{base}.0", args.threads, args.user)
     for child in children:
         child.terminate()
         child.join()

@@ -9,7 +9,8 @@ import pytest
 
 from smartredis_io import Client, Orchestrator
 
-CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_MODEL_TIMEOUT",
+CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_CONN_INTERVAL", "SR_CMD_TIMEOUT",
+              "SR_MODEL_TIMEOUT", "SR_USERNAME", "SR_PASSWORD", "SR_TLS", "SR_TLS_CA_CERT", "SR_TLS_CERT", "SR_TLS_KEY",
               "SRIO_BULK_LIMIT_BYTES")
 
 

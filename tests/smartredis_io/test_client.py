@@ -156,7 +156,8 @@ def test_a_key_that_is_not_a_tensor(standalone: Client, uid: str) -> None:
 def test_unreachable_address_fails_within_the_connection_timeout(monkeypatch) -> None:
     from lightning_storage_plugins.services import free_port
 
-    monkeypatch.setenv("SR_CONN_TIMEOUT", "500")
+    monkeypatch.setenv("SR_CONN_TIMEOUT", "1")  # seconds, as SmartRedis
+    monkeypatch.setenv("SR_CONN_INTERVAL", "100")  # milliseconds
     start = time.monotonic()
     with pytest.raises(RedisConnectionError, match=r"127\.0\.0\.1"):
         Client(False, f"127.0.0.1:{free_port()}")

@@ -15,7 +15,7 @@ from smartredis_io.connection import Database
 @pytest.fixture(params=["standalone", "cluster"])
 def db(request: pytest.FixtureRequest) -> Database:
     server = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster")
-    database = Database(server.address, request.param == "cluster", 5.0)
+    database = Database(server.settings())
     yield database
     database.close()
 
@@ -37,7 +37,7 @@ def test_exchange_across_cluster_nodes(redis_cluster, uid: str) -> None:
     keys = [f"{uid}.{i}" for i in range(12)]  # no shared hash tag: spread over the 3 shards
     with PyCluster.from_url(f"redis://{redis_cluster.address.split(',')[0]}") as plain:
         assert len({plain.get_node_from_key(k).name for k in keys}) > 1
-    db = Database(redis_cluster.address, True, 5.0)
+    db = Database(redis_cluster.settings())
     assert db.exchange([("SET", k, k) for k in keys]) == [True] * len(keys)  # redis-py's pipeline
     assert db.exchange([("GET", k) for k in keys]) == [k.encode() for k in keys]
     db.close()
@@ -84,7 +84,7 @@ def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid:
     exchanged, put, got = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}"
     home = {key: shards.owner(key) for key in (exchanged, put, got)}
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    db = Database(redis_cluster.address, True, 5.0)
+    db = Database(redis_cluster.settings())
     client = Client(True, redis_cluster.address)
     try:
         client.put_tensor(got, array)  # stored before its slot moves

@@ -57,7 +57,7 @@ def _needs_pt2(program: bytes, name: str = "") -> None:
 
 def _store_raw(orchestrator: Orchestrator, name: str, blob: bytes) -> None:
     """Store as any writer to Redis could, without the client's check."""
-    db = Database(orchestrator.address, False, 5.0)
+    db = Database(orchestrator.settings())
     try:
         models.store(db, name, blob, models.Manifest("model", models.new_version()))
     finally:

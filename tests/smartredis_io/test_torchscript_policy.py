@@ -52,7 +52,7 @@ def _unchanged(path: str) -> bool:
 
 def _store_raw(orchestrator: Orchestrator, name: str, blob: bytes, kind: str) -> None:
     """Store as any writer to Redis could, without the client's check."""
-    db = Database(orchestrator.address, False, 5.0)
+    db = Database(orchestrator.settings())
     try:
         models.store(db, name, blob, models.Manifest(kind, models.new_version()))
     finally:
