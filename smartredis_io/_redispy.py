@@ -11,14 +11,17 @@ that moves these things breaks one module and its test (``tests/smartredis_io/te
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import redis
+from redis._parsers.base import BaseParser
 from redis.cluster import RedisCluster
 
 RECV_SCRATCH_BYTES = 1024
+SCRATCH_BYTES = 64 * 1024  # a connection's receive buffer: values up to this size arrive in one system call
 CRLF = b"\r\n"
 
 # plan(first bytes of the value, total value length) -> (bytes to skip, destination of the rest)
@@ -80,6 +83,134 @@ def pooled_connection(pool: redis.ConnectionPool) -> Iterator[Any]:
         pool.release(conn)
 
 
+class ConnectionCache:
+    """Connections of redis-py pools kept out of their pools for the hot paths, one free list per pool.
+
+    Taking a connection from a redis-py pool and releasing it costs about as much client time as a
+    small command's round trip; a kept connection costs a list pop and append (atomic, so threads
+    can share the cache: each takes a connection of its own). A connection whose exchange did not
+    finish is disconnected and given back to its pool, never kept.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, tuple[redis.ConnectionPool, list[Any]]] = {}
+
+    def take(self, pool: redis.ConnectionPool) -> Any:
+        entry = self._free.get(id(pool))
+        if entry is not None:
+            try:
+                return entry[1].pop()
+            except IndexError:
+                pass
+        return pool.get_connection()
+
+    def give(self, pool: redis.ConnectionPool, conn: Any) -> None:
+        entry = self._free.get(id(pool))
+        if entry is None:
+            entry = self._free.setdefault(id(pool), (pool, []))
+        entry[1].append(conn)
+
+    @staticmethod
+    def discard(pool: redis.ConnectionPool, conn: Any) -> None:
+        conn.disconnect()
+        pool.release(conn)
+
+    def close(self) -> None:
+        """Give every kept connection back to its pool."""
+        entries, self._free = list(self._free.values()), {}
+        for pool, conns in entries:
+            for conn in conns:
+                pool.release(conn)
+
+
+def _socket(conn: Any) -> socket.socket:
+    if conn._sock is None:
+        conn.connect()
+    return conn._sock
+
+
+def send_buffers(conn: Any, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send already packed RESP ``buffers`` in one system call (``sendmsg``), without joining them.
+
+    A TLS socket has no ``sendmsg``: its buffers are sent one after the other.
+    """
+    sock = _socket(conn)
+    try:
+        if isinstance(sock, ssl.SSLSocket):
+            for buffer in buffers:
+                sock.sendall(buffer)
+            return
+        views = [memoryview(b).cast("B") for b in buffers]
+        remaining = sum(v.nbytes for v in views)
+        while True:
+            sent = sock.sendmsg(views)
+            remaining -= sent
+            if remaining <= 0:
+                return
+            while sent >= views[0].nbytes:  # drop what went out, keep the rest
+                sent -= views.pop(0).nbytes
+            views[0] = views[0][sent:]
+    except TimeoutError:
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        raise redis.exceptions.ConnectionError(f"Error while writing to socket: {exc}") from None
+
+
+def pack_get(key: str) -> bytes:
+    """RESP of ``GET key``."""
+    bkey = key.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(bkey), bkey)
+
+
+def read_replies(conn: Any, count: int, scratch_bytes: int = RECV_SCRATCH_BYTES) -> list[Any]:
+    """Read ``count`` replies that are not arrays (status, error, integer, bulk, null) on ``conn``.
+
+    Errors are returned as redis-py's exception objects (``MovedError`` for a redirection), not
+    raised, so that every reply is consumed and the connection stays usable. Bulk replies are
+    expected small (they are copied); large values are read with :func:`read_bulk_into`.
+    """
+    sock = conn._sock
+    buf = bytearray(scratch_bytes)
+    have = pos = 0
+    replies: list[Any] = []
+    while len(replies) < count:
+        eol = buf.find(CRLF, pos, have)
+        if eol >= 0:
+            start, kind, line = pos, buf[pos], bytes(buf[pos + 1:eol])
+            if kind == 0x24:  # $ bulk
+                length = int(line)
+                if length < 0:
+                    replies.append(None)
+                    pos = eol + 2
+                    continue
+                end = eol + 2 + length
+                if end + 2 <= have:
+                    replies.append(bytes(buf[eol + 2:end]))
+                    pos = end + 2
+                    continue
+                if end + 2 > len(buf):
+                    buf.extend(bytes(end + 2 - len(buf)))
+            else:
+                pos = eol + 2
+                if kind == 0x2B:  # + status
+                    replies.append(line)
+                elif kind == 0x2D:  # - error
+                    replies.append(BaseParser.parse_error(line.decode(errors="replace")))
+                elif kind == 0x3A:  # : integer
+                    replies.append(int(line))
+                elif kind == 0x5F:  # _ RESP3 null
+                    replies.append(None)
+                else:
+                    raise redis.exceptions.InvalidResponse(f"Unexpected reply: {bytes(buf[start:eol])[:64]!r}")
+                continue
+        if have == len(buf):
+            buf.extend(bytes(len(buf)))
+        have += _recv_into(sock, memoryview(buf)[have:])
+    if pos != have:
+        raise redis.exceptions.InvalidResponse(f"{have - pos} unexpected bytes after {count} replies")
+    return replies
+
+
 def send_commands(conn: Any, commands: Sequence[Command]) -> None:
     """Pack ``commands`` and send them in one write."""
     conn.send_packed_command(conn.pack_commands(commands))
@@ -105,7 +236,7 @@ def read_reply(conn: Any, timeout: float | None = None) -> Any:
 
 def is_redirect(reply: Any) -> bool:
     """Whether a reply is a cluster redirection (the command did not run on that node)."""
-    return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError))
+    return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError, Redirected))
 
 
 def pack_getrange_and_set(key: str, total: int, peek: int) -> bytes:
@@ -138,35 +269,66 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         view = view[_recv_into(sock, view):]
 
 
+def _recv_exact_into_both(sock: socket.socket, first: memoryview, second: memoryview) -> None:
+    """Fill ``first`` then ``second``, with one system call per arrival (``recvmsg_into``) where it can."""
+    if isinstance(sock, ssl.SSLSocket):
+        _recv_exact_into(sock, first)
+        _recv_exact_into(sock, second)
+        return
+    while first.nbytes or second.nbytes:
+        try:
+            n = sock.recvmsg_into([first, second] if first.nbytes else [second])[0]
+        except TimeoutError:
+            raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+        except OSError as exc:
+            raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc}") from None
+        if n == 0:
+            raise redis.exceptions.ConnectionError("Connection closed by server")
+        taken = min(n, first.nbytes)
+        first, second = first[taken:], second[n - taken:]
+
+
+def _scratch(conn: Any) -> bytearray:
+    """The connection's own receive buffer (one per connection: a connection serves one thread at a time)."""
+    scratch = conn.__dict__.get("_srio_scratch")
+    if scratch is None:
+        scratch = conn.__dict__["_srio_scratch"] = bytearray(SCRATCH_BYTES)
+    return scratch
+
+
 def read_bulk_into(conn: Any, plan: ReadPlan, peek: int) -> bool:
     """Read a bulk-string reply on ``conn`` into the buffer that ``plan`` picks.
 
     ``plan`` sees the value's first ``peek`` bytes and its length before any destination exists, so
     it can check a header and refuse a value before allocating for it. False for a null reply.
 
+    The first read goes to the connection's scratch buffer (a small value arrives whole in one
+    system call and is copied from there); the rest of a larger value is received straight into the
+    destination, together with the reply's final CRLF.
+
     Raises:
         Redirected: a cluster redirection (nothing was read into a destination).
         redis.exceptions.ResponseError: the server answered an error.
     """
     sock = conn._sock
-    scratch = bytearray(max(RECV_SCRATCH_BYTES, peek + 64))
+    scratch = _scratch(conn)
     buf = memoryview(scratch)
     have = _recv_into(sock, buf)
     while (eol := scratch.find(CRLF, 0, have)) < 0:
         if have == len(scratch):
             raise redis.exceptions.InvalidResponse(f"Unexpected reply: {bytes(scratch[:64])!r}")
         have += _recv_into(sock, buf[have:])
-    line = bytes(scratch[:eol])
-    if line[:1] == b"-":
-        message = line[1:].decode(errors="replace")
-        if message.startswith(("MOVED", "ASK")):
-            raise Redirected(message)
-        raise redis.exceptions.ResponseError(message)
-    if line[:1] == b"_":  # RESP3 null: no such key
+    kind = scratch[0]
+    if kind == 0x2D:  # - error
+        error = BaseParser.parse_error(bytes(scratch[1:eol]).decode(errors="replace"))
+        if isinstance(error, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+            raise Redirected(str(error))
+        raise error
+    if kind == 0x5F:  # _ RESP3 null: no such key
         return False
-    if line[:1] != b"$":
-        raise redis.exceptions.InvalidResponse(f"Unexpected reply to GET: {line[:64]!r}")
-    length = int(line[1:])
+    if kind != 0x24:
+        raise redis.exceptions.InvalidResponse(f"Unexpected reply to GET: {bytes(scratch[:min(eol, 64)])!r}")
+    length = int(scratch[1:eol])
     if length < 0:
         return False
     start = eol + 2
@@ -178,11 +340,10 @@ def read_bulk_into(conn: Any, plan: ReadPlan, peek: int) -> bool:
         raise redis.exceptions.InvalidResponse(f"value of {length} bytes does not fill {skip}+{dest.nbytes}")
     body_start = start + skip
     got = max(0, min(have - body_start, dest.nbytes))
-    dest[:got] = buf[body_start:body_start + got]  # at most RECV_SCRATCH_BYTES from the first read
+    dest[:got] = buf[body_start:body_start + got]  # at most SCRATCH_BYTES, from the first read
     tail = have - (body_start + got)
     if got < dest.nbytes:
-        _recv_exact_into(sock, dest[got:])
-        tail = 0
-    if tail < 2:
+        _recv_exact_into_both(sock, dest[got:], memoryview(bytearray(2)))
+    elif tail < 2:
         _recv_exact_into(sock, memoryview(bytearray(2 - tail)))
     return True

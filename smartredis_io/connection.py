@@ -176,6 +176,7 @@ class Database:
         self.address = settings.address
         self.cluster = settings.cluster
         self._local = threading.local()
+        self._connections = _redispy.ConnectionCache()  # kept for the hot paths (no pool round trip)
         endpoints = parse_address(settings.address)
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:
@@ -240,6 +241,7 @@ class Database:
             )
 
     def close(self) -> None:
+        self._connections.close()
         self.redis.close()
 
     def exchange(self, commands: Sequence[Command], raise_on_error: bool = True,
@@ -260,9 +262,14 @@ class Database:
         if pool is None:
             return self._pipeline(commands, raise_on_error)
         wait = None if block_s is None else block_s + self.settings.command_timeout_s
-        with _redispy.pooled_connection(pool) as conn:
+        conn = self._connections.take(pool)
+        try:
             _redispy.send_commands(conn, commands)
             replies = [_redispy.read_reply(conn, wait) for _ in commands]
+        except BaseException:
+            self._connections.discard(pool, conn)  # a reply may be half read
+            raise
+        self._connections.give(pool, conn)
         redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]
         if redirected:
             for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
@@ -284,10 +291,16 @@ class Database:
         self.check_deadline()
         total = sum(memoryview(p).nbytes for p in parts)
         head = _redispy.pack_getrange_and_set(key, total, peek)
-        with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
-            _redispy.send_parts(conn, [head, *parts, _redispy.CRLF])
-            old = _redispy.read_reply(conn)
-            status = _redispy.read_reply(conn)
+        pool = _redispy.node_pool(self.redis, key)
+        conn = self._connections.take(pool)
+        try:
+            # one system call out (the parts are not joined), one in for both replies
+            _redispy.send_buffers(conn, [head, *parts, _redispy.CRLF])
+            old, status = _redispy.read_replies(conn, 2, peek + 64)
+        except BaseException:
+            self._connections.discard(pool, conn)  # a reply may be half read
+            raise
+        self._connections.give(pool, conn)
         if _redispy.is_redirect(old) or _redispy.is_redirect(status):
             data = b"".join(bytes(p) for p in parts)  # rare path (cluster redirection): one join copy
             old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data)], False)
@@ -298,18 +311,28 @@ class Database:
     def get_into(self, key: str, plan: ReadPlan, peek: int) -> bool:
         """``GET key`` read straight into the buffer ``plan`` picks; False when the key does not exist."""
         self.check_deadline()
+        pool = _redispy.node_pool(self.redis, key)
+        conn = self._connections.take(pool)
         try:
-            with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
-                conn.send_command("GET", key)
-                return _redispy.read_bulk_into(conn, plan, peek)
-        except _redispy.Redirected:
-            value = self.redis.get(key)
-            if value is None:
-                return False
-            view = memoryview(value)
-            skip, dest = plan(view[:peek], len(value))
-            dest[:] = view[skip:]  # rare path (cluster redirection): redis-py's copy plus this one
-            return True
+            _redispy.send_buffers(conn, [_redispy.pack_get(key)])
+            found = _redispy.read_bulk_into(conn, plan, peek)
+        except (_redispy.Redirected, redis.exceptions.ResponseError) as exc:
+            self._connections.give(pool, conn)  # the error reply was read whole
+            if not isinstance(exc, _redispy.Redirected):
+                raise
+        except BaseException:
+            self._connections.discard(pool, conn)  # a reply may be half read
+            raise
+        else:
+            self._connections.give(pool, conn)
+            return found
+        value = self.redis.get(key)
+        if value is None:
+            return False
+        view = memoryview(value)
+        skip, dest = plan(view[:peek], len(value))
+        dest[:] = view[skip:]  # rare path (cluster redirection): redis-py's copy plus this one
+        return True
 
 
 def detect_cluster(settings: ConnectionSettings | str, timeout_s: float = 10.0) -> bool:
