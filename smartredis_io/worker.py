@@ -216,10 +216,10 @@ class Worker:
             self._count(request.key, errors=1)
         return self.db.exchange([
             *before,
-            *self._stats_commands(),
             ("RPUSH", request.reply_key, body),
             ("PEXPIRE", request.reply_key, models.REPLY_TTL_MS),
             ("HDEL", models.INFLIGHT_KEY, self.name),
+            *self._stats_commands(),  # after the reply: the caller does not wait for them
         ])
 
     def _finish(self, request: Request, outputs: Sequence[torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """Inference scaling: put an image batch, preprocess it with a script, run the model, read the result.
 
 As the seed's ``inference_scaling_imagenet.cpp``: the model (random weights, built in
-:mod:`.models`) and the preprocessing script are set once per run with ``set_model(...,
+:mod:`.models`, serialized with ``torch.export`` unless ``--model_format torchscript``) and the preprocessing script are set once per run with ``set_model(...,
 batch_size=BATCH_SIZE)`` so that the execution workers batch concurrent requests as RedisAI does;
 each client then does one warm-up and ``iterations`` x (``put_tensor`` of an NHWC float32 image
 batch, ``run_script`` preprocessing, ``run_model``, ``unpack_tensor`` of the logits into a
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.smartsim_scaling.launch import App, Comm, Deployment, Sweep, Timings
-from benchmarks.smartsim_scaling.options import add_int_list
+from benchmarks.smartsim_scaling.options import add_int_list, device
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
 COMMAND = "inference"
@@ -54,6 +54,11 @@ TABLE = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_int_list(parser, "--clients", default=[1, 2], help="client processes; default: 1 2")
+    add_int_list(parser, "--client_nodes", "--nodes", default=[1],
+                 help="the driver's client nodes (--nodes for inference_colocated); with --clients_per_node "
+                      "the clients are nodes x clients per node; default: 1")
+    add_int_list(parser, "--clients_per_node", default=None,
+                 help="the driver's client tasks per node; given, it replaces --clients")
     add_int_list(parser, "--batch_size", default=[1],
                  help="batch size the model is set with (worker-side batching); default: 1")
     add_int_list(parser, "--workers", default=[1], help="execution worker processes; default: 1")
@@ -61,8 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help="database shards: 1 = standalone, >= 3 = Redis Cluster; default: 1")
     parser.add_argument("--model", choices=["cnn", "resnet50"], default="cnn",
                         help="model built from code with random weights; default: cnn")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="device the workers run the model on; default: cpu")
+    parser.add_argument("--model_format", choices=["export", "torchscript"], default="export",
+                        help="how the model is serialized for set_model: torch.export (export) or TorchScript; "
+                             "default: export")
+    parser.add_argument("--device", type=device, default="cpu", metavar="{cpu,cuda}",
+                        help="device the workers run the model on (the driver's CPU and GPU work too); default: cpu")
     parser.add_argument("--images_per_request", type=int, default=1, help="images per put_tensor; default: 1")
     parser.add_argument("--image_size", type=int, default=224, help="image height and width; default: 224")
     parser.add_argument("--iterations", type=int, default=100,
@@ -72,11 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_sweep(args: argparse.Namespace) -> Sweep:
+    clients = args.clients
+    if args.clients_per_node:
+        clients = sorted({n * c for n, c in itertools.product(args.client_nodes, args.clients_per_node)})
     permutations = [
-        {"clients": c, "batch_size": b, "model": args.model, "device": args.device,
+        {"clients": c, "batch_size": b, "model": args.model, "model_format": args.model_format,
+         "device": args.device,
          "images_per_request": args.images_per_request, "image_size": args.image_size,
          "iterations": args.iterations}
-        for c, b in itertools.product(args.clients, args.batch_size)
+        for c, b in itertools.product(clients, args.batch_size)
     ]
     return Sweep(
         command=COMMAND,
@@ -93,13 +105,15 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
     """Set the model and the script (the seed's rank 0 does it; here the driver, before the clients)."""
-    from benchmarks.smartsim_scaling.models import torchscript_bytes
+    from benchmarks.smartsim_scaling.models import model_bytes
     from smartredis_io import Client
 
     device = "GPU" if attributes["device"] == "cuda" else "CPU"
-    model_key = f"scaling_{attributes['model']}_bs{attributes['batch_size']}"
+    model_format = attributes.get("model_format", "export")
+    model_key = f"scaling_{attributes['model']}_{model_format}_bs{attributes['batch_size']}"
     client = Client(dep.cluster, dep.address)
-    client.set_model(model_key, torchscript_bytes(attributes["model"]), "TORCH", device,
+    model = model_bytes(attributes["model"], attributes["image_size"], model_format)
+    client.set_model(model_key, model, "TORCH", device,
                      batch_size=attributes["batch_size"])
     client.set_script(SCRIPT_KEY, PREPROCESS_SCRIPT, device)
     params = {

@@ -342,7 +342,7 @@ def new_run_dir(exp_dir: Path, command: str, attributes: Mapping[str, Any], keys
 
 
 def write_run(run_dir: Path, command: str, attributes: Mapping[str, Any], apps: Sequence[App],
-              address: str | None) -> None:
+              address: str | None, driver_options: Mapping[str, str] | None = None) -> None:
     spec = {
         "name": run_dir.name,
         "command": command,
@@ -351,6 +351,7 @@ def write_run(run_dir: Path, command: str, attributes: Mapping[str, Any], apps: 
         "versions": versions(address),
         "system": {"platform": platform.platform(), "host": socket.gethostname(), "cpus": os.cpu_count()},
         "apps": [asdict(app) for app in apps],
+        "driver_options_not_used": dict(driver_options or {}),
     }
     (run_dir / RUN_FILE).write_text(json.dumps(spec, indent=2, default=str) + "\n")
 
@@ -437,6 +438,7 @@ class Sweep:
     name_keys: Mapping[str, str]
     device: str = "cpu"
     colocated: bool = False
+    driver_options: dict[str, str] = field(default_factory=dict)  # the driver's, given and not used here
 
 
 def run_sweep(sweep: Sweep, exp_dir: Path, address: str | None, launcher: str = "local",
@@ -458,7 +460,7 @@ def run_sweep(sweep: Sweep, exp_dir: Path, address: str | None, launcher: str = 
                               "colocated": sweep.colocated, "launcher": launcher}
                 run_dir = new_run_dir(exp_dir, sweep.command, attributes, sweep.name_keys)
                 apps = sweep.prepare(dep, attributes, run_dir)
-                write_run(run_dir, sweep.command, attributes, apps, dep.address)
+                write_run(run_dir, sweep.command, attributes, apps, dep.address, sweep.driver_options)
                 log.info("run %s", run_dir)
                 run_apps(apps, run_dir, launcher, mpirun, timeout_s)
                 row = {"run": run_dir.name, **sweep.summarize(run_dir, attributes)}

@@ -74,6 +74,30 @@ def small_cnn(num_classes: int = NUM_CLASSES) -> nn.Module:
 MODELS = {"cnn": small_cnn, "resnet50": ResNet50}
 
 
+MAX_BATCH = 4096  # largest batch an exported model takes (its batch dimension is dynamic up to this)
+
+
+@functools.lru_cache(maxsize=4)
+def exported_bytes(name: str, image_size: int, seed: int = 0) -> bytes:
+    """The model ``name`` with seeded random weights as a ``torch.export`` archive (what ``set_model`` takes).
+
+    The batch dimension is exported as dynamic, so that the workers can batch requests.
+    """
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    example = torch.zeros(2, 3, image_size, image_size)
+    program = torch.export.export(model, (example,),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+def model_bytes(name: str, image_size: int, model_format: str = "export") -> bytes:
+    """The model as ``torch.export`` (``export``) or TorchScript (``torchscript``) bytes."""
+    return exported_bytes(name, image_size) if model_format == "export" else torchscript_bytes(name)
+
+
 @functools.lru_cache(maxsize=4)
 def torchscript_bytes(name: str, seed: int = 0) -> bytes:
     """The model ``name`` with seeded random weights, scripted on CPU, as the bytes ``set_model`` takes."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -65,6 +67,7 @@ def test_list_options_take_the_seed_syntax():
     assert int_list("1024") == [1024]
     assert int_list("1,2,4") == [1, 2, 4]
     assert int_list("[1, 2, 4]") == [1, 2, 4]
+    assert int_list("[1,") == [1]  # "--flag=[1, 2]" split by the shell
 
 
 def test_throughput_writes_one_run_per_permutation_with_seed_timings(throughput_dir):
@@ -148,8 +151,6 @@ def test_aggregation_end_to_end(tmp_path, redis_server):
     assert (exp_dir / RESULTS_DIR / "box_get_list.png").stat().st_size > 0
 
 
-@pytest.mark.skipif(importlib.util.find_spec("smartredis_io.worker") is None,
-                    reason="smartredis_io.worker (execution workers, issue 4) is not there yet")
 def test_inference_end_to_end(tmp_path):
     exp_dir = tmp_path / "inference-scaling"
     assert main(["inference", "--exp_dir", str(exp_dir), "--clients", "2", "--batch_size", "1", "2",
@@ -186,36 +187,59 @@ def test_mpi_launcher_without_mpi4py_says_how_to_get_it(tmp_path, monkeypatch):
         launch.run_apps([app], tmp_path, launcher="mpi")
 
 
-FAKE_MPI = """
-class _World:
-    def Get_rank(self):
-        return 0
-
-    def Get_size(self):
-        return 1
-
-    def Barrier(self):
-        pass
-
-
-COMM_WORLD = _World()
-"""
-
-
-def test_mpi_launcher_runs_the_same_clients_under_mpirun(tmp_path, monkeypatch, redis_server):
-    """--launcher mpi end to end with a one-rank stand-in for mpirun and mpi4py (neither is installed)."""
-    fake = tmp_path / "fake_mpi"
-    (fake / "mpi4py").mkdir(parents=True)
-    (fake / "mpi4py" / "__init__.py").write_text("")
-    (fake / "mpi4py" / "MPI.py").write_text(FAKE_MPI)
-    mpirun = fake / "mpirun"
-    mpirun.write_text('#!/bin/sh\n[ "$1" = "-n" ] && [ "$2" = "1" ] || exit 9\nshift 2\nexec "$@"\n')
-    mpirun.chmod(0o755)
-    monkeypatch.syspath_prepend(str(fake))
-    monkeypatch.setenv("PYTHONPATH", str(fake))
+def test_mpi_launcher_runs_the_clients_under_a_real_mpirun(tmp_path, monkeypatch, redis_server):
+    """--launcher mpi end to end: mpirun starts 2 ranks of mpi4py clients that meet at MPI barriers."""
+    if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs Open MPI's mpirun and mpi4py (the checkout's set-up installs both)")
+    if os.geteuid() == 0:  # Open MPI refuses root without these
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     exp_dir = tmp_path / "mpi"
     assert main(["throughput", "--exp_dir", str(exp_dir), "--address", redis_server.address, "--launcher", "mpi",
-                 "--mpirun", str(mpirun), "--tensor_bytes", "4096", "--clients_per_node", "1",
-                 "--iterations", "2"]) == 0
+                 "--mpirun", "mpirun --oversubscribe", "--tensor_bytes", "4096", "--clients_per_node", "2",
+                 "--iterations", "2", "--timeout", "120"]) == 0
     (run_dir,) = _runs(exp_dir)
-    assert set(_functions(run_dir / "rank_0_timing.csv")) == THROUGHPUT_FUNCTIONS
+    assert json.loads((run_dir / "run.json").read_text())["attributes"]["launcher"] == "mpi"
+    for rank in (0, 1):
+        path = run_dir / f"rank_{rank}_timing.csv"
+        assert {r for r, _, _ in _rows(path)} == {rank}, "each MPI rank wrote its own timings"
+        assert set(_functions(path)) == THROUGHPUT_FUNCTIONS
+
+
+def test_the_driver_command_line_runs_unchanged(tmp_path, monkeypatch, redis_server, capsys):
+    """A SmartSim-Scaling batch script's lines: driver command names, Fire lists, --exp_name, batch options."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["throughput_scaling", "--client_nodes=[1]", "--clients_per_node=[2]", "--tensor_bytes=[1024,4096]",
+                 "--exp_name=tp", "--iterations=2", "--db_nodes=[1]", f"--address={redis_server.address}",
+                 "--net_ifname=ipogif0", "--db_cpus=[2]", "--run_db_as_batch=False", "--launcher=auto"]) == 0
+    runs = _runs(tmp_path / "tp")
+    assert len(runs) == 2
+    spec = json.loads((runs[0] / "run.json").read_text())
+    assert spec["driver_options_not_used"] == {"run_db_as_batch": "False", "db_cpus": "[2]", "net_ifname": "ipogif0"}
+    assert spec["attributes"]["clients"] == 2 and spec["attributes"]["launcher"] == "local"
+    assert main(["process_scaling_results", "--scaling_dir=tp", "--overwrite=False"]) == 0
+    assert "2 runs" in capsys.readouterr().out
+
+
+def test_driver_names_and_flags_map_to_the_commands():
+    from benchmarks.smartsim_scaling.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["inference_colocated", "--clients_per_node=[24,28]", "--nodes=[2]", "--db_tpq=[1,2]",
+                              "--device=GPU", "--batch_size=[1]", "--exp_name=x", "--pin_app_cpus=[False]"])
+    assert args.canonical == "inference" and args.colocated and args.device == "cuda"
+    assert [p["clients"] for p in COMMANDS["inference"].build_sweep(args).permutations] == [48, 56]
+    args = parser.parse_args(["inference_standard", "--client_nodes=[1,2]", "--clients_per_node=[3]",
+                              "--device=CPU", "--db_nodes=[1]"])
+    assert args.canonical == "inference" and not args.colocated
+    assert [p["clients"] for p in COMMANDS["inference"].build_sweep(args).permutations] == [3, 6]
+    args = parser.parse_args(["aggregation_scaling", "--tensors_per_dataset=[1, 2]", "--client_threads=[1]",
+                              "--iterations=3", "--db_cpus=36"])
+    assert args.canonical == "aggregation" and args.tensors_per_dataset == [1, 2]
+    args = parser.parse_args(["process_scaling_results"])
+    assert args.canonical == "process_results" and args.overwrite is True
+    args = parser.parse_args(["process_results", "--overwrite"])
+    assert args.overwrite is True
+    for bad in (["throughput", "--launcher=slurm"], ["inference", "--device=TPU"], ["throughput", "--tensor_bytes=[a]"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
