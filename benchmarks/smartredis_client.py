@@ -1,15 +1,18 @@
-"""smartredis_io client benchmark: the three performance bars of issue 4, measured in one run.
+"""smartredis_io client benchmark: per-call costs against raw redis-py, measured in one run.
 
-1. put_tensor + unpack_tensor of a 1 MiB float32 tensor, one client, against raw redis-py SET + GET of
-   the same bytes (bar: >= 0.8x); the ceiling is two in-memory copies of the bytes.
+1. put_tensor + unpack_tensor loop of a float32 tensor, one client, against raw redis-py SET + GET
+   of the same bytes, at each ``--sizes`` on a standalone server and a 3-shard cluster. The two loops
+   take turns in ``--rounds`` rounds (A B A B ...) and each row is the median round. Bars: >= 0.9x
+   raw redis-py below 1 MiB, >= 1.0x from 1 MiB. The ceiling is two in-memory copies of the bytes.
 2. unpack_tensor of a 16 MiB tensor: payload-sized buffers allocated after the socket read, traced
-   with tracemalloc (bar: none, i.e. the only copy is the socket read into the caller's array);
-   redis-py GET + copy and get_tensor are shown for comparison.
-3. run_model of a tiny TorchScript model through one execution worker: median overhead over the
-   model's own forward time (bar: <= 1 ms); the floor is a bare redis-py request/reply through
-   another process (RPUSH, BLPOP there, RPUSH back, BLPOP here): the two wake-ups any worker design pays.
+   with tracemalloc (bar: none, i.e. the only copy is the socket read into the caller's array).
+3. run_model of a tiny model (Linear 16 -> 4) through one execution worker, as TorchScript and as a
+   torch.export program: median latency minus the median of the model's own forward (bar: <= 0.5
+   ms). The floor is a bare redis-py request/reply through another process (RPUSH, BLPOP there,
+   RPUSH back, BLPOP here): the two wake-ups any worker design pays. The formats and the floor take
+   turns in rounds too.
 
-Everything runs on an embedded Orchestrator (redis-server + one worker) on loopback.
+Everything runs on embedded servers (redis-server, a 3-shard Redis Cluster, one worker) on loopback.
 """
 
 from __future__ import annotations
@@ -20,73 +23,96 @@ import logging
 import statistics
 import subprocess
 import sys
+import time
 import tracemalloc
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import redis
 import torch
 
-from benchmarks.report import (
-    configure_logging,
-    format_table,
-    latencies_seconds,
-    median_seconds,
-    ratio,
-    write_json,
-)
-from smartredis_io import Client, Orchestrator
+from benchmarks.report import configure_logging, format_table, ratio, write_json
+from benchmarks.smartsim_scaling.launch import raw_client
+from smartredis_io import Client, Orchestrator, RedisCluster
 
 log = logging.getLogger("benchmarks.smartredis_client")
 
-MiB = 1 << 20
-THROUGHPUT_BYTES = 1 * MiB
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [KiB, 8 * KiB, 128 * KiB, MiB]
 COPY_BYTES = 16 * MiB
-DEFAULT_ITERATIONS = 100
-DEFAULT_REPEATS = 5
-DEFAULT_CALLS = 300  # run_model calls whose latencies give the median
-THROUGHPUT_BAR = 0.8  # ours / redis-py
+DEFAULT_ROUNDS = 5
+LOOP_SECONDS = 0.25  # target duration of one round of one loop (sets its iteration count)
+DEFAULT_CALLS = 200  # run_model calls per format per round
+SMALL_BAR, LARGE_BAR = 0.9, 1.0  # ours / redis-py, below and from 1 MiB
 COPY_BAR = 0.0  # extra payload-sized buffers after the socket read
-OVERHEAD_BAR_MS = 1.0
+OVERHEAD_BAR_MS = 0.5
 ECHO_TIMEOUT_S = 10
 COLUMNS = {
     "metric": "metric", "ours": "smartredis_io", "baseline": "baseline", "ceiling": "ceiling",
-    "unit": "unit", "ratio": "ours/baseline", "ratio_ceiling": "ours/ceiling", "bar": "bar", "ok": "ok",
+    "unit": "unit", "ratio": "ours/baseline", "ratio_ceiling": "ours/ceiling", "spread": "spread",
+    "bar": "bar", "ok": "ok",
 }
 
 
-def _loop(calls: Sequence[Callable[[], object]], iterations: int) -> Callable[[], None]:
-    def run() -> None:
+def _loop(calls: Sequence[Callable[[], object]], iterations: int) -> Callable[[], float]:
+    """A function running ``iterations`` x ``calls`` and returning seconds per iteration."""
+    def run() -> float:
+        start = time.perf_counter()
         for _ in range(iterations):
             for call in calls:
                 call()
+        return (time.perf_counter() - start) / iterations
 
     return run
 
 
-def _per_second(seconds: float, iterations: int, nbytes: int) -> float:
-    """MB/s of payload moved by ``iterations`` put+get pairs (each moves the payload twice)."""
-    return 2 * nbytes * iterations / seconds / 1e6
+def _rounds(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each loop's result per round, the loops taking turns (A B A B ...) so they see the same load."""
+    results: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            results[name].append(loop())
+    return results
 
 
-def throughput(client: Client, raw: redis.Redis, iterations: int, repeats: int) -> dict:
-    array = np.random.default_rng(0).random(THROUGHPUT_BYTES // 4, dtype=np.float32)
+def _spread(values: list[float]) -> str:
+    """min..max of a row's rounds, relative to their median."""
+    mid = statistics.median(values)
+    return f"{min(values) / mid:.2f}..{max(values) / mid:.2f}" if mid else "-"
+
+
+def _iterations(nbytes: int) -> int:
+    # ~0.5 ms per small loop on a quiet machine; large tensors are bandwidth-bound (~1 GB/s)
+    per_iteration_s = 5e-4 + 2 * nbytes / 1e9
+    return max(5, int(LOOP_SECONDS / per_iteration_s))
+
+
+def throughput(client: Client, raw: redis.Redis | redis.RedisCluster, nbytes: int, database: str,
+               rounds: int) -> dict:
+    array = np.random.default_rng(nbytes).random(nbytes // 4, dtype=np.float32)
     out = np.empty_like(array)
     payload = array.tobytes()
-    scratch = bytearray(THROUGHPUT_BYTES)
-    ours = median_seconds(_loop([lambda: client.put_tensor("bench.t", array),
-                                 lambda: client.unpack_tensor("bench.t", out)], iterations), repeats)
-    base = median_seconds(_loop([lambda: raw.set("bench.raw", payload), lambda: raw.get("bench.raw")], iterations),
-                          repeats)
-    ceiling = median_seconds(_loop([lambda: scratch.__setitem__(slice(None), payload),
-                                    lambda: np.copyto(out, array)], iterations), repeats)
+    scratch = bytearray(nbytes)
+    n = _iterations(nbytes)
+    key = f"bench.{database}.{nbytes}"
+    results = _rounds({
+        "ours": _loop([lambda: client.put_tensor(key, array), lambda: client.unpack_tensor(key, out)], n),
+        "base": _loop([lambda: raw.set(key + ".raw", payload), lambda: raw.get(key + ".raw")], n),
+        "ceiling": _loop([lambda: scratch.__setitem__(slice(None), payload), lambda: np.copyto(out, array)], n),
+    }, rounds)
     assert np.array_equal(out, array)
-    ours_mbs, base_mbs = _per_second(ours, iterations, array.nbytes), _per_second(base, iterations, array.nbytes)
-    ceil_mbs = _per_second(ceiling, iterations, array.nbytes)
-    r = ratio(ours_mbs, base_mbs)
-    return {"metric": "put_tensor+unpack_tensor 1 MiB f32 (baseline: redis-py SET+GET; ceiling: 2 memcpy)",
-            "ours": ours_mbs, "baseline": base_mbs, "ceiling": ceil_mbs, "unit": "MB/s", "ratio": r,
-            "ratio_ceiling": ratio(ours_mbs, ceil_mbs), "bar": f">= {THROUGHPUT_BAR}", "ok": r >= THROUGHPUT_BAR}
+    client.delete_tensor(key)
+    raw.delete(key + ".raw")
+    per_s = {name: 2 * nbytes / statistics.median(times) / 1e6 for name, times in results.items()}
+    r = ratio(per_s["ours"], per_s["base"])
+    bar = LARGE_BAR if nbytes >= MiB else SMALL_BAR
+    size = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+    return {"metric": f"put_tensor+unpack_tensor {size} f32, {database} (baseline: redis-py SET+GET; ceiling: "
+                      "2 memcpy)", "database": database, "bytes": nbytes,
+            "ours": per_s["ours"], "baseline": per_s["base"], "ceiling": per_s["ceiling"], "unit": "MB/s",
+            "ratio": r, "ratio_ceiling": ratio(per_s["ours"], per_s["ceiling"]), "spread": _spread(results["ours"]),
+            "rounds": results, "iterations": n, "bar": f">= {bar}", "ok": r is not None and r >= bar}
 
 
 def _peak_extra_bytes(fn: Callable[[], object]) -> int:
@@ -127,68 +153,123 @@ while True:
 """
 
 
-def echo_floor(address: str, raw: redis.Redis, calls: int) -> float:
-    """Median seconds of a request/reply through another process with bare redis-py (two wake-ups)."""
+def _echo(raw: redis.Redis) -> Callable[[], None]:
+    """One request/reply through the echo process with bare redis-py."""
+    counter = [0]
+
+    def ask() -> None:
+        counter[0] += 1
+        pipe = raw.pipeline(transaction=False)
+        pipe.rpush("bench.echo", f"bench.echo.{counter[0]}")
+        pipe.blpop([f"bench.echo.{counter[0]}"], timeout=ECHO_TIMEOUT_S)
+        if pipe.execute()[1] is None:
+            raise RuntimeError("the echo process did not answer")
+
+    return ask
+
+
+def _latencies(fn: Callable[[], object], calls: int) -> Callable[[], list[float]]:
+    def run() -> list[float]:
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+
+    return run
+
+
+def tiny_models() -> tuple[torch.nn.Module, dict[str, bytes]]:
+    """A Linear(16, 4) with seeded weights, as TorchScript and as a torch.export program."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4).eval()
+    example = torch.zeros(1, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated; it is one format measured
+        scripted = io.BytesIO()
+        torch.jit.save(torch.jit.trace(model, example), scripted)
+    program = torch.export.export(model, (torch.zeros(2, 16),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},))
+    exported = io.BytesIO()
+    torch.export.save(program, exported)
+    return model, {"TorchScript": scripted.getvalue(), "torch.export": exported.getvalue()}
+
+
+def run_model_overhead(client: Client, address: str, calls: int, rounds: int) -> list[dict]:
+    model, blobs = tiny_models()
+    x = np.random.default_rng(2).random((1, 16), dtype=np.float32)
+    client.put_tensor("bench.x", x)
+    for name, blob in blobs.items():
+        client.set_model(f"bench.{name}", blob, "TORCH", "CPU")
+        for _ in range(10):  # the worker loads the model on the first call
+            client.run_model(f"bench.{name}", ["bench.x"], ["bench.y"])
+    tensor = torch.from_numpy(x)
+    with torch.inference_mode():
+        forward = statistics.median(_latencies(lambda: model(tensor), 1000)())
+    raw = redis.Redis.from_url(f"redis://{address}")
     echo = subprocess.Popen([sys.executable, "-c", ECHO_SCRIPT, address])
     try:
-
-        def ask(i: list[int] = [0]) -> None:  # noqa: B006 - a counter for unique reply keys
-            i[0] += 1
-            pipe = raw.pipeline(transaction=False)
-            pipe.rpush("bench.echo", f"bench.echo.{i[0]}")
-            pipe.blpop([f"bench.echo.{i[0]}"], timeout=ECHO_TIMEOUT_S)
-            if pipe.execute()[1] is None:
-                raise RuntimeError("the echo process did not answer")
-
+        ask = _echo(raw)
         for _ in range(10):
             ask()
-        return statistics.median(latencies_seconds(ask, calls))
+        loops = {name: _latencies(lambda name=name: client.run_model(f"bench.{name}", ["bench.x"], ["bench.y"]), calls)
+                 for name in blobs}
+        loops["floor"] = _latencies(ask, calls)
+        results = {name: [] for name in loops}
+        for _ in range(rounds):
+            for name, loop in loops.items():
+                results[name].extend(loop())
     finally:
         echo.kill()
         echo.wait()
-
-
-def run_model_overhead(client: Client, raw: redis.Redis, address: str, calls: int) -> dict:
-    torch.manual_seed(0)
-    model = torch.jit.trace(torch.nn.Linear(16, 4).eval(), torch.zeros(1, 16))
-    buffer = io.BytesIO()
-    torch.jit.save(model, buffer)
-    client.set_model("bench.model", buffer.getvalue(), "TORCH", "CPU")
-    x = np.random.default_rng(2).random((1, 16), dtype=np.float32)
-    client.put_tensor("bench.x", x)
-    for _ in range(10):  # the worker loads the model on the first call
-        client.run_model("bench.model", ["bench.x"], ["bench.y"])
-    tensor = torch.from_numpy(x)
-    with torch.inference_mode():
-        forward = statistics.median(latencies_seconds(lambda: model(tensor), calls))
-    run = statistics.median(latencies_seconds(lambda: client.run_model("bench.model", ["bench.x"], ["bench.y"]),
-                                              calls))
-    floor = echo_floor(address, raw, calls)
-    overhead_ms = (run - forward) * 1e3
-    return {"metric": "run_model tiny model: median overhead over forward "
+        raw.close()
+    floor_ms = statistics.median(results["floor"]) * 1e3
+    rows = []
+    for name in blobs:
+        overhead_ms = (statistics.median(results[name]) - forward) * 1e3
+        rows.append({
+            "metric": f"run_model tiny model ({name}): median overhead over forward "
                       "(baseline: forward; ceiling: bare redis-py echo via another process)",
-            "ours": overhead_ms, "baseline": forward * 1e3, "ceiling": floor * 1e3, "unit": "ms", "ratio": None,
-            "ratio_ceiling": ratio(overhead_ms, floor * 1e3), "bar": f"<= {OVERHEAD_BAR_MS} ms",
-            "ok": overhead_ms <= OVERHEAD_BAR_MS}
+            "ours": overhead_ms, "baseline": forward * 1e3, "ceiling": floor_ms, "unit": "ms", "ratio": None,
+            "ratio_ceiling": ratio(overhead_ms, floor_ms),
+            "spread": f"p90 {np.percentile(results[name], 90) * 1e3:.3f} ms",
+            "bar": f"<= {OVERHEAD_BAR_MS} ms", "ok": overhead_ms <= OVERHEAD_BAR_MS,
+        })
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.smartredis_client",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS, help="put+unpack pairs per repeat")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="repeats (the median is reported)")
-    parser.add_argument("--calls", type=int, default=DEFAULT_CALLS, help="run_model calls timed")
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES,
+                        help="tensor sizes in bytes for the put+unpack loop (multiples of 4); default: 1 KiB "
+                             "8 KiB 128 KiB 1 MiB")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help="rounds in which the compared loops take turns (the median is reported); "
+                             "default: %(default)s")
+    parser.add_argument("--calls", type=int, default=DEFAULT_CALLS,
+                        help="run_model calls per format per round; default: %(default)s")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the 3-shard cluster rows")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if any(size <= 0 or size % 4 for size in args.sizes):
+        parser.error(f"--sizes must be positive multiples of 4, got {args.sizes}")
     configure_logging(logging.INFO)
+    rows = []
     with Orchestrator(shards=1, workers=1) as orchestrator, Client(False, orchestrator.address) as client:
-        raw = redis.Redis.from_url(f"redis://{orchestrator.address}")
-        rows = [
-            throughput(client, raw, args.iterations, args.repeats),
-            copies(client, raw),
-            run_model_overhead(client, raw, orchestrator.address, args.calls),
-        ]
+        raw = raw_client(orchestrator.address)
+        rows += [throughput(client, raw, size, "standalone", args.rounds) for size in args.sizes]
+        rows.append(copies(client, raw))
         raw.close()
+        rows += run_model_overhead(client, orchestrator.address, args.calls, args.rounds)
+    if not args.no_cluster:
+        with RedisCluster(shards=3) as cluster, Client(True, cluster.address) as client:
+            raw = raw_client(cluster.address, cluster=True)
+            rows[len(args.sizes):len(args.sizes)] = [
+                throughput(client, raw, size, "cluster x3", args.rounds) for size in args.sizes
+            ]
+            raw.close()
     sys.stdout.write(format_table(rows, COLUMNS) + "\n")
     if args.json:
         write_json(args.json, rows)

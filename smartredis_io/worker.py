@@ -468,6 +468,21 @@ def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, u
         _warm_up()
         drop_privileges(user)
     worker.serve()
+    if child:
+        _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the process now that the worker has stopped and unregistered.
+
+    With torch.export's loader imported (dynamo, inductor, sympy), the interpreter's own teardown
+    takes seconds on a busy machine, longer than a launcher waits after SIGTERM; nothing is left to
+    clean up, so it is skipped.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def worker_device(device: str, index: int, gpus: int | None = None) -> str:
@@ -518,4 +533,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
