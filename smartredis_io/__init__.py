@@ -18,13 +18,14 @@ __all__ = [
     "RedisCluster",
     "RedisServer",
     "SmartRedisCheckpointIO",
+    "SmartRedisModelCheckpoint",
     "SmartRedisModelPublisher",
     "TlsFiles",
     "bfloat16",
     "error",
 ]
 
-_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelPublisher")
+_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher")
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 import lightning.pytorch as pl
 import numpy as np
@@ -17,7 +18,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from smartredis_io import Client, Orchestrator, SmartRedisCheckpointIO, SmartRedisModelPublisher, models, wire
+from smartredis_io import (
+    Client,
+    Orchestrator,
+    RedisServer,
+    SmartRedisCheckpointIO,
+    SmartRedisModelPublisher,
+    models,
+    wire,
+)
+from smartredis_io.error import RedisReplyError
 from tests.support.srio_models import TinyRegressor
 
 SMALL_CHUNK = 4096
@@ -96,27 +106,27 @@ def test_a_checkpoint_that_needs_weights_only_false_says_so(redis_server, uid: s
     trusting.teardown()
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(redis_server, uid: str, monkeypatch) -> None:
-    io = SmartRedisCheckpointIO(redis_server.address, chunk_bytes=SMALL_CHUNK)
-    path = f"{uid}.ckpt"
-    io.save_checkpoint({"v": torch.ones(3000)}, path)
-    before = set(io.db.redis.keys(f"*{uid}*"))
-    real_set_parts = io.db.set_parts
-    calls = {"n": 0}
+def _keys(server, pattern: str) -> set[bytes]:
+    with redis.Redis(host=server.host, port=server.port, password=server.settings().password) as plain:
+        return set(plain.keys(pattern))
 
-    def failing(key, parts, peek):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise redis.exceptions.ConnectionError("connection lost mid-save")
-        return real_set_parts(key, parts, peek)
 
-    monkeypatch.setattr(io.db, "set_parts", failing)
-    with pytest.raises(redis.exceptions.ConnectionError):
-        io.save_checkpoint({"v": torch.zeros(3000)}, path)
-    monkeypatch.undo()
-    assert set(io.db.redis.keys(f"*{uid}*")) == before, "the failed save's chunks are gone"
-    torch.testing.assert_close(io.load_checkpoint(path)["v"], torch.ones(3000))
-    io.teardown()
+@pytest.mark.parametrize("fault", ["unpicklable object", "server out of memory"])
+def test_a_failed_save_leaves_the_previous_checkpoint(uid: str, fault: str) -> None:
+    with RedisServer(extra_args=("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")) as server:
+        io = SmartRedisCheckpointIO(server.address, chunk_bytes=SMALL_CHUNK)
+        path = f"{uid}.ckpt"
+        io.save_checkpoint({"v": torch.ones(3000)}, path)
+        before = _keys(server, "*")
+        if fault == "unpicklable object":
+            bad, error = {"v": torch.zeros(3000), "lock": threading.Lock()}, TypeError
+        else:
+            bad, error = {"v": torch.zeros(4 << 20)}, RedisReplyError  # 16 MB into an 8 MB server
+        with pytest.raises(error):
+            io.save_checkpoint(bad, path)
+        assert _keys(server, "*") == before, "the failed save's chunks are gone"
+        torch.testing.assert_close(io.load_checkpoint(path)["v"], torch.ones(3000))
+        io.teardown()
 
 
 @pytest.mark.slow
