@@ -339,6 +339,9 @@ def _try_get(db: Database, key: str, out: np.ndarray | None) -> np.ndarray | Non
         return state["target"]  # type: ignore[return-value]
     stored = stored_chunk_bytes(db, key, header)
     if stored is None:
+        if read_header(db, key) == header:
+            raise RedisInternalError(f"The value at key {key!r} is corrupt: its header names "
+                                     f"{header.chunks} chunks and some of them do not exist")
         return None  # overwritten while reading: the caller reads the new header
     if stored != header.payload_bytes or header.payload_bytes != header.nbytes:
         raise RedisInternalError(_claims(key, header.nbytes, stored))
