@@ -60,6 +60,7 @@ class RedisFileSystem(AbstractFileSystem):
 
     protocol = (PROTOCOL,)
     root_marker = ""
+    cachable = False  # an instance made without arguments follows SSDB as it is when it is made
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
                  config_options: ConfigOptions | None = None, **kwargs: Any) -> None:

@@ -23,6 +23,7 @@ from smartredis_io import (
     Orchestrator,
     RedisServer,
     SmartRedisCheckpointIO,
+    SmartRedisModelCheckpoint,
     SmartRedisModelPublisher,
     models,
     wire,
@@ -201,3 +202,89 @@ def test_publisher_arguments(redis_server) -> None:
         SmartRedisModelPublisher("m", redis_server.address, keep=1)
     with pytest.raises(ValueError, match="address"):
         SmartRedisCheckpointIO()
+
+
+_RESUME = """
+import json, sys
+import lightning.pytorch as pl
+from smartredis_io import SmartRedisCheckpointIO, SmartRedisModelCheckpoint
+from tests.support.srio_models import TinyRegressor
+
+dirpath, ckpt_path = sys.argv[1], sys.argv[2]
+seen = {}
+
+class Capture(pl.Callback):
+    def on_train_start(self, trainer, pl_module):
+        seen["step"] = trainer.global_step
+
+trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     max_steps=6, limit_val_batches=0, plugins=[SmartRedisCheckpointIO()],
+                     callbacks=[Capture(), SmartRedisModelCheckpoint(dirpath=dirpath, save_last=True)])
+trainer.fit(TinyRegressor.make(seed=1), ckpt_path=ckpt_path)
+print(json.dumps(seen))
+"""
+
+
+def _resume_elsewhere(tmp_path, address: str, dirpath: str, ckpt_path: str) -> int:
+    """Resume in a fresh process whose working directory is another one; the step it resumed at."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    result = subprocess.run([sys.executable, "-c", _RESUME, dirpath, ckpt_path], cwd=elsewhere, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "SSDB": address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["step"]
+
+
+@pytest.mark.slow
+def test_redis_url_dirpath_and_ckpt_path_last(redis_server, tmp_path, uid: str, monkeypatch) -> None:
+    monkeypatch.setenv("SSDB", redis_server.address)  # how ModelCheckpoint's filesystem finds the database
+    io = SmartRedisCheckpointIO()
+    checkpoint = ModelCheckpoint(dirpath=f"redis://{uid}run", every_n_train_steps=2, save_top_k=1,
+                                 monitor="step", mode="max", save_last=True)
+    _trainer(tmp_path, [io], [checkpoint], max_steps=4, limit_val_batches=0).fit(TinyRegressor.make())
+    with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
+        keys = sorted(k.decode() for k in plain.keys(f"{uid}run/*"))
+    assert keys == [f"{uid}run/epoch=0-step=4.ckpt", f"{uid}run/last.ckpt"], "top-1 removed the older one"
+    assert checkpoint.best_model_path == f"redis://{uid}run/epoch=0-step=4.ckpt"
+    assert _resume_elsewhere(tmp_path, redis_server.address, f"redis://{uid}run", "last") == 4
+
+
+@pytest.mark.slow
+def test_local_paths_are_keyed_relative_to_the_root_dir(redis_server, tmp_path, uid: str, monkeypatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    io = SmartRedisCheckpointIO(redis_server.address)
+    checkpoint = ModelCheckpoint(dirpath=f"runs/{uid}", every_n_train_steps=2, save_top_k=-1)
+    _trainer(here, [io], [checkpoint], max_steps=4, limit_val_batches=0).fit(TinyRegressor.make())
+    with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
+        assert sorted(k.decode() for k in plain.keys(f"runs/{uid}/*")) == [
+            f"runs/{uid}/epoch=0-step=2.ckpt", f"runs/{uid}/epoch=0-step=4.ckpt"]
+    assert not (here / "runs").exists(), "nothing on the filesystem"
+    step = _resume_elsewhere(tmp_path, redis_server.address, f"redis://{uid}/other", f"runs/{uid}/epoch=0-step=4.ckpt")
+    assert step == 4
+
+
+def test_lightning_lists_redis_urls_as_local_paths_without_the_subclass(redis_server, uid: str, monkeypatch) -> None:
+    """Why SmartRedisModelCheckpoint exists; fails loudly when Lightning stops mangling remote URLs."""
+    monkeypatch.setenv("SSDB", redis_server.address)
+    io = SmartRedisCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(1)}, f"redis://{uid}/last.ckpt")
+    stock = ModelCheckpoint(dirpath=f"redis://{uid}")
+    ours = SmartRedisModelCheckpoint(dirpath=f"redis://{uid}")
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert ours._find_last_checkpoints(trainer) == {f"redis://{uid}/last.ckpt"}
+    assert stock._find_last_checkpoints(trainer) == {f"{uid}/last.ckpt"}, "Lightning changed: drop the subclass?"
+
+
+def test_the_plugin_pickles_and_keys_paths_portably(redis_server, tmp_path, uid: str) -> None:
+    io = SmartRedisCheckpointIO(redis_server.address, root_dir=tmp_path)
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / uid / "a.ckpt")
+    copy = pickle.loads(pickle.dumps(io))
+    torch.testing.assert_close(copy.load_checkpoint(f"redis://{uid}/a.ckpt")["w"], torch.ones(2))
+    assert io.key(tmp_path / uid / "a.ckpt") == f"{uid}/a.ckpt" == io.key(f"redis://{uid}/a.ckpt")
+    assert io.key("/elsewhere/b.ckpt") == "/elsewhere/b.ckpt"  # outside the root: its absolute path
+    with pytest.raises(ValueError, match="gs://"):
+        io.save_checkpoint({}, "gs://bucket/c.ckpt")
+    copy.teardown()
+    io.teardown()
