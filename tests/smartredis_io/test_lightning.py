@@ -49,11 +49,11 @@ def ckpt_io(request, redis_server, redis_cluster) -> SmartRedisCheckpointIO:
     io.teardown()
 
 
-def test_save_load_remove(ckpt_io: SmartRedisCheckpointIO, uid: str) -> None:
+def test_save_load_remove(ckpt_io: SmartRedisCheckpointIO, raw, uid: str) -> None:
     state = {"w": torch.randn(100, 50), "step": 7, "nested": {"b": torch.arange(10, dtype=torch.int16)}}
     path = f"ckpts/{uid}/epoch=0.ckpt"
     ckpt_io.save_checkpoint(state, path)
-    header = wire.read_header(ckpt_io.db, path)
+    header = wire.decode_header(raw.getrange(path, 0, wire.HEADER_MAX_BYTES - 1), path)
     assert header.chunks > 1, "a checkpoint larger than chunk_bytes is chunked"
     assert ckpt_io.checkpoint_size(path) == header.payload_bytes > state["w"].nbytes
     loaded = ckpt_io.load_checkpoint(path, map_location="cpu", weights_only=True)
@@ -61,8 +61,8 @@ def test_save_load_remove(ckpt_io: SmartRedisCheckpointIO, uid: str) -> None:
     torch.testing.assert_close(loaded["w"], state["w"])
     torch.testing.assert_close(loaded["nested"]["b"], state["nested"]["b"])
     ckpt_io.remove_checkpoint(f"redis://{path}")
-    assert not ckpt_io.db.redis.exists(path)
-    assert not any(ckpt_io.db.redis.exists(k) for k in header.chunk_keys(path))
+    assert not raw.exists(path)
+    assert not any(raw.exists(k) for k in header.chunk_keys(path))
     with pytest.raises(FileNotFoundError, match=uid):
         ckpt_io.load_checkpoint(path)
     with pytest.raises(TypeError):
@@ -132,14 +132,14 @@ def test_a_failed_save_leaves_the_previous_checkpoint(uid: str, fault: str) -> N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrap_async", [False, True])
-def test_trainer_saves_and_resumes(redis_server, tmp_path, uid: str, wrap_async: bool) -> None:
+def test_trainer_saves_and_resumes(redis_server, raw, tmp_path, uid: str, wrap_async: bool) -> None:
     io = SmartRedisCheckpointIO(redis_server.address, chunk_bytes=SMALL_CHUNK)
     plugin = AsyncCheckpointIO(io) if wrap_async else io
     dirpath = tmp_path / uid
     checkpoint = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
     model = TinyRegressor.make()
     _trainer(tmp_path, [plugin], [checkpoint], max_steps=4, limit_val_batches=0).fit(model)
-    keys = sorted(k.decode() for k in io.db.redis.keys(f"{dirpath}/*.ckpt"))
+    keys = sorted(k.decode() for k in raw.keys(f"{dirpath}/*.ckpt"))
     assert [k.rsplit("/", 1)[1] for k in keys] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
     assert not any(dirpath.glob("*.ckpt")), "nothing on the filesystem"
 
@@ -182,8 +182,10 @@ def test_fit_publish_run_model_from_another_process(orchestrator: Orchestrator, 
     np.testing.assert_allclose(np.array(json.loads(result.stdout.strip().splitlines()[-1])), expected, rtol=1e-5)
 
     with Client(False, orchestrator.address) as client:
-        alias = models.load_manifest(client._db, uid)
-        assert alias.blob == models.blob_key(f"{uid}.v6", alias.version)
+        with redis.Redis(host="127.0.0.1", port=orchestrator.database.port,
+                         password=orchestrator.settings().password) as plain:
+            alias = json.loads(plain.get(uid))
+        assert alias["blob"] == models.blob_key(f"{uid}.v6", alias["version"])
         assert not client.model_exists(f"{uid}.v2"), "only the newest versions are kept"
         # New weights reach run_model(alias) without restarting anything.
         with torch.no_grad():

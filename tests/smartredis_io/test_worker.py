@@ -33,7 +33,7 @@ def test_run_model(orch_client: Client, uid: str) -> None:
     assert orch_client.get_model(uid)[:2] == b"PK"  # TorchScript archives are zip files
 
 
-def test_a_new_model_version_is_picked_up(orch_client: Client, uid: str) -> None:
+def test_a_new_model_version_is_picked_up(orch_client: Client, orch_raw, uid: str) -> None:
     orch_client.put_tensor(uid + "x", X)
     for seed in (1, 2, 3):  # two workers, each must notice every new version
         module = linear(seed)
@@ -41,7 +41,7 @@ def test_a_new_model_version_is_picked_up(orch_client: Client, uid: str) -> None
         for _ in range(2):
             orch_client.run_model(uid, uid + "x", uid + "y")
             np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
-    assert len(orch_client._db.redis.keys(f"{{{uid}}}.blob.*")) == 1  # old versions' blobs are gone
+    assert len(orch_raw.keys(f"{{{uid}}}.blob.*")) == 1  # old versions' blobs are gone
 
 
 def test_set_model_from_file_and_delete(orch_client: Client, uid: str, tmp_path) -> None:
@@ -84,7 +84,8 @@ def test_run_script(orch_client: Client, uid: str, tmp_path) -> None:
         orch_client.get_script(uid)
 
 
-def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_client: Client, uid: str) -> None:
+def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_client: Client, orch_raw,
+                                          uid: str) -> None:
     orch_client.put_tensor(uid + "x", X)
     orch_client.set_model(uid, torchscript_bytes(Failing()))
     with pytest.raises(RedisReplyError, match="view"):
@@ -99,12 +100,12 @@ def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_clien
     orch_client.set_script(uid + "s", SCRIPT)
     with pytest.raises(RedisReplyError, match="does not exist"):
         orch_client.run_script(uid + "s", "nope", [uid + "x"], [uid + "y"])
-    orch_client._db.redis.hset(uid + "hash", "f", "v")
+    orch_raw.hset(uid + "hash", "f", "v")
     with pytest.raises(RedisReplyError, match="WRONGTYPE"):
         orch_client.run_model(uid + "ok", [uid + "hash"], [uid + "y"])
-    orch_client._db.redis.rpush(models.QUEUE_KEY, b"not a request", b"m\n{}")  # garbage is skipped
+    orch_raw.rpush(models.QUEUE_KEY, b"not a request", b"m\n{}", b'"m"\n0\n{}')  # garbage is skipped
     orch_client.run_model(uid + "ok", [uid + "x"], [uid + "y"])  # the workers are still fine
-    assert orch_client._db.redis.llen(models.QUEUE_KEY) == 0
+    assert orch_raw.llen(models.QUEUE_KEY) == 0
     assert all(worker.is_running() for worker in orchestrator.workers)
 
 
@@ -202,7 +203,9 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
         startup_timeout_s=90,
     )
     with cli, Client(False, redis_server.address) as client:
-        pids = {int(pid) for n, pid in client._db.redis.hgetall("{srio}.workers").items() if n.decode().startswith(name)}
+        with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
+            registered = plain.hgetall("{srio}.workers")
+        pids = {int(pid) for n, pid in registered.items() if n.decode().startswith(name)}
         assert len(pids) == 2 and cli.pid in pids
         client.set_script(uid, SCRIPT)
         client.put_tensor(uid + "x", X)
@@ -217,8 +220,8 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
 
 
 def _registered(redis_server) -> list[str]:
-    with Client(False, redis_server.address) as client:
-        return [n.decode() for n in client._db.redis.hkeys("{srio}.workers")]
+    with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
+        return [n.decode() for n in plain.hkeys("{srio}.workers")]
 
 
 def _uid_of(pid: int) -> int:
