@@ -34,6 +34,7 @@ __all__ = [
     "RedisServer",
     "SRObject",
     "SmartRedisCheckpointIO",
+    "SmartRedisModelCheckpoint",
     "SmartRedisModelPublisher",
     "TlsFiles",
     "bfloat16",
@@ -43,7 +44,7 @@ __all__ = [
     "log_warning",
 ]
 
-_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelPublisher")
+_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher")
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ import redis
 from smartredis_io import dataset as ds_layout
 from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import Database
-from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
+from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["ClientBase", "command", "names", "poll"]
 
@@ -44,6 +44,9 @@ def command(method: F | None = None, *, timeout: Callable[[Any], float] | None =
                 return method(self, *args, **kwargs)
         except redis.exceptions.TimeoutError as exc:
             raise RedisTimeoutError(f"{_target(self, args)}: {exc}", method.__name__) from exc
+        except UnicodeEncodeError as exc:
+            raise RedisRuntimeError(f"{_target(self, args)}: names must be valid Unicode text ({exc})",
+                                    method.__name__) from None
         except redis.exceptions.ConnectionError as exc:
             raise RedisConnectionError(f"{method.__name__} {_target(self, args)}: {exc}") from exc
         except redis.exceptions.NoPermissionError as exc:

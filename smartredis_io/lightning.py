@@ -6,33 +6,54 @@ import io
 import logging
 import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import redis
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
-from smartredis_io import wire
+from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.connection import ConnectionSettings, Database, detect_cluster
-from smartredis_io.error import RedisKeyError
+from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError, RedisTimeoutError
 
-__all__ = ["SmartRedisCheckpointIO", "SmartRedisModelPublisher"]
+__all__ = ["SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher", "checkpoint_key"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CHUNK_BYTES = 64 * wire.MiB  # one Redis value per chunk; also the save buffer's size
-KEY_SCHEME = "redis://"
+DEFAULT_TIMEOUT_S = 1800.0  # deadline of one save, load or removal as a whole
 
 
-def checkpoint_key(path: str | os.PathLike[str]) -> str:
-    """The database key of a checkpoint path (``redis://`` dropped; the rest kept as it is)."""
-    key = os.fspath(path).removeprefix(KEY_SCHEME)
-    if not key:
-        raise ValueError(f"Empty checkpoint path {path!r}")
-    return key
+def checkpoint_key(path: str | os.PathLike[str], root_dir: str | os.PathLike[str] | None = None) -> str:
+    """The database key of a checkpoint path.
+
+    A ``redis://name/...`` URL is keyed ``name/...``. A local path is keyed relative to ``root_dir``
+    (default: the working directory), so the same relative layout finds the same checkpoint from
+    any directory or host; a path outside ``root_dir`` is keyed by its absolute path.
+
+    Raises:
+        ValueError: an empty path, or a URL without a key.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise ValueError("Empty checkpoint path")
+    if text.startswith(f"{filesystem.PROTOCOL}:"):
+        return filesystem.url_key(text)
+    if "://" in text:
+        raise ValueError(f"SmartRedisCheckpointIO keeps checkpoints in Redis: {text!r} is neither a local path nor "
+                         f"a {filesystem.PROTOCOL}:// URL")
+    absolute = os.path.abspath(text)
+    relative = os.path.relpath(absolute, os.path.abspath(root_dir or os.getcwd()))
+    key = absolute if relative == ".." or relative.startswith(".." + os.sep) else relative
+    return key.replace(os.sep, "/")
 
 
 def _settings(address: str, cluster: bool | None, options: ConfigOptions | None) -> ConnectionSettings:
@@ -71,29 +92,36 @@ class _BufferReader(io.RawIOBase):
 class SmartRedisCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that keeps checkpoints in Redis (standalone or cluster).
 
-    A checkpoint is stored at its path as key: ``torch.save`` streams into chunks of
+    A checkpoint is keyed by its path (see :func:`checkpoint_key`): ``redis://run1/last.ckpt`` at
+    ``run1/last.ckpt``, a local path relative to ``root_dir``. ``torch.save`` streams into chunks of
     ``chunk_bytes`` under a fresh version, and a small header (the manifest: size, chunk count,
     CRC-32) written last publishes them; a failed save removes its chunks and leaves the previous
-    checkpoint. Loading reads every chunk straight into one preallocated buffer and checks the CRC.
+    checkpoint. Loading checks the stored size before allocating, reads every chunk straight into
+    one buffer and checks the CRC.
 
     Args:
         address: ``host:port`` (or a comma list for a cluster, or a ``redis://user:password@...``
             URL); default ``SSDB``.
         cluster: whether the database is a Redis Cluster; default: asked from the server.
         chunk_bytes: size of one stored chunk (and of the one save buffer).
+        root_dir: local paths are keyed relative to it; default: the working directory when the
+            plugin is made (which is also the Trainer's default ``default_root_dir``).
+        weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
+            ``None`` (Lightning 2.5 always does): ``None`` is torch's default, ``True``.
         config_options: where credentials, TLS and deadlines come from, as for a SmartRedis
             ``Client`` (``SR_USERNAME``, ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CONN_TIMEOUT``,
             ``SR_CMD_TIMEOUT``); default: the environment.
-        weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
-            ``None`` (Lightning 2.5 always does): ``None`` is torch's default, ``True``.
+        timeout_s: deadline of one save, load or removal as a whole (each wait for the server is
+            bounded by ``SR_CMD_TIMEOUT`` as well).
 
     Raises:
-        ValueError: no address given and ``$SSDB`` unset.
+        ValueError: no address given and none configured, or a bad ``chunk_bytes`` / ``timeout_s``.
     """
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
-                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, weights_only: bool | None = None,
-                 config_options: ConfigOptions | None = None) -> None:
+                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, root_dir: str | os.PathLike[str] | None = None,
+                 weights_only: bool | None = None, config_options: ConfigOptions | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.config_options = config_options
         options = config_options or ConfigOptions.create_from_environment("")
         self.address = address or options.string_or("SSDB", "")
@@ -101,11 +129,20 @@ class SmartRedisCheckpointIO(CheckpointIO):
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
         if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {wire.BULK_LIMIT_BYTES - wire.HEADER_MAX_BYTES}]")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.cluster = cluster
         self.chunk_bytes = chunk_bytes
+        self.root_dir = os.path.abspath(root_dir or os.getcwd())
         self.weights_only = weights_only
+        self.timeout_s = timeout_s
         self._db: Database | None = None
         self._pid = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_db"] = None  # connections do not travel; each process makes its own
+        return state
 
     @property
     def db(self) -> Database:
@@ -117,15 +154,41 @@ class SmartRedisCheckpointIO(CheckpointIO):
             self._pid = os.getpid()
         return self._db
 
+    def key(self, path: str | os.PathLike[str]) -> str:
+        """The database key of the checkpoint at ``path`` (see :func:`checkpoint_key`)."""
+        return checkpoint_key(path, self.root_dir)
+
+    @contextmanager
+    def _operation(self, name: str, key: str) -> Iterator[None]:
+        """One public operation: one deadline (``timeout_s``), errors typed and naming it and the key."""
+        try:
+            with self.db.operation(self.timeout_s):
+                yield
+        except redis.exceptions.TimeoutError as exc:
+            raise RedisTimeoutError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
+        except redis.exceptions.ConnectionError as exc:
+            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {self.address}: {exc}") from None
+        except redis.exceptions.RedisError as exc:
+            raise RedisReplyError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` at ``path``; the previous checkpoint there is replaced only once this one is whole.
+
+        Raises:
+            TypeError: ``storage_options`` given (this plugin takes none).
+            RedisTimeoutError: the save did not finish within ``timeout_s``, or the server stopped
+                answering for ``SR_CMD_TIMEOUT``.
+            RedisConnectionError: the database went away.
+        """
         if storage_options is not None:
             raise TypeError(
                 "`SmartRedisCheckpointIO.save_checkpoint` does not take `storage_options`, "
                 f"got {storage_options!r}"
             )
-        key = checkpoint_key(path)
-        with wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+        key = self.key(path)
+        with self._operation("save_checkpoint", key), wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
             try:
                 torch.save(checkpoint, writer)
             except Exception:
@@ -134,6 +197,7 @@ class SmartRedisCheckpointIO(CheckpointIO):
                 raise
         log.info("saved checkpoint %s to %s", key, self.address)
 
+    @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint at ``path``.
@@ -146,22 +210,23 @@ class SmartRedisCheckpointIO(CheckpointIO):
 
         Raises:
             FileNotFoundError: no checkpoint at that key (the message names key and address).
+            RedisInternalError: the stored value is corrupt (its header claims more than is stored,
+                or a checksum fails).
             pickle.UnpicklingError: the checkpoint holds objects that only ``weights_only=False``
                 loads (the message names key, address and the object).
+            RedisTimeoutError: as for ``save_checkpoint``.
         """
-        key = checkpoint_key(path)
-        header = wire.read_header(self.db, key)
-        if header is None:
-            raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
-        buffer = np.empty(self.checkpoint_size(path), dtype=np.uint8)
-        try:
-            wire.get_array(self.db, key, buffer)
-        except RedisKeyError:
-            raise FileNotFoundError(f"Checkpoint {key!r} was removed while being read") from None
+        key = self.key(path)
+        with self._operation("load_checkpoint", key):
+            try:
+                buffer = wire.get_array(self.db, key)  # sizes are checked before the buffer exists
+            except RedisKeyError:
+                raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}") from None
         if weights_only is None:
             weights_only = self.weights_only
         try:
-            return torch.load(_BufferReader(memoryview(buffer)), map_location=map_location, weights_only=weights_only)
+            return torch.load(_BufferReader(memoryview(buffer.reshape(-1).view(np.uint8))),
+                              map_location=map_location, weights_only=weights_only)
         except pickle.UnpicklingError as exc:
             if weights_only is False:
                 raise
@@ -176,22 +241,49 @@ class SmartRedisCheckpointIO(CheckpointIO):
             ) from None
 
     def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
-        """Bytes of the stored checkpoint at ``path``; ``FileNotFoundError`` when there is none."""
-        key = checkpoint_key(path)
-        header = wire.read_header(self.db, key)
+        """Bytes of the stored checkpoint at ``path``.
+
+        Raises:
+            FileNotFoundError: no checkpoint there.
+        """
+        key = self.key(path)
+        with self._operation("checkpoint_size", key):
+            header = wire.read_header(self.db, key)
         if header is None:
             raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
         return header.payload_bytes if header.chunks else header.nbytes
 
+    @override
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        key = checkpoint_key(path)
-        if wire.delete_value(self.db, key):
-            log.debug("removed checkpoint %s", key)
+        """Remove the checkpoint at ``path`` and its chunks (nothing happens when there is none)."""
+        key = self.key(path)
+        with self._operation("remove_checkpoint", key):
+            if wire.delete_value(self.db, key):
+                log.debug("removed checkpoint %s", key)
 
+    @override
     def teardown(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+class SmartRedisModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also finds the last checkpoint of a ``redis://`` directory.
+
+    Stock ``ModelCheckpoint`` saves, lists and removes ``redis://`` checkpoints through
+    :mod:`smartredis_io.filesystem`, but for ``ckpt_path="last"`` it passes the URLs it lists
+    through ``os.path.normpath``, which turns ``redis://run1/last.ckpt`` into a local path
+    (``redis:/run1/last.ckpt``), so Lightning finds nothing and trains from scratch. This keeps
+    the URLs whole; it takes ``ModelCheckpoint``'s arguments.
+    """
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        found = super()._find_last_checkpoints(trainer)
+        if isinstance(self._fs, filesystem.RedisFileSystem):
+            return {self._fs.unstrip_protocol(path) for path in found}
+        return found
 
 
 class SmartRedisModelPublisher(pl.Callback):

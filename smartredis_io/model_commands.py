@@ -11,6 +11,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+import redis
+
 from smartredis_io import export_policy, models, torchscript_policy
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
@@ -20,6 +22,9 @@ __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
 
 BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
 EXECUTABLE_BACKENDS = ("TORCH",)
+REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, looking for dead workers between
+
+log = logging.getLogger(__name__)
 
 log = logging.getLogger(__name__)
 
@@ -407,20 +412,36 @@ class ModelCommands(ClientBase):
 
     def _run(self, kind: str, name: str, fn_name: str, inputs: list[str], outputs: list[str], method: str) -> None:
         timeout_s = self._model_timeout_s
+        deadline = time.monotonic() + timeout_s
         request = models.Request(
             uuid.uuid4().hex, kind, self._get_key("model", name),
             [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
             time.time() + timeout_s, fn_name,
         )
-        # One round trip: both keys share the {srio} tag, and the pop blocks until the reply.
+        # One round trip: both keys share the {srio} tag, and the pop blocks until the reply. The
+        # wait is cut in slices: between them, workers whose heartbeat stopped are reaped (their
+        # requests run again elsewhere, or are answered with an error), so a dead worker costs
+        # seconds, not the whole timeout.
+        wait = min(REPLY_SLICE_S, timeout_s)
         popped = self._db.exchange(
-            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, timeout_s)], block_s=timeout_s
+            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, wait)], block_s=wait
         )[1]
-        if popped is None:
-            raise RedisTimeoutError(
-                f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms "
-                "(no execution worker answered; is one running on this database?)", method,
-            )
+        while popped is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RedisTimeoutError(
+                    f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms (SR_MODEL_TIMEOUT; "
+                    "no execution worker answered: is one running on this database?)", method,
+                )
+            self._reap_dead_workers()
+            wait = min(REPLY_SLICE_S, remaining)
+            popped = self._db.exchange([("BLPOP", request.reply_key, wait)], block_s=wait)[0]
         reply = json.loads(popped[1])
         if not reply["ok"]:
             raise RedisReplyError(reply["error"], method)
+
+    def _reap_dead_workers(self) -> None:
+        try:
+            models.reap_dead_workers(self._db)
+        except redis.exceptions.RedisError as exc:  # e.g. an ACL user without the right: workers reap too
+            log.debug("could not look for dead workers: %s", exc)

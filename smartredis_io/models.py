@@ -6,8 +6,15 @@ written last with one SET, publishes them: a worker loads either the old or the 
 a half-written one, and notices a new version by the manifest alone.
 
 Run requests go to one Redis list that every worker pops with BLPOP; each entry is
-``<model key>\\n<json>``. Replies go to a per-request list that the caller pops with BLPOP until the
-request's deadline. All protocol keys share the ``{srio}`` hash tag (one shard in a cluster).
+``<model key as JSON>\\n<attempt>\\n<json>`` (the key's JSON form has no newline, so any key is
+carried). Replies go to a per-request list that the caller pops with BLPOP until the request's
+deadline. All protocol keys share the ``{srio}`` hash tag (one shard in a cluster).
+
+A worker registers in ``{srio}.workers`` and keeps ``{srio}.alive.<name>`` alive with a heartbeat;
+while it runs a request, the request sits in ``{srio}.inflight`` under its name. When the heartbeat
+of a registered worker has expired, whoever notices first (a caller waiting for its reply, an idle
+worker) unregisters it atomically (``REAP_LUA``) and puts its request back at the head of the queue
+once; a request whose worker dies a second time gets an error reply at once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from smartredis_io.connection import Database
 from smartredis_io.error import RedisKeyError
 
 QUEUE_KEY = "{srio}.requests"
+WORKERS_KEY = "{srio}.workers"  # hash: worker name -> pid
+ALIVE_PREFIX = "{srio}.alive."  # + worker name: exists while the worker's heartbeat runs
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_MS = 3_000  # a worker whose heartbeat stopped this long ago is dead
+MAX_ATTEMPTS = 2  # a request whose worker dies is run once more
 INFLIGHT_KEY = "{srio}.inflight"  # hash: worker name -> the request it is running (as queued)
 REPLY_TTL_MS = 60_000  # a reply nobody collects (its caller timed out) expires after this
 SEPARATOR = "\n"
@@ -74,6 +86,45 @@ _INTERNAL_KEY = re.compile(r"^\{srio\}\.|\.(blob|chunk)\.[0-9a-f]{32}(\.\d+)?$")
 def is_internal_key(key: str) -> bool:
     """Whether ``key`` belongs to the protocol or to the parts of a stored value (never a run's output)."""
     return bool(_INTERNAL_KEY.search(key))
+
+
+# Unregister every registered worker whose heartbeat expired (ARGV[1]: the alive-key prefix) and
+# requeue its in-flight request at the head of the queue (attempt + 1), or, at attempt ARGV[2] - 1,
+# answer it with an error. Returns the names of the workers removed.
+REAP_LUA = """
+local removed = {}
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. name) == 0 then
+    local req = redis.call('HGET', KEYS[2], name)
+    redis.call('HDEL', KEYS[1], name)
+    redis.call('HDEL', KEYS[2], name)
+    table.insert(removed, name)
+    if req then
+      local first = string.find(req, '\\n', 1, true)
+      local second = string.find(req, '\\n', first + 1, true)
+      local attempt = tonumber(string.sub(req, first + 1, second - 1))
+      local body = string.sub(req, second + 1)
+      if attempt + 1 < tonumber(ARGV[2]) then
+        redis.call('LPUSH', KEYS[3], string.sub(req, 1, first) .. (attempt + 1) .. '\\n' .. body)
+      else
+        local request = cjson.decode(body)
+        local reply = '{srio}.reply.' .. request['id']
+        redis.call('RPUSH', reply, cjson.encode({ok = false, worker = name, error = 'ERR the worker ' .. name ..
+          ' died while running ' .. request['kind'] .. ' ' .. request['key'] .. ', which had been retried once already'}))
+        redis.call('PEXPIRE', reply, tonumber(ARGV[3]))
+      end
+    end
+  end
+end
+return removed
+"""
+
+
+def reap_dead_workers(db: Database) -> list[str]:
+    """Unregister workers whose heartbeat expired, retrying or failing their requests; their names."""
+    removed = db.redis.eval(REAP_LUA, 3, WORKERS_KEY, INFLIGHT_KEY, QUEUE_KEY, ALIVE_PREFIX, MAX_ATTEMPTS,
+                            REPLY_TTL_MS)
+    return [name.decode() if isinstance(name, bytes) else name for name in removed]
 
 
 def batch_keys(key: str) -> tuple[str, str]:
@@ -176,18 +227,25 @@ class Request:
     outputs: list[str]
     deadline: float  # time.time() seconds
     fn: str = ""
+    attempt: int = 0  # how many times a worker died running it
 
     @property
     def reply_key(self) -> str:
         return f"{{srio}}.reply.{self.id}"
 
     def encode(self) -> str:
-        return f"{self.key}{SEPARATOR}{json.dumps(vars(self))}"  # vars: asdict's deep copy costs ~10x
+        body = {k: v for k, v in vars(self).items() if k != "attempt"}  # vars: asdict's deep copy costs ~10x
+        return f"{queue_prefix(self.key)}{self.attempt}{SEPARATOR}{json.dumps(body)}"
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Request:
         text = raw.decode() if isinstance(raw, bytes) else raw
-        _, sep, body = text.partition(SEPARATOR)
-        if not sep:
+        parts = text.split(SEPARATOR, 2)
+        if len(parts) != 3 or not parts[1].isdigit():
             raise ValueError(f"Malformed request {text[:80]!r}")
-        return cls(**json.loads(body))
+        return cls(**json.loads(parts[2]), attempt=int(parts[1]))
+
+
+def queue_prefix(key: str) -> str:
+    """How every queued request for the model or script ``key`` starts."""
+    return f"{json.dumps(key)}{SEPARATOR}"

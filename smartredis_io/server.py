@@ -48,7 +48,9 @@ _DATA_COMMANDS = (
 )
 _WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
 # Keys of the run_model protocol a client writes: its requests and its replies.
-_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*")
+# Keys of the run_model protocol a client writes: its requests and replies, and the registry it
+# cleans of dead workers while it waits.
+_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class AclUser:
             return head + ["~*", *_WORKER_COMMANDS.split()]
         patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
         keys = ["%R~*", *(f"%W~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
-        return head + keys + _DATA_COMMANDS.split()
+        return head + keys + _DATA_COMMANDS.split() + ["+eval"]
 
 
 @dataclass(frozen=True)

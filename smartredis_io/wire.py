@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-import uuid
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ _FIXED = struct.Struct("<4sBBBB")  # magic, layout, dtype code, ndim, reserved
 _CHUNKS = struct.Struct("<IIQ16s")  # chunk count, CRC-32 of the payload, payload bytes, version
 HEADER_MAX_BYTES = _FIXED.size + 8 * MAX_NDIM + _CHUNKS.size
 READ_RETRIES = 3
+MAX_CHUNKS = 1 << 20  # more chunks than any real value has (512 TB at the bulk limit)
 
 #: numpy has no bfloat16: such tensors travel as their raw 16-bit pattern with this dtype, which is
 #: ``uint16`` tagged with metadata so that the bfloat16 type is kept through put/get.
@@ -93,6 +94,11 @@ class Header:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def written_at(self) -> float | None:
+        """When a chunked value was written (seconds since the epoch); None for an inline value."""
+        return int(self.version[:16], 16) / 1e9 if self.chunks else None
 
     def chunk_keys(self, key: str) -> list[str]:
         return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]
@@ -194,7 +200,7 @@ class ChunkedWriter:
     def __init__(self, db: Database, key: str, chunk_bytes: int, code: int = 7, shape: Sequence[int] | None = None):
         self._db, self._key, self._chunk_bytes = db, key, chunk_bytes
         self._code, self._shape = code, shape
-        self._version = uuid.uuid4().hex
+        self._version = new_version()
         self._written: list[str] = []
         self._crc = 0
         self._nbytes = 0
@@ -266,6 +272,11 @@ class ChunkedWriter:
         self._written = []
 
 
+def new_version() -> str:
+    """A fresh chunk-set version: the time it was made (ns, 8 bytes) then 8 random bytes, as hex."""
+    return (time.time_ns().to_bytes(8, "big") + os.urandom(8)).hex()
+
+
 def read_header(db: Database, key: str) -> Header | None:
     raw = db.redis.getrange(key, 0, HEADER_MAX_BYTES - 1)
     return decode_header(raw, key) if raw else None
@@ -312,21 +323,47 @@ def _try_get(db: Database, key: str, out: np.ndarray | None) -> np.ndarray | Non
 
     def plan(first: memoryview, length: int) -> tuple[int, memoryview]:
         header = decode_header(first, key)
-        target = _target(header, out, key)
-        state["header"], state["target"] = header, target
+        state["header"] = header
         if header.chunks:
             return length, memoryview(bytearray(0))
-        if header.size + header.nbytes != length:
-            raise RedisInternalError(f"The value at key {key!r} is truncated")
+        if header.size + header.nbytes != length:  # checked before anything is allocated for it
+            raise RedisInternalError(_claims(key, header.nbytes, length - header.size))
+        target = _target(header, out, key)
+        state["target"] = target
         return header.size, memoryview(target.reshape(-1).view(np.uint8))
 
     if not db.get_into(key, plan, HEADER_MAX_BYTES):
         raise RedisKeyError(f"The tensor {key!r} does not exist")
     header: Header = state["header"]  # type: ignore[assignment]
-    target: np.ndarray = state["target"]  # type: ignore[assignment]
     if not header.chunks:
-        return target
+        return state["target"]  # type: ignore[return-value]
+    stored = stored_chunk_bytes(db, key, header)
+    if stored is None:
+        if read_header(db, key) == header:
+            raise RedisInternalError(f"The value at key {key!r} is corrupt: its header names "
+                                     f"{header.chunks} chunks and some of them do not exist")
+        return None  # overwritten while reading: the caller reads the new header
+    if stored != header.payload_bytes or header.payload_bytes != header.nbytes:
+        raise RedisInternalError(_claims(key, header.nbytes, stored))
+    target = _target(header, out, key)
     return target if _read_chunks(db, key, header, target) else None
+
+
+def _claims(key: str, claimed: int, stored: int) -> str:
+    return (f"The value at key {key!r} is corrupt or truncated: its header claims {claimed} bytes of data "
+            f"but {stored} are stored")
+
+
+def stored_chunk_bytes(db: Database, key: str, header: Header) -> int | None:
+    """Bytes the chunks of a chunked value hold (one round trip); None when one of them is gone.
+
+    Read before anything is allocated for the value, so a header that claims more than is stored
+    costs nothing.
+    """
+    if header.chunks > MAX_CHUNKS:
+        raise RedisInternalError(f"The value at key {key!r} is corrupt: its header claims {header.chunks} chunks")
+    lengths = db.exchange([("STRLEN", chunk) for chunk in header.chunk_keys(key)])
+    return None if any(n == 0 for n in lengths) else sum(lengths)
 
 
 def _read_chunks(db: Database, key: str, header: Header, target: np.ndarray) -> bool:

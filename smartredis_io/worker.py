@@ -22,6 +22,7 @@ import pwd
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -43,16 +44,17 @@ from smartredis_io import (
     wire,
 )
 from smartredis_io.connection import Command, ConnectionSettings, Database, detect_cluster
-from smartredis_io.error import RedisKeyError, RedisReplyError
+from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
 from smartredis_io.models import Manifest, Request
 
 log = logging.getLogger(__name__)
 
 _CPU = torch.device("cpu")
 
-WORKERS_KEY = "{srio}.workers"  # hash: worker name -> pid, for launchers waiting until workers are up
 ERROR_BACKOFF_S = 0.1  # pause after a request that could not be handled (e.g. database unreachable)
-POP_TIMEOUT_S = 1.0  # how often an idle worker wakes up to notice a stop request
+POP_TIMEOUT_S = 1.0  # how often an idle worker wakes up (to look for dead workers)
+REAP_INTERVAL_S = 2.0  # how often an idle worker looks for dead workers
+UNREGISTER_TIMEOUT_S = 2.0  # deadline of each step of a stopping worker's unregistration
 BATCH_POLL_INTERVAL_S = 0.001  # while a batch waits (at most min_batch_timeout) for min_batch_size
 BATCH_SCAN_LIMIT = 1024  # queue entries looked at when gathering a batch
 PIPELINED_OUTPUT_MAX_BYTES = 1 << 20  # outputs up to this size are sent with the reply (one round trip)
@@ -94,6 +96,50 @@ def _as_list(result: Any) -> list[torch.Tensor]:
 
 class RunError(Exception):
     """An error that goes back to the caller as the reply's message."""
+
+
+class _Stopped(BaseException):
+    """Raised by the signal handler to leave a wait (a BaseException: no model error handler takes it)."""
+
+
+class _Heartbeat:
+    """A thread that keeps this worker registered and its alive key from expiring, on its own connection.
+
+    It runs while models run (torch releases the GIL), so a long request does not look like a dead
+    worker; when the process dies, the key expires after ``models.HEARTBEAT_TTL_MS``.
+    """
+
+    def __init__(self, settings: ConnectionSettings, name: str) -> None:
+        self._db = Database(settings)
+        self._db.redis.ping()  # connected now, with the rights the process starts with
+        self._name = name
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True)
+
+    def beat(self) -> None:
+        self._db.exchange([
+            ("SET", models.ALIVE_PREFIX + self._name, os.getpid(), "PX", models.HEARTBEAT_TTL_MS),
+            ("HSET", models.WORKERS_KEY, self._name, os.getpid()),
+        ])
+
+    def start(self) -> None:
+        self.beat()  # registered before the first request is taken
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(models.HEARTBEAT_INTERVAL_S):
+            try:
+                self.beat()
+            except redis.exceptions.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop beating; a beat stuck on an unresponsive server is left behind (a daemon thread)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(UNREGISTER_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self._db.close()
 
 
 def _output_heads(request: Request) -> list[Command]:
@@ -138,23 +184,37 @@ class Worker:
         self._handoff = self.db.redis.register_script(models.HANDOFF_LUA)
         self._release_batch = self.db.redis.register_script(models.RELEASE_BATCH_LUA)
         self._stop = False
+        self._idle = False
+        self._unregistering = False
+        self._heartbeat = _Heartbeat(settings, self.name)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Take requests until SIGTERM / SIGINT (finishing the one in hand)."""
+        """Take requests until SIGTERM / SIGINT.
+
+        A signal while the worker waits for a request stops it at once; one while it runs a request
+        lets that request finish, and a second one stops it anyway (the request is then run again
+        by another worker, as if this one had died).
+        """
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.db.redis.hset(WORKERS_KEY, self.name, os.getpid())
+        self._heartbeat.start()
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
+        next_reap = 0.0
         try:
             while not self._stop:
+                self._idle = True
                 try:
+                    if self._stop:
+                        break
                     popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)], block_s=POP_TIMEOUT_S)[0]
                 except redis.exceptions.ConnectionError:
                     if self._stop:
                         break  # the database went first (launcher stopping everything)
                     raise
+                finally:
+                    self._idle = False
                 if popped:
                     try:
                         self.handle(popped[1])
@@ -163,20 +223,52 @@ class Worker:
                         # times out at its deadline; this worker goes on with the next request.
                         log.exception("request could not be handled")
                         time.sleep(ERROR_BACKOFF_S)
+                elif time.monotonic() >= next_reap:
+                    self._idle = True
+                    try:
+                        self._reap()
+                    finally:
+                        self._idle = False
+                    next_reap = time.monotonic() + REAP_INTERVAL_S
+        except _Stopped:
+            log.info("worker %s stopping", self.name)
         finally:
+            self._heartbeat.stop()
             self._unregister()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        # Only a flag: raising here could cut a Redis command in half (the blocking pop, or the
-        # clean-up below when a second signal arrives); an idle worker sees it within POP_TIMEOUT_S.
+        if self._stop and not self._idle and not self._unregistering:
+            self._unregistering = True
+            raise _Stopped()  # a second signal while a request runs: stop now
         self._stop = True
+        if self._idle:
+            raise _Stopped()  # waiting for a request (or for a stopped database): nothing to finish
+
+    def _reap(self) -> None:
+        try:
+            for name in models.reap_dead_workers(self.db):
+                log.warning("worker %s stopped sending heartbeats: unregistered, its request requeued", name)
+        except redis.exceptions.RedisError:
+            log.exception("could not look for dead workers")
 
     def _unregister(self) -> None:
+        """Leave the registry, handing a request in flight back to the queue; bounded by UNREGISTER_TIMEOUT_S."""
+        self._unregistering = True
+        quick = self.db.settings.with_(connect_timeout_s=UNREGISTER_TIMEOUT_S, connect_interval_s=0.1,
+                                       command_timeout_s=UNREGISTER_TIMEOUT_S)
         try:
-            self.db.redis.hdel(WORKERS_KEY, self.name)
             self.db.close()
-        except redis.exceptions.RedisError:
-            pass  # the database went first (launcher stopping everything)
+            db = Database(quick)
+            try:
+                db.redis.delete(models.ALIVE_PREFIX + self.name)
+                models.reap_dead_workers(db)  # removes this worker; requeues what it was running
+                db.redis.hdel(models.WORKERS_KEY, self.name)
+            finally:
+                db.close()
+        except (redis.exceptions.RedisError, RedisConnectionError):
+            # The database went first (launcher stopping everything), or does not answer: the
+            # workers and callers still connected reap this worker once its heartbeat expires.
+            log.warning("worker %s could not unregister", self.name)
 
     # ---- one request ----------------------------------------------------------------------------
 
@@ -361,7 +453,7 @@ class Worker:
         while True:
             wanted = manifest.batch_size - len(taken)
             raw = self._take_batch(keys=[models.QUEUE_KEY],
-                                   args=[first.key + models.SEPARATOR, wanted, BATCH_SCAN_LIMIT])
+                                   args=[models.queue_prefix(first.key), wanted, BATCH_SCAN_LIMIT])
             raw += self.db.redis.lpop(handoff, max(wanted - len(raw), 1)) or []
             taken += [Request.decode(r) for r in raw]
             if len(taken) >= max(manifest.min_batch_size, 1) or len(taken) >= manifest.batch_size:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import redis
+from redis.cluster import RedisCluster
 
 from smartredis_io import Client, Orchestrator
 
@@ -56,3 +58,30 @@ def orchestrator():
 def orch_client(orchestrator: Orchestrator) -> Client:
     with Client(False, orchestrator.address) as client:
         yield client
+
+
+def _plain(server, cluster: bool):
+    settings = server.settings()
+    if cluster:
+        return RedisCluster(host=server.host, port=server.ports[0], password=settings.password)
+    return redis.Redis(host="127.0.0.1", port=int(server.address.rsplit(":", 1)[1]), password=settings.password)
+
+
+@pytest.fixture
+def raw(request: pytest.FixtureRequest, redis_server, redis_cluster):
+    """A plain redis-py client of the database the test's client uses (the cluster for ``clustered``
+    and for the cluster case of a fixture parametrized "standalone"/"cluster"), to look at what is
+    stored as any Redis client would."""
+    callspec = getattr(request.node, "callspec", None)
+    cluster = "clustered" in request.fixturenames or (callspec is not None and "cluster" in callspec.params.values())
+    client = _plain(redis_cluster if cluster else redis_server, cluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def orch_raw(orchestrator: Orchestrator):
+    """A plain redis-py client of the shared Orchestrator's database."""
+    client = _plain(orchestrator.database, False)
+    yield client
+    client.close()

@@ -13,6 +13,13 @@ def double(x):
 def add_and_sub(a, b):
     return a + b, a - b
 
+def slow(x):
+    # About a second of work: long enough to kill its worker in the middle.
+    y = x
+    for i in range(50000):
+        y = y + 1
+    return y - 50000
+
 def spin(x):
     # Runs until its worker is killed: the "worker dies mid-request" case.
     y = x

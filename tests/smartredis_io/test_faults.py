@@ -1,0 +1,219 @@
+"""Deadlines and dead processes: a stopped (SIGSTOP) or killed (SIGKILL) redis-server or worker.
+
+Every case runs under a deadline of its own (``call_within``), well under a minute, so a hang fails
+the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO
+from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
+from tests.support.processes import alive, call_within, paused
+from tests.support.srio_models import SCRIPT
+
+X = np.ones((2, 4), dtype=np.float32)
+
+
+def _options(address: str, **integers: int) -> ConfigOptions:
+    options = ConfigOptions.create_from_environment("")
+    options.override_string_option("SSDB", address)
+    for name, value in integers.items():
+        options.override_integer_option(name, value)
+    return options
+
+
+@pytest.fixture
+def server():
+    """A redis-server of the test's own, to stop and kill."""
+    with RedisServer() as own:
+        yield own
+
+
+def test_tensor_calls_to_a_stopped_server_time_out_naming_call_and_key(server, uid: str) -> None:
+    client = Client(_options(server.address, SR_CMD_TIMEOUT=1))
+    out = np.empty_like(X)
+    client.put_tensor(uid, X)
+    with paused(server.pids[0]):
+        for call in (lambda: client.put_tensor(uid, X), lambda: client.unpack_tensor(uid, out),
+                     lambda: client.tensor_exists(uid)):
+            elapsed, error = call_within(10, call)
+            assert isinstance(error, RedisTimeoutError), error
+            assert uid in str(error) and server.address in str(error)
+            assert elapsed < 3
+    client.put_tensor(uid, X * 2)  # the client works again once the server does
+    client.unpack_tensor(uid, out)
+    np.testing.assert_array_equal(out, X * 2)
+    client.close()
+
+
+def test_connecting_to_a_stopped_server_ends_at_sr_conn_timeout(server) -> None:
+    with paused(server.pids[0]):
+        elapsed, error = call_within(15, lambda: Client(_options(server.address, SR_CONN_TIMEOUT=2,
+                                                                 SR_CONN_INTERVAL=100)))
+    assert isinstance(error, RedisConnectionError) and server.address in str(error), error
+    assert 1.5 < elapsed < 5
+
+
+def test_a_checkpoint_save_to_a_stopped_server_fails_within_its_deadline(server, uid: str) -> None:
+    io = SmartRedisCheckpointIO(server.address, cluster=False, chunk_bytes=4096,
+                                config_options=_options(server.address, SR_CMD_TIMEOUT=1))
+    io.save_checkpoint({"w": torch.ones(10)}, f"{uid}.ckpt")
+    with paused(server.pids[0]):
+        elapsed, error = call_within(15, lambda: io.save_checkpoint({"w": torch.zeros(5000)}, f"{uid}.ckpt"))
+        assert isinstance(error, RedisTimeoutError) and f"{uid}.ckpt" in str(error), error
+        assert "save_checkpoint" in str(error) and elapsed < 5
+        elapsed, error = call_within(15, lambda: io.load_checkpoint(f"{uid}.ckpt"))
+        assert isinstance(error, RedisTimeoutError) and "load_checkpoint" in str(error), error
+    torch.testing.assert_close(io.load_checkpoint(f"{uid}.ckpt")["w"], torch.ones(10))  # the old one survived
+    io.teardown()
+
+
+def test_a_save_that_outlives_its_overall_deadline_is_abandoned(server, uid: str) -> None:
+    io = SmartRedisCheckpointIO(server.address, cluster=False, chunk_bytes=4096, timeout_s=0.5)
+    slow = threading.Thread(target=lambda: (time.sleep(0.2), os.kill(server.pids[0], signal.SIGSTOP),
+                                            time.sleep(0.6), os.kill(server.pids[0], signal.SIGCONT)))
+    slow.start()  # the server stalls for 0.6 s in the middle of a save of many chunks
+    elapsed, error = call_within(30, lambda: [io.save_checkpoint({"w": torch.zeros(50_000)}, f"{uid}-{i}.ckpt")
+                                              for i in range(1000)])
+    slow.join()
+    assert isinstance(error, RedisTimeoutError) and "0.5 s" in str(error), error
+    io.teardown()
+
+
+def test_run_model_on_a_stopped_server_ends_at_sr_model_timeout(server, uid: str) -> None:
+    client = Client(_options(server.address, SR_MODEL_TIMEOUT=2000, SR_CMD_TIMEOUT=1))
+    with paused(server.pids[0]):
+        elapsed, error = call_within(20, lambda: client.run_script(uid, "double", [uid], [uid + "y"]))
+    assert isinstance(error, (RedisTimeoutError, RedisConnectionError)) and uid in str(error), error
+    assert elapsed < 5
+    client.close()
+
+
+def test_a_killed_server_fails_calls_at_once(uid: str) -> None:
+    with RedisServer() as own:
+        client = Client(_options(own.address))
+        client.put_tensor(uid, X)
+        os.kill(own.pids[0], signal.SIGKILL)
+        elapsed, error = call_within(15, lambda: client.get_tensor(uid))
+        assert isinstance(error, RedisConnectionError) and "get_tensor" in str(error), error
+        assert elapsed < 2
+
+
+def _registry(orch: Orchestrator) -> tuple[dict[str, int], dict[str, bytes]]:
+    settings = orch.settings()
+    with redis.Redis(host="127.0.0.1", port=orch.database.port, password=settings.password) as plain:
+        workers = {k.decode(): int(v) for k, v in plain.hgetall("{srio}.workers").items()}
+        inflight = {k.decode(): v for k, v in plain.hgetall("{srio}.inflight").items()}
+    return workers, inflight
+
+
+def _wait_for_busy_worker(orch: Orchestrator, exclude: set[str] = frozenset(), seconds: float = 10) -> str:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        busy = [name for name in _registry(orch)[1] if name not in exclude]
+        if busy:
+            return busy[0]
+        time.sleep(0.01)
+    raise AssertionError("no worker took the request")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_replaced_and_unregistered(uid: str) -> None:
+    with Orchestrator(workers=2) as orch:
+        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
+        client.set_script(uid, SCRIPT)
+        client.put_tensor(uid + "x", X)
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            outcome["elapsed"], outcome["error"] = call_within(
+                50, lambda: client.run_script(uid, "slow", [uid + "x"], [uid + "y"]))
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        victim = _wait_for_busy_worker(orch)
+        os.kill(_registry(orch)[0][victim], signal.SIGKILL)
+        caller.join()
+        assert outcome["error"] is None, outcome["error"]
+        assert outcome["elapsed"] < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
+        np.testing.assert_allclose(client.get_tensor(uid + "y"), X)
+        workers, inflight = _registry(orch)
+        assert victim not in workers and victim not in inflight
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_request_whose_workers_die_twice_fails_fast(uid: str) -> None:
+    with Orchestrator(workers=2) as orch:
+        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
+        client.set_script(uid, SCRIPT)
+        client.put_tensor(uid + "x", X)
+        outcome: dict[str, object] = {}
+
+        def run() -> None:
+            outcome["elapsed"], outcome["error"] = call_within(
+                50, lambda: client.run_script(uid, "spin", [uid + "x"], [uid + "y"]))
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        first = _wait_for_busy_worker(orch)
+        pids = _registry(orch)[0]
+        os.kill(pids[first], signal.SIGKILL)
+        second = _wait_for_busy_worker(orch, exclude={first}, seconds=15)
+        os.kill(pids[second], signal.SIGKILL)
+        caller.join()
+        error = outcome["error"]
+        assert isinstance(error, RedisReplyError) and "died" in str(error) and "retried once" in str(error), error
+        assert outcome["elapsed"] < 30
+        assert _registry(orch) == ({}, {})
+        client.close()
+
+
+@pytest.mark.slow
+def test_workers_stop_on_sigterm_while_the_database_is_stopped(uid: str) -> None:
+    with Orchestrator(workers=1) as orch:
+        worker = orch.workers[0]
+        with paused(orch.database.pids[0]):
+            time.sleep(1.5)  # the worker is blocked on the stopped server
+            os.kill(worker.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            while worker.is_running() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not worker.is_running(), "the worker ignored SIGTERM while blocked"
+
+
+_PARENT = """
+import json, sys, time
+from smartredis_io import Orchestrator
+orch = Orchestrator(workers=1).start()
+print(json.dumps(orch.database.pids + orch.worker_pids), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_nothing_outlives_a_killed_parent() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)], "redis-server or a worker outlived its parent"
