@@ -108,8 +108,10 @@ class Client(SRObject, TensorCommands, DatasetCommands, MultiGPUCommands, ModelC
         else:
             shards = self._db.address.replace(";", ",").split(",")
         protocol = "Unix Domain Socket" if self._db.address.startswith("unix://") else "TCP"
-        lines = [f"Client ({self._logger_name}):", f"{kind} Redis connection:", "  Redis shards at:",
-                 *(f"    {shard.strip()}" for shard in shards if shard.strip()), f"  Protocol: {protocol}",
+        db_type = "Clustered" if self._db.cluster else "Standalone"
+        lines = [f"Client ({self._logger_name}):", f"{kind} Redis connection:", f"  Database type: {db_type}",
+                 "  Redis shards at:", *(f"    {shard.strip()}" for shard in shards if shard.strip()),
+                 f"  Protocol: {protocol}",
                  f"  Model and script timeout (ms): {self._model_timeout_s * 1000:.0f}"]
         return "\n".join(lines) + "\n"
 

@@ -53,7 +53,7 @@ def _ran_on(client: Client, uid: str) -> tuple[int, np.ndarray]:
     return int(client.get_tensor(uid + "where")[0]), client.get_tensor(uid + "y")
 
 
-def test_models_set_for_gpus_run_on_the_cpu_here(orch_client: Client, uid: str) -> None:
+def test_models_set_for_gpus_run_on_the_cpu_here(orchestrator: Orchestrator, orch_client: Client, uid: str) -> None:
     """On a machine without GPUs every copy runs, on the CPU (the workers log a warning)."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: test_multigpu_on_gpus covers it")
@@ -69,7 +69,7 @@ def test_models_set_for_gpus_run_on_the_cpu_here(orch_client: Client, uid: str) 
         where, y = _ran_on(orch_client, uid)
         assert where == -1
         np.testing.assert_array_equal(y, X * 2)
-    address = [orch_client._db.address]
+    address = [orchestrator.address]
     calls = [int(orch_client.get_ai_info(address, f"{uid}.GPU:{gpu}")[0]["calls"]) for gpu in (1, 2)]
     assert calls == [2, 2], "offsets 0..3 alternate between the two copies"
     orch_client.delete_model_multigpu(uid, 1, 2)
