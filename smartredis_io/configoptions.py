@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
 
-__all__ = ["ConfigOptions"]
+__all__ = ["ConfigOptions", "create_managed_instance", "managed", "typecheck"]
 
 _NOT_FACTORY = "Method called on a ConfigOptions object not created from a factory method"
 
@@ -15,6 +18,38 @@ def typecheck(arg: object, name: str, _type: type | tuple[type, ...]) -> None:
     """Raise SmartRedis' ``TypeError`` when ``arg`` is not an instance of ``_type``."""
     if not isinstance(arg, _type):
         raise TypeError(f"Argument {name} is of type {type(arg)}, not {_type}")
+
+
+_T = TypeVar("_T")
+
+
+def create_managed_instance(base: type[_T]) -> _T:
+    """An instance of ``base`` (``ConfigOptions``) marked as made by a factory method
+
+    :param base: the class
+    :return: the new instance
+    """
+    instance = base()
+    instance._is_created_via_factory = True  # type: ignore[attr-defined]
+    return instance
+
+
+def managed(func: Callable[..., _T]) -> Callable[..., _T]:
+    """Decorate a method that only objects made by a factory method may call
+
+    :param func: the method
+    :return: the method, raising ``RedisRuntimeError`` when called on an object not made by a factory
+    """
+
+    @functools.wraps(func)
+    def _wrapper(*args: Any, **kwargs: Any) -> _T:
+        instance = args[0]
+        if not getattr(instance, "_is_created_via_factory", False):
+            raise RedisRuntimeError(f"Attempting to call managed method on {type(instance).__name__} object not "
+                                    "created from a factory method")
+        return func(*args, **kwargs)
+
+    return _wrapper
 
 
 class ConfigOptions:

@@ -6,7 +6,7 @@ from smartredis_io import dataset as ds_layout
 from smartredis_io.client_base import ClientBase, command, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.dataset import Dataset
-from smartredis_io.error import RedisKeyError
+from smartredis_io.error import MissingKeyRuntimeError
 
 __all__ = ["DatasetCommands"]
 
@@ -51,12 +51,13 @@ class DatasetCommands(ClientBase):
 
         :param name: name the dataset is stored at
         :type name: str
-        :raises RedisKeyError: if there is no dataset at that name
+        :raises RedisKeyError: if there is no dataset at that name (a ``RedisRuntimeError`` too, as
+            SmartRedis raises)
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
         if not ds_layout.delete(self._db, self._dataset_get_key(name)):
-            raise RedisKeyError(f"The dataset {name!r} does not exist")
+            raise MissingKeyRuntimeError(f"The dataset {name!r} does not exist")
 
     @command
     def copy_dataset(self, src_name: str, dest_name: str) -> None:

@@ -17,11 +17,43 @@ from smartredis_io.configoptions import typecheck
 from smartredis_io.dataset import Dataset
 from smartredis_io.error import RedisRuntimeError
 
-__all__ = ["DatasetConverter"]
+__all__ = ["DatasetConverter", "get_data", "typecheck_stringlist"]
 
 DATA_NAMES_FIELD = "_xarray_data_names"
 _ROLES = ("dim", "coord", "attr")
 _NULL = "null"
+
+
+def get_data(dataset: Dataset, name: str, dtype: str) -> list[str]:
+    """The field names recorded for variable ``name`` in role ``dtype`` (``dim``, ``coord`` or ``attr``)
+
+    :param dataset: the dataset
+    :type dataset: Dataset
+    :param name: the data variable
+    :type name: str
+    :param dtype: the role: ``dim``, ``coord`` or ``attr``
+    :type dtype: str
+    :return: the recorded names (``["null"]`` when none were given)
+    :rtype: list[str]
+    :raises RedisKeyError: if nothing is recorded for the variable
+    """
+    return dataset.get_meta_strings(f"_xarray_{name}_{dtype}_names")[0].split(",")
+
+
+def typecheck_stringlist(names: list[str], strings_name: str, string_name: str) -> None:
+    """Check that ``names`` is a list of non-empty strings
+
+    :param names: the list to check
+    :param strings_name: the list's name, for errors
+    :param string_name: an element's name, for errors
+    :raises TypeError: if ``names`` is not a list of strings
+    :raises RedisRuntimeError: if an element is an empty string
+    """
+    typecheck(names, strings_name, list)
+    for name in names:
+        typecheck(name, string_name, str)
+        if not name:
+            raise RedisRuntimeError(f"Empty string in {strings_name}")
 
 
 def _as_names(names: str | list[str] | None, what: str) -> list[str] | None:
@@ -29,18 +61,14 @@ def _as_names(names: str | list[str] | None, what: str) -> list[str] | None:
         return None
     if isinstance(names, str):
         return [names]
-    typecheck(names, what, list)
-    for name in names:
-        typecheck(name, what, str)
-        if not name:
-            raise RedisRuntimeError(f"Empty string in {what}")
+    typecheck_stringlist(names, what, what[:-1])
     return names
 
 
 def _names(dataset: Dataset, variable: str, role: str) -> list[str]:
     """The metadata field names recorded for ``variable`` in ``role`` (dim, coord or attr)."""
-    recorded = dataset.get_meta_strings(f"_xarray_{variable}_{role}_names")[0]
-    return [] if recorded == _NULL else recorded.split(",")
+    recorded = get_data(dataset, variable, role)
+    return [] if recorded == [_NULL] else recorded
 
 
 def _import_xarray() -> Any:

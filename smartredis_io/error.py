@@ -55,3 +55,8 @@ class RedisTimeoutError(RedisReplyError):
 
 class RedisKeyError(RedisReplyError):
     """A key (tensor, dataset, model, script, configuration option) does not exist."""
+
+
+class MissingKeyRuntimeError(RedisKeyError, RedisRuntimeError):
+    """A key that does not exist, where SmartRedis reports a runtime error (``delete_dataset``,
+    ``copy_list``, ...): code catching either ``RedisKeyError`` or ``RedisRuntimeError`` catches it."""

@@ -6,9 +6,16 @@ from smartredis_io import dataset as ds_layout
 from smartredis_io.client_base import ClientBase, command, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.dataset import Dataset
-from smartredis_io.error import RedisKeyError
+from smartredis_io.error import MissingKeyRuntimeError
 
 __all__ = ["ListCommands"]
+
+
+def _check_names(src_name: str, dest_name: str) -> None:
+    if not src_name:
+        raise ValueError("The src_name parameter cannot be an empty string.")
+    if not dest_name:
+        raise ValueError("The dest_name parameter cannot be an empty string.")
 
 
 class ListCommands(ClientBase):
@@ -52,14 +59,17 @@ class ListCommands(ClientBase):
         :type src_name: str
         :param dest_name: name of the copy (replaced if it exists)
         :type dest_name: str
-        :raises RedisKeyError: if there is no list at ``src_name``
+        :raises ValueError: if a name is empty
+        :raises RedisKeyError: if there is no list at ``src_name`` (a ``RedisRuntimeError`` too, as
+            SmartRedis raises)
         :raises RedisReplyError: if the copy fails
         """
         typecheck(src_name, "src_name", str)
         typecheck(dest_name, "dest_name", str)
+        _check_names(src_name, dest_name)
         src = self._get_key("list", src_name)
         if not self._db.redis.exists(src):
-            raise RedisKeyError(f"The list {src!r} does not exist")
+            raise MissingKeyRuntimeError(f"The list {src!r} does not exist")
         entries = self._db.redis.lrange(src, 0, -1)
         dest = self._put_key("list", dest_name)
         pipe = self._db.redis.pipeline(transaction=not self._db.cluster)
@@ -75,9 +85,16 @@ class ListCommands(ClientBase):
         :type src_name: str
         :param dest_name: new name of the list (replaced if it exists)
         :type dest_name: str
-        :raises RedisKeyError: if there is no list at ``src_name``
+        :raises ValueError: if a name is empty
+        :raises RedisKeyError: if there is no list at ``src_name`` (a ``RedisRuntimeError`` too, as
+            SmartRedis raises)
         :raises RedisReplyError: if the rename fails
         """
+        typecheck(src_name, "src_name", str)
+        typecheck(dest_name, "dest_name", str)
+        _check_names(src_name, dest_name)
+        if src_name == dest_name:
+            return
         self.copy_list(src_name, dest_name)
         if self._get_key("list", src_name) != self._put_key("list", dest_name):
             self._db.redis.delete(self._get_key("list", src_name))
@@ -95,8 +112,12 @@ class ListCommands(ClientBase):
         typecheck(list_name, "list_name", str)
         return int(self._db.redis.llen(self._get_key("list", list_name)))
 
-    def _poll_length(self, name: str, accept, poll_frequency_ms: int, num_tries: int) -> bool:
+    def _poll_length(self, name: str, list_length: int, accept, poll_frequency_ms: int, num_tries: int) -> bool:
         typecheck(name, "name", str)
+        typecheck(poll_frequency_ms, "poll_frequency_ms", int)
+        typecheck(num_tries, "num_tries", int)
+        if list_length < 0:
+            raise ValueError("A positive value for list_length must be provided.")
         return poll(lambda: accept(self.get_list_length(name)), poll_frequency_ms, num_tries)
 
     def poll_list_length(self, name: str, list_length: int, poll_frequency_ms: int, num_tries: int) -> bool:
@@ -113,10 +134,11 @@ class ListCommands(ClientBase):
         :return: whether the length was reached
         :rtype: bool
         :raises TypeError: if an argument has the wrong type
+        :raises ValueError: if ``list_length`` is negative
         :raises RedisReplyError: if a check fails
         """
         typecheck(list_length, "list_length", int)
-        return self._poll_length(name, lambda n: n == list_length, poll_frequency_ms, num_tries)
+        return self._poll_length(name, list_length, lambda n: n == list_length, poll_frequency_ms, num_tries)
 
     def poll_list_length_gte(self, name: str, list_length: int, poll_frequency_ms: int, num_tries: int) -> bool:
         """Wait for an aggregation list to reach at least a given length
@@ -132,10 +154,11 @@ class ListCommands(ClientBase):
         :return: whether the length was reached
         :rtype: bool
         :raises TypeError: if an argument has the wrong type
+        :raises ValueError: if ``list_length`` is negative
         :raises RedisReplyError: if a check fails
         """
         typecheck(list_length, "list_length", int)
-        return self._poll_length(name, lambda n: n >= list_length, poll_frequency_ms, num_tries)
+        return self._poll_length(name, list_length, lambda n: n >= list_length, poll_frequency_ms, num_tries)
 
     def poll_list_length_lte(self, name: str, list_length: int, poll_frequency_ms: int, num_tries: int) -> bool:
         """Wait for an aggregation list to be at most a given length
@@ -151,10 +174,11 @@ class ListCommands(ClientBase):
         :return: whether the length was reached
         :rtype: bool
         :raises TypeError: if an argument has the wrong type
+        :raises ValueError: if ``list_length`` is negative
         :raises RedisReplyError: if a check fails
         """
         typecheck(list_length, "list_length", int)
-        return self._poll_length(name, lambda n: n <= list_length, poll_frequency_ms, num_tries)
+        return self._poll_length(name, list_length, lambda n: n <= list_length, poll_frequency_ms, num_tries)
 
     @command
     def get_datasets_from_list(self, list_name: str) -> list[Dataset]:

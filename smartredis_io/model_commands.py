@@ -118,7 +118,7 @@ class ModelCommands(ClientBase):
         :param outputs: model outputs (TF only), defaults to None
         :type outputs: str | list[str] | None
         :raises TypeError: if an argument has the wrong type, or the backend or device is unknown
-        :raises ValueError: if inputs or outputs are given for another backend than TF
+        :raises ValueError: if ``name`` is empty, or inputs or outputs are given for another backend than TF
         :raises RedisRuntimeError: if the batching arguments are inconsistent
         :raises RedisReplyError: if no worker runs the backend, the model is neither a TorchScript
             nor a torch.export archive, it uses an op that touches files, processes or the network
@@ -129,6 +129,8 @@ class ModelCommands(ClientBase):
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
+        if not name:
+            raise ValueError("name is a required parameter of set_model.")
         blob = bytes(model)
         export_policy.check_model(blob, f"model {name!r}", "set_model")
         self._store(name, blob, manifest)

@@ -19,7 +19,13 @@ from collections.abc import Callable
 from smartredis_io import export_policy, models
 from smartredis_io.client_base import command, names
 from smartredis_io.configoptions import typecheck
-from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
+from smartredis_io.error import (
+    MissingKeyRuntimeError,
+    RedisKeyError,
+    RedisReplyError,
+    RedisRuntimeError,
+    RedisTimeoutError,
+)
 from smartredis_io.model_commands import ModelCommands, _check_file
 
 __all__ = ["MultiGPUCommands", "gpu_key"]
@@ -100,6 +106,8 @@ class MultiGPUCommands(ModelCommands):
         blob = bytes(model)
         arguments = (batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs, "set_model_multigpu")
         general = self._model_manifest(backend, "GPU", *arguments)
+        if not name:
+            raise ValueError("name is a required parameter of set_model.")
         export_policy.check_model(blob, f"model {name!r}", "set_model_multigpu")
         for gpu in gpus:
             self._store(gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
@@ -364,5 +372,5 @@ class MultiGPUCommands(ModelCommands):
                 continue
             models.delete(self._db, self._get_key("model", key))
         if missing:
-            raise RedisRuntimeError(f"Failed to remove {kind} copies {missing}: they do not exist",
+            raise MissingKeyRuntimeError(f"Failed to remove {kind} copies {missing}: they do not exist",
                                     f"delete_{kind}_multigpu")

@@ -17,7 +17,7 @@ from smartredis_io import _redispy, models
 from smartredis_io.client_base import ClientBase, command
 from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import parse_address
-from smartredis_io.error import RedisConnectionError, RedisRuntimeError
+from smartredis_io.error import MissingKeyRuntimeError, RedisConnectionError, RedisRuntimeError
 
 __all__ = ["NodeCommands"]
 
@@ -151,7 +151,7 @@ class NodeCommands(ClientBase):
             self._node_pool(node)
         manifest = models.load_manifest(self._db, key)
         if manifest is None:
-            raise RedisRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
+            raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
         stats_key = models.stats_key(key)
         if reset_stat:
             self._db.redis.delete(stats_key)
