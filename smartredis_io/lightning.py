@@ -286,11 +286,28 @@ class SmartRedisModelCheckpoint(ModelCheckpoint):
         return found
 
 
+EXPORT_MAX_BATCH = 1 << 16  # the largest batch a published torch.export program takes
+
+
+def _export_program(module: torch.nn.Module, example: Any) -> torch.export.ExportedProgram:
+    """``module`` exported on ``example`` (a tensor or a tuple of them), first dimensions as one dynamic batch."""
+    args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    batch = torch.export.Dim("batch", min=1, max=EXPORT_MAX_BATCH)
+    shapes = tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() else None for a in args)
+    if all(isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == 1 for a in args):
+        # a batch of one would be specialized to 1: export on two rows
+        args = tuple(torch.cat([a, a]) for a in args)
+    return torch.export.export(module, args, dynamic_shapes=shapes)
+
+
 class SmartRedisModelPublisher(pl.Callback):
     """Publish the LightningModule for ``run_model`` while it trains.
 
-    Every ``every_n_steps`` training steps and/or at each validation end, the module is traced (or
-    scripted) with ``example_input`` (default: its ``example_input_array``), stored with
+    Every ``every_n_steps`` training steps and/or at each validation end, the module is exported
+    with ``torch.export`` (or traced / scripted to TorchScript) with ``example_input`` (default: its
+    ``example_input_array``; its first dimension exported as a dynamic batch), stored with
     ``set_model`` under ``<name>.v<step>``, and the alias ``name`` is moved to it with one write:
     clients calling ``run_model(name, ...)`` get the new weights without a restart, and a request
     in flight uses either the old model or the new one. The newest ``keep`` versions are kept.
@@ -301,18 +318,18 @@ class SmartRedisModelPublisher(pl.Callback):
         name: the alias clients run.
         every_n_steps: publish every N optimizer steps (None: not by steps).
         on_validation_end: publish at each validation end.
-        example_input: input for tracing; default ``pl_module.example_input_array``.
-        method: ``"trace"`` or ``"script"``.
+        example_input: input for exporting or tracing; default ``pl_module.example_input_array``.
+        method: ``"export"`` (``torch.export``), ``"trace"`` or ``"script"`` (TorchScript).
         keep: versions kept besides the alias (>= 2, so a request in flight keeps its model).
     """
 
     def __init__(self, name: str, address: str | None = None, *, cluster: bool | None = None,
                  every_n_steps: int | None = None, on_validation_end: bool = True,
-                 example_input: torch.Tensor | None = None, method: str = "trace", keep: int = 2,
+                 example_input: torch.Tensor | None = None, method: str = "export", keep: int = 2,
                  device: str = "CPU", batch_size: int = 0, min_batch_size: int = 0,
                  min_batch_timeout: int = 0, config_options: ConfigOptions | None = None) -> None:
-        if method not in ("trace", "script"):
-            raise ValueError(f"method must be 'trace' or 'script', got {method!r}")
+        if method not in ("export", "trace", "script"):
+            raise ValueError(f"method must be 'export', 'trace' or 'script', got {method!r}")
         if keep < 2:
             raise ValueError("keep must be >= 2 so that a request in flight keeps its model")
         self.name = name
@@ -352,11 +369,14 @@ class SmartRedisModelPublisher(pl.Callback):
     def publish(self, pl_module: pl.LightningModule, step: int) -> str:
         """Export ``pl_module`` now, store it as ``<name>.v<step>`` and point the alias at it."""
         example = self.example_input if self.example_input is not None else pl_module.example_input_array
-        if self.method == "trace" and example is None:
-            raise ValueError("tracing needs example_input or the module's example_input_array")
-        exported = self._export(pl_module, example)
+        if self.method in ("export", "trace") and example is None:
+            raise ValueError(f"method {self.method!r} needs example_input or the module's example_input_array")
         buffer = io.BytesIO()
-        torch.jit.save(exported, buffer)
+        exported = self._export(pl_module, example)
+        if self.method == "export":
+            torch.export.save(exported, buffer)
+        else:
+            torch.jit.save(exported, buffer)
         version_name = f"{self.name}.v{step}"
         self.client.set_model(version_name, buffer.getvalue(), "TORCH", **self._model_args)
         self.client._alias_model(self.name, version_name)
@@ -368,11 +388,13 @@ class SmartRedisModelPublisher(pl.Callback):
         log.info("published %s as %s (alias %s)", type(pl_module).__name__, version_name, self.name)
         return version_name
 
-    def _export(self, pl_module: pl.LightningModule, example: Any) -> torch.jit.ScriptModule:
-        """TorchScript of the module in eval mode (its training mode restored after)."""
+    def _export(self, pl_module: pl.LightningModule, example: Any) -> Any:
+        """The module in eval mode as a torch.export program or TorchScript (its training mode restored after)."""
         was_training = pl_module.training
         pl_module.eval()
         try:
+            if self.method == "export":
+                return _export_program(pl_module, example)
             with torch.no_grad():
                 if self.method == "script":
                     return torch.jit.script(pl_module)
