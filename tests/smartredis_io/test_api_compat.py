@@ -129,7 +129,7 @@ def test_every_smartredis_callable_is_there_with_its_parameters(owner: str) -> N
         ours = _parameters(getattr(namespace, name))
         theirs = _declared(declared)
         assert [n for n, _ in ours[:len(theirs)]] == [n for n, _ in theirs], f"{owner}.{name}: {ours}"
-        for (n, our_default), (_, their_default) in zip(ours, theirs):
+        for (n, our_default), (_, their_default) in zip(ours, theirs, strict=False):
             if their_default is not inspect.Parameter.empty:
                 assert our_default == their_default, f"{owner}.{name}({n}=...)"
         assert all(d is not inspect.Parameter.empty for _, d in ours[len(theirs):]), f"{owner}.{name}: {ours}"

@@ -15,10 +15,8 @@ import tempfile
 import warnings
 
 import numpy as np
-import torch
-
 import smartredis
-from smartredis import configoptions, dataset_utils
+import torch
 from smartredis import (
     Client,
     ConfigOptions,
@@ -30,6 +28,8 @@ from smartredis import (
     LLQuiet,
     LogContext,
     SRObject,
+    configoptions,
+    dataset_utils,
     log_data,
     log_error,
     log_warning,
@@ -168,7 +168,7 @@ def datasets(c: Client, tag: str) -> None:
     assert d.get_tensor_dims("u8_tensor") == [2, 4] and sorted(d.get_tensor_names()) == ["i16_tensor", "u8_tensor"]
     assert d.get_tensor_type("u8_tensor") == np.uint8 and d.get_tensor_type("i16_tensor") == np.int16
     assert sorted(d.get_metadata_field_names()) == ["double_scalar", "metastring", "u32_scalar"]
-    assert d.get_metadata_field_type("double_scalar") == np.float64 and d.get_metadata_field_type("metastring") == str
+    assert d.get_metadata_field_type("double_scalar") == np.float64 and d.get_metadata_field_type("metastring") is str
     assert d.get_metadata_field_type("u32_scalar") == np.uint32
     assert list(d.get_meta_scalars("double_scalar")) == [3.1415926535, 2.5]
     assert d.get_meta_strings("metastring") == ["metavalue"]

@@ -1,0 +1,31 @@
+"""python -m benchmarks.smartredis_client end to end on tiny settings: every row, the JSON, the bars."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.smartredis_client import main
+
+
+@pytest.mark.slow
+def test_every_row_with_its_ratio_and_bar(tmp_path, capsys) -> None:
+    out = tmp_path / "client.json"
+    assert main(["--sizes", "1024", "1048576", "--rounds", "2", "--calls", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    metrics = [row["metric"] for row in rows]
+    assert sum("put_tensor+unpack_tensor" in m for m in metrics) == 4  # 2 sizes x (standalone, cluster)
+    assert any("payload-sized buffers" in m for m in metrics)
+    assert sum("run_model tiny model" in m for m in metrics) == 2  # TorchScript and torch.export
+    for row in rows:
+        if "put_tensor" in row["metric"]:
+            assert row["ours"] > 0 and row["baseline"] > 0 and row["ceiling"] > 0
+            assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"])
+            assert row["bar"] == (">= 1.0" if row["bytes"] >= 1 << 20 else ">= 0.9")
+            assert all(len(times) == 2 for times in row["rounds"].values()), "the loops took turns in 2 rounds"
+        if "run_model" in row["metric"]:
+            assert row["ours"] > 0 and row["ceiling"] > 0 and row["bar"] == "<= 0.5 ms"
+    copies = next(row for row in rows if "payload-sized" in row["metric"])
+    assert copies["ours"] < 0.01 and copies["ok"]
+    assert "smartredis_io" in capsys.readouterr().out
