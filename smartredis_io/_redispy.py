@@ -90,17 +90,21 @@ def is_redirect(reply: Any) -> bool:
     return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError))
 
 
-def pack_getrange_and_set(key: str, total: int, peek: int) -> bytes:
-    """RESP of ``GETRANGE key 0 peek-1`` followed by the head of ``SET key <total bytes>``.
+def pack_getrange_and_set(key: str, total: int, peek: int, px_ms: int | None = None) -> tuple[bytes, bytes]:
+    """RESP of ``GETRANGE key 0 peek-1`` then ``SET key <total bytes> [PX px_ms]``, around the value.
 
-    The value's bytes and a final CRLF are sent after it by the caller.
+    Returns (head, tail): the caller sends head, the value's ``total`` bytes, then tail.
     """
     bkey = key.encode()
     last = str(peek - 1).encode()
-    return (
+    head = (
         b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(bkey), bkey, len(last), last)
-        + b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total)
+        + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if px_ms is None else 5, len(bkey), bkey, total)
     )
+    if px_ms is None:
+        return head, CRLF
+    ms = str(int(px_ms)).encode()
+    return head, CRLF + b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> int:

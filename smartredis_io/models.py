@@ -156,8 +156,13 @@ def _publish(db: Database, key: str, manifest: Manifest) -> None:
 
 
 def store(db: Database, key: str, blob: bytes, manifest: Manifest) -> None:
-    """Write the blob under a new version, publish the manifest, then drop the previous blob."""
-    wire.put_array(db, blob_key(key, manifest.version), np.frombuffer(blob, dtype=np.uint8))
+    """Write the blob under a new version, publish the manifest, then drop the previous blob.
+
+    The blob is leased (it expires if this writer dies before the manifest is written).
+    """
+    blob_at = blob_key(key, manifest.version)
+    wire.put_array(db, blob_at, np.frombuffer(blob, dtype=np.uint8), wire.lease_ms(db))
+    wire.persist(db, [blob_at])
     _publish(db, key, manifest)
 
 

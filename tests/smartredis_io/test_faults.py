@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO
+from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO, wire
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
@@ -193,6 +193,43 @@ def test_workers_stop_on_sigterm_while_the_database_is_stopped(uid: str) -> None
             while worker.is_running() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not worker.is_running(), "the worker ignored SIGTERM while blocked"
+
+
+_SAVER = """
+import sys, torch
+from smartredis_io import SmartRedisCheckpointIO
+io = SmartRedisCheckpointIO(sys.argv[1], cluster=False, chunk_bytes=4096)
+print("saving", flush=True)
+while True:
+    io.save_checkpoint({"w": torch.zeros(1 << 20)}, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_a_saver_killed_mid_save_leaves_only_expiring_chunks(server, uid: str) -> None:
+    path = f"{uid}.ckpt"
+    io = SmartRedisCheckpointIO(server.address, cluster=False, chunk_bytes=4096)
+    io.save_checkpoint({"w": torch.ones(8)}, path)
+    plain = redis.Redis(host=server.host, port=server.port)
+    published = set(plain.keys(f"{{{path}}}.chunk.*"))
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, server.address, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert saver.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 30
+        while len(set(plain.keys(f"{{{path}}}.chunk.*")) - published) < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        saver.kill()
+        saver.wait()
+    current = wire.decode_header(plain.getrange(path, 0, wire.HEADER_MAX_BYTES - 1), path)
+    live = set(k.encode() for k in current.chunk_keys(path))
+    leftovers = set(plain.keys(f"{{{path}}}.chunk.*")) - live
+    assert leftovers, "the kill happened mid-save"
+    assert all(0 < plain.pttl(k) for k in leftovers), "an unpublished chunk would never go away"
+    assert all(plain.pttl(k) == -1 for k in live), "published chunks are permanent"
+    assert io.load_checkpoint(path)["w"].shape in ((8,), (1 << 20,))  # a whole checkpoint, old or new
+    plain.close()
+    io.teardown()
 
 
 _PARENT = """
