@@ -36,6 +36,7 @@ DEFAULT_CONN_TIMEOUT_S = 100  # SR_CONN_TIMEOUT (seconds): how long to keep tryi
 DEFAULT_CONN_INTERVAL_MS = 1000  # SR_CONN_INTERVAL (milliseconds): pause between connection attempts
 DEFAULT_CMD_TIMEOUT_S = 100  # SR_CMD_TIMEOUT (seconds): deadline of each command and each public operation
 URL_SCHEMES = ("redis://", "rediss://")
+JOIN_BELOW_BYTES = 64 * 1024  # values up to this size are sent as one joined buffer
 
 
 def parse_address(address: str) -> list[tuple[str, int] | str]:
@@ -291,8 +292,10 @@ class Database:
         self.check_deadline()
         total = sum(memoryview(p).nbytes for p in parts)
         head, tail = _redispy.pack_getrange_and_set(key, total, peek, px_ms)
+        # A small value is cheaper to copy once than to send in several system calls.
+        packed = [b"".join([head, *parts, tail])] if total <= JOIN_BELOW_BYTES else [head, *parts, tail]
         with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
-            _redispy.send_parts(conn, [head, *parts, tail])
+            _redispy.send_parts(conn, packed)
             old = _redispy.read_reply(conn)
             status = _redispy.read_reply(conn)
         if _redispy.is_redirect(old) or _redispy.is_redirect(status):
