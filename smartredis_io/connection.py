@@ -248,6 +248,7 @@ class Database:
             )
 
     def close(self) -> None:
+        """Close every connection of the pool(s)."""
         self.redis.close()
 
     def exchange(self, commands: Sequence[Command], raise_on_error: bool = True,

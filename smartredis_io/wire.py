@@ -55,6 +55,7 @@ def bulk_limit() -> int:
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a bfloat16 (ours, or a foreign one such as ml_dtypes')."""
     # type.__name__ is what dtype.name gives for a foreign (ml_dtypes) bfloat16, at ~1/30 of the cost
     return dtype.type.__name__ == "bfloat16" or bool(dtype.metadata and dtype.metadata.get("smartredis_io.dtype") == "bfloat16")
 
@@ -91,10 +92,12 @@ class Header:
 
     @property
     def dtype(self) -> np.dtype:
+        """The numpy dtype of the elements."""
         return _DTYPES[self.code]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of data the shape and dtype call for."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     @property
@@ -103,11 +106,13 @@ class Header:
         return int(self.version[:16], 16) / 1e9 if self.chunks else None
 
     def chunk_keys(self, key: str) -> list[str]:
+        """The keys of the chunks of the value at ``key``, in order."""
         return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]
 
 
 def encode_header(code: int, shape: Sequence[int], chunks: int = 0, crc: int = 0, payload: int = 0,
                   version: str = "") -> bytes:
+    """The header of a value: magic, layout, dtype code, shape, and for a chunked value its chunk count, CRC-32, size and version."""
     if len(shape) > MAX_NDIM:
         raise RedisRuntimeError(f"Tensors of more than {MAX_NDIM} dimensions are not supported")
     head = _FIXED.pack(MAGIC, CHUNKED if chunks else INLINE, code, len(shape), 0) + struct.pack(f"<{len(shape)}Q", *shape)
@@ -244,6 +249,7 @@ class ChunkedWriter:
         self._nbytes += part.nbytes
 
     def write(self, data: bytes | memoryview) -> int:
+        """File-like write (for ``torch.save``): buffered into chunks; a database error is also kept in ``error``."""
         try:
             return self._write(data)
         except BaseException as exc:
@@ -306,6 +312,7 @@ def new_version() -> str:
 
 
 def read_header(db: Database, key: str) -> Header | None:
+    """The header of the value at ``key`` (one GETRANGE); None when there is no value."""
     raw = db.redis.getrange(key, 0, HEADER_MAX_BYTES - 1)
     return decode_header(raw, key) if raw else None
 
