@@ -130,56 +130,57 @@ def _wait_for_busy_worker(orch: Orchestrator, exclude: set[str] = frozenset(), s
     raise AssertionError("no worker took the request")
 
 
+class _Run:
+    """A run_script call in a thread of its own, on an Orchestrator with two workers."""
+
+    def __init__(self, orch: Orchestrator, uid: str, function: str) -> None:
+        self.client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
+        self.client.set_script(uid, SCRIPT)
+        self.client.put_tensor(uid + "x", X)
+        self.elapsed: float = 0.0
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            self.elapsed, self.error = call_within(
+                50, lambda: self.client.run_script(uid, function, [uid + "x"], [uid + "y"]))
+
+        self._thread = threading.Thread(target=run)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_is_replaced_and_unregistered(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
-        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
-        client.set_script(uid, SCRIPT)
-        client.put_tensor(uid + "x", X)
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            outcome["elapsed"], outcome["error"] = call_within(
-                50, lambda: client.run_script(uid, "slow", [uid + "x"], [uid + "y"]))
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        run = _Run(orch, uid, "slow")
         victim = _wait_for_busy_worker(orch)
         os.kill(_registry(orch)[0][victim], signal.SIGKILL)
-        caller.join()
-        assert outcome["error"] is None, outcome["error"]
-        assert outcome["elapsed"] < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
-        np.testing.assert_allclose(client.get_tensor(uid + "y"), X)
+        run.join()
+        assert run.error is None, run.error
+        assert run.elapsed < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
+        np.testing.assert_allclose(run.client.get_tensor(uid + "y"), X)
         workers, inflight = _registry(orch)
         assert victim not in workers and victim not in inflight
-        client.close()
+        run.client.close()
 
 
 @pytest.mark.slow
 def test_a_request_whose_workers_die_twice_fails_fast(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
-        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
-        client.set_script(uid, SCRIPT)
-        client.put_tensor(uid + "x", X)
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            outcome["elapsed"], outcome["error"] = call_within(
-                50, lambda: client.run_script(uid, "spin", [uid + "x"], [uid + "y"]))
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        run = _Run(orch, uid, "spin")
         first = _wait_for_busy_worker(orch)
         pids = _registry(orch)[0]
         os.kill(pids[first], signal.SIGKILL)
         second = _wait_for_busy_worker(orch, exclude={first}, seconds=15)
         os.kill(pids[second], signal.SIGKILL)
-        caller.join()
-        error = outcome["error"]
-        assert isinstance(error, RedisReplyError) and "died" in str(error) and "retried once" in str(error), error
-        assert outcome["elapsed"] < 30
+        run.join()
+        assert isinstance(run.error, RedisReplyError), run.error
+        assert "died" in str(run.error) and "retried once" in str(run.error)
+        assert run.elapsed < 30
         assert _registry(orch) == ({}, {})
-        client.close()
+        run.client.close()
 
 
 @pytest.mark.slow
