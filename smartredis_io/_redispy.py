@@ -21,6 +21,7 @@ from redis._parsers.base import BaseParser
 from redis.cluster import RedisCluster
 
 RECV_SCRATCH_BYTES = 1024
+TLS_JOIN_BYTES = 64 * 1024  # over TLS, values up to this size are sent as one joined buffer
 SCRATCH_BYTES = 64 * 1024  # a connection's receive buffer: values up to this size arrive in one system call
 CRLF = b"\r\n"
 
@@ -132,11 +133,13 @@ def _socket(conn: Any) -> socket.socket:
 def send_buffers(conn: Any, buffers: Sequence[bytes | memoryview]) -> None:
     """Send already packed RESP ``buffers`` in one system call (``sendmsg``), without joining them.
 
-    A TLS socket has no ``sendmsg``: its buffers are sent one after the other.
+    A TLS socket has no ``sendmsg``: its buffers are sent one after the other (joined when small).
     """
     sock = _socket(conn)
     try:
         if isinstance(sock, ssl.SSLSocket):
+            if sum(memoryview(b).nbytes for b in buffers) <= TLS_JOIN_BYTES:
+                buffers = [b"".join(buffers)]  # one TLS record rather than several
             for buffer in buffers:
                 sock.sendall(buffer)
             return
@@ -239,17 +242,21 @@ def is_redirect(reply: Any) -> bool:
     return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError, Redirected))
 
 
-def pack_getrange_and_set(key: str, total: int, peek: int) -> bytes:
-    """RESP of ``GETRANGE key 0 peek-1`` followed by the head of ``SET key <total bytes>``.
+def pack_getrange_and_set(key: str, total: int, peek: int, px_ms: int | None = None) -> tuple[bytes, bytes]:
+    """RESP of ``GETRANGE key 0 peek-1`` then ``SET key <total bytes> [PX px_ms]``, around the value.
 
-    The value's bytes and a final CRLF are sent after it by the caller.
+    Returns (head, tail): the caller sends head, the value's ``total`` bytes, then tail.
     """
     bkey = key.encode()
     last = str(peek - 1).encode()
-    return (
+    head = (
         b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(bkey), bkey, len(last), last)
-        + b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total)
+        + b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if px_ms is None else 5, len(bkey), bkey, total)
     )
+    if px_ms is None:
+        return head, CRLF
+    ms = str(int(px_ms)).encode()
+    return head, CRLF + b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> int:

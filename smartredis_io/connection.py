@@ -232,6 +232,13 @@ class Database:
         finally:
             local.deadline = None
 
+    def time_left(self) -> float:
+        """Seconds left to the current operation (``command_timeout_s`` outside one)."""
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is None:
+            return self.settings.command_timeout_s
+        return max(deadline - time.monotonic(), 0.0)
+
     def check_deadline(self) -> None:
         """Raise ``redis.exceptions.TimeoutError`` once the current operation's deadline has passed."""
         deadline = getattr(self._local, "deadline", None)
@@ -241,6 +248,7 @@ class Database:
             )
 
     def close(self) -> None:
+        """Close every connection of the pool(s)."""
         self._connections.close()
         self.redis.close()
 
@@ -286,16 +294,16 @@ class Database:
             pipe.execute_command(*command)
         return pipe.execute(raise_on_error=raise_on_error)
 
-    def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int) -> bytes:
-        """``SET key <parts joined>`` without joining them; returns the first ``peek`` bytes it replaced."""
+    def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int, px_ms: int | None = None) -> bytes:
+        """``SET key <parts joined> [PX px_ms]`` without joining them; returns the first ``peek`` bytes it replaced."""
         self.check_deadline()
         total = sum(memoryview(p).nbytes for p in parts)
-        head = _redispy.pack_getrange_and_set(key, total, peek)
+        head, tail = _redispy.pack_getrange_and_set(key, total, peek, px_ms)
         pool = _redispy.node_pool(self.redis, key)
         conn = self._connections.take(pool)
         try:
-            # one system call out (the parts are not joined), one in for both replies
-            _redispy.send_buffers(conn, [head, *parts, _redispy.CRLF])
+            # one system call out (sendmsg: the parts are not joined), one in for both replies
+            _redispy.send_buffers(conn, [head, *parts, tail])
             old, status = _redispy.read_replies(conn, 2, peek + 64)
         except BaseException:
             self._connections.discard(pool, conn)  # a reply may be half read
@@ -303,7 +311,8 @@ class Database:
         self._connections.give(pool, conn)
         if _redispy.is_redirect(old) or _redispy.is_redirect(status):
             data = b"".join(bytes(p) for p in parts)  # rare path (cluster redirection): one join copy
-            old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data)], False)
+            expiry = () if px_ms is None else ("PX", int(px_ms))
+            old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data, *expiry)], False)
         if isinstance(status, Exception):
             raise status
         return old if isinstance(old, bytes) else b""

@@ -95,6 +95,7 @@ class RedisFileSystem(AbstractFileSystem):
         return path.strip("/")
 
     def unstrip_protocol(self, name: str) -> str:
+        """``redis://<name>`` for a path with or without the protocol."""
         return f"{PROTOCOL}://{self._strip_protocol(name)}"
 
     def _keys_under(self, prefix: str) -> list[str]:
@@ -136,6 +137,7 @@ class RedisFileSystem(AbstractFileSystem):
         return listing if detail else [entry["name"] for entry in listing]
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        """``name``, ``type`` (file or directory), ``size`` and, for a file, ``mtime``; ``FileNotFoundError`` when nothing is there."""
         path = self._strip_protocol(path)
         if path:
             found = self._file_info(path)
@@ -153,6 +155,7 @@ class RedisFileSystem(AbstractFileSystem):
         return datetime.datetime.fromtimestamp(info["mtime"], tz=datetime.timezone.utc)
 
     def rm_file(self, path: str) -> None:
+        """Remove the value at ``path`` and its chunks; ``FileNotFoundError`` when there is none."""
         key = self._strip_protocol(path)
         if not wire.delete_value(self.db, key):
             raise FileNotFoundError(f"{PROTOCOL}://{key}")
@@ -167,6 +170,7 @@ class RedisFileSystem(AbstractFileSystem):
         """Nothing to do: a directory exists while a key is under it."""
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        """The bytes of the value at ``path`` (a slice of them with ``start`` / ``end``)."""
         key = self._strip_protocol(path)
         try:
             data = wire.get_array(self.db, key).tobytes()
@@ -175,6 +179,7 @@ class RedisFileSystem(AbstractFileSystem):
         return data[start:end]
 
     def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        """Store ``value`` at ``path`` (published whole, as a checkpoint is)."""
         key = self._strip_protocol(path)
         with wire.ChunkedWriter(self.db, key, wire.bulk_limit() - wire.HEADER_MAX_BYTES) as writer:
             writer.write(value)

@@ -263,6 +263,7 @@ class SmartRedisCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
+        """Close this process' connection."""
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -351,6 +352,7 @@ class SmartRedisModelPublisher(pl.Callback):
 
     @property
     def client(self) -> Client:
+        """The client the models are published with (connected on first use)."""
         if self._client is None:
             settings = _settings(self.address, self.cluster, self.config_options)
             options = (self.config_options or ConfigOptions.create_from_environment("")).derived(
@@ -359,10 +361,12 @@ class SmartRedisModelPublisher(pl.Callback):
         return self._client
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Publish every ``every_n_steps`` optimizer steps (on global rank 0)."""
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and trainer.is_global_zero:
             self.publish(pl_module, trainer.global_step)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Publish at each validation end, sanity checking aside (on global rank 0)."""
         if self.publish_on_validation_end and not trainer.sanity_checking and trainer.is_global_zero:
             self.publish(pl_module, trainer.global_step)
 
@@ -404,6 +408,7 @@ class SmartRedisModelPublisher(pl.Callback):
             pl_module.train(was_training)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the publishing client."""
         if self._client is not None:
             self._client.close()
             self._client = None

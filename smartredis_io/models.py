@@ -150,6 +150,7 @@ class Manifest:
 
 
 def blob_key(key: str, version: str) -> str:
+    """The key of the blob of version ``version`` of the model or script at ``key``."""
     return wire.tagged_key(key, f".blob.{version}")
 
 
@@ -167,9 +168,12 @@ def _publish(db: Database, key: str, manifest: Manifest) -> None:
 def store(db: Database, key: str, blob: bytes, manifest: Manifest, chunk_bytes: int | None = None) -> None:
     """Write the blob under a new version, publish the manifest, then drop the previous blob.
 
+    The blob is leased (it expires if this writer dies before the manifest is written);
     ``chunk_bytes`` caps the size of one stored value (default: the bulk limit).
     """
-    wire.put_array(db, blob_key(key, manifest.version), np.frombuffer(blob, dtype=np.uint8), chunk_bytes)
+    blob_at = blob_key(key, manifest.version)
+    wire.put_array(db, blob_at, np.frombuffer(blob, dtype=np.uint8), wire.lease_ms(db), chunk_bytes=chunk_bytes)
+    wire.persist(db, [blob_at])
     _publish(db, key, manifest)
 
 
@@ -183,6 +187,7 @@ def alias(db: Database, alias_key: str, target_key: str) -> None:
 
 
 def new_version() -> str:
+    """A fresh version id."""
     return uuid.uuid4().hex
 
 
@@ -202,10 +207,12 @@ def load_manifest(db: Database, key: str) -> Manifest | None:
 
 
 def load_blob(db: Database, key: str, manifest: Manifest) -> bytes:
+    """The bytes of the model or script ``manifest`` describes."""
     return wire.get_array(db, _blob_of(key, manifest)).tobytes()
 
 
 def delete(db: Database, key: str) -> bool:
+    """Delete the model or script at ``key`` and the blob it owns; False when there is none."""
     manifest = load_manifest(db, key)
     if manifest is None:
         return False
@@ -231,14 +238,17 @@ class Request:
 
     @property
     def reply_key(self) -> str:
+        """The list the caller pops the reply from."""
         return f"{{srio}}.reply.{self.id}"
 
     def encode(self) -> str:
+        """The queue entry: the key's JSON, the attempt, the request's JSON, one per line."""
         body = {k: v for k, v in vars(self).items() if k != "attempt"}  # vars: asdict's deep copy costs ~10x
         return f"{queue_prefix(self.key)}{self.attempt}{SEPARATOR}{json.dumps(body)}"
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Request:
+        """The request in a queue entry; ``ValueError`` when it is not one."""
         text = raw.decode() if isinstance(raw, bytes) else raw
         parts = text.split(SEPARATOR, 2)
         if len(parts) != 3 or not parts[1].isdigit():

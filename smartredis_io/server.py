@@ -175,6 +175,7 @@ class RedisServer:
 
     @property
     def pids(self) -> list[int]:
+        """Process id of the running server (empty when stopped)."""
         return [self._process.pid] if self._process and self._process.pid else []
 
     def settings(self, user: str | None = None, *, cluster: bool = False) -> ConnectionSettings:
@@ -294,14 +295,17 @@ class RedisCluster:
 
     @property
     def ports(self) -> list[int]:
+        """Port of every primary."""
         return [node.port for node in self._nodes]
 
     @property
     def pids(self) -> list[int]:
+        """Process id of every running node."""
         return [pid for node in self._nodes for pid in node.pids]
 
     @property
     def users(self) -> tuple[AclUser, ...]:
+        """The ACL users every node has."""
         return self._nodes[0].users
 
     def settings(self, user: str | None = None) -> ConnectionSettings:
@@ -309,6 +313,7 @@ class RedisCluster:
         return self._nodes[0].settings(user, cluster=True).with_(address=self.address)
 
     def start(self) -> RedisCluster:
+        """Start every node, create the cluster and wait until it serves every slot; clean up if it does not."""
         try:
             for node in self._nodes:
                 node.start()
@@ -347,6 +352,7 @@ class RedisCluster:
             client.close()
 
     def stop(self) -> None:
+        """Stop every node (idempotent)."""
         for node in self._nodes:
             node.stop()
 
@@ -417,10 +423,12 @@ class Orchestrator:
 
     @property
     def address(self) -> str:
+        """The database's address, as ``SSDB`` takes it."""
         return self.database.address
 
     @property
     def env(self) -> dict[str, str]:
+        """``SSDB`` and ``SR_DB_TYPE`` for SmartRedis clients (credentials are not in it)."""
         return {"SSDB": self.address, "SR_DB_TYPE": "Clustered" if self.cluster else "Standalone"}
 
     def settings(self, user: str | None = None) -> ConnectionSettings:
@@ -429,6 +437,7 @@ class Orchestrator:
 
     @property
     def worker_pids(self) -> list[int]:
+        """Process id of every running worker process started here."""
         return [w.pid for w in self.workers if w.pid]
 
     def add_worker(self) -> ManagedProcess:
@@ -474,6 +483,7 @@ class Orchestrator:
         log.info("%d execution worker(s) up on %s", len(started), self.address)
 
     def start(self) -> Orchestrator:
+        """Start the database and the workers and wait until every worker takes requests."""
         try:
             self.database.start()
             self._wait_registered([self._spawn_worker() for _ in range(self._n_workers)])
@@ -483,6 +493,7 @@ class Orchestrator:
         return self
 
     def stop(self) -> None:
+        """Stop the workers, then the database (idempotent)."""
         for worker in self.workers:
             worker.stop()
         self.workers.clear()

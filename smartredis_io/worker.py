@@ -1,6 +1,9 @@
 """Execution workers: run the models and scripts that clients ask for with run_model / run_script.
 
-``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N]``
+``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N] [--user NAME | --allow-root]``
+
+Credentials, TLS and deadlines come from the environment as for a SmartRedis client (``SR_USERNAME``,
+``SR_PASSWORD``, ``SR_TLS``..., ``SR_CMD_TIMEOUT``), or from a ``redis://user:password@`` address.
 
 Each worker process blocks on the request list (BLPOP, no busy polling), loads the model or script
 named by the request (cached, reloaded when its manifest shows a new version), runs it on the input
@@ -8,6 +11,11 @@ tensors, writes the output tensors and pushes the reply the caller is blocked on
 model set with ``batch_size > 0`` are batched as RedisAI does: up to ``batch_size`` rows, waiting at
 most ``min_batch_timeout`` ms for ``min_batch_size``. A request whose deadline has passed is dropped
 (its caller has already raised ``RedisTimeoutError``).
+
+Only TorchScript that passes :mod:`smartredis_io.torchscript_policy` runs. A worker started as root
+refuses to start unless it drops to ``--user`` once connected, or is told ``--allow-root``. Workers
+keep a heartbeat (``models.HEARTBEAT_TTL_MS``); the request of a worker that dies runs once more
+on another one.
 """
 
 from __future__ import annotations
@@ -273,6 +281,7 @@ class Worker:
     # ---- one request ----------------------------------------------------------------------------
 
     def handle(self, raw: bytes) -> None:
+        """Run one queued request and reply to its caller (errors of the model go back as the reply)."""
         request = Request.decode(raw)
         if request.deadline < time.time():
             log.warning("dropping request %s for %s: its deadline passed", request.id, request.key)
@@ -586,6 +595,7 @@ def worker_device(device: str, index: int, gpus: int | None = None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``python -m smartredis_io.worker`` command line; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m smartredis_io.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default=os.environ.get("SSDB"), help="host:port[,host:port...] (default $SSDB)")
     parser.add_argument("--device", default="cpu",

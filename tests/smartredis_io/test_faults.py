@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO
+from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO, wire
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
@@ -130,56 +130,57 @@ def _wait_for_busy_worker(orch: Orchestrator, exclude: set[str] = frozenset(), s
     raise AssertionError("no worker took the request")
 
 
+class _Run:
+    """A run_script call in a thread of its own, on an Orchestrator with two workers."""
+
+    def __init__(self, orch: Orchestrator, uid: str, function: str) -> None:
+        self.client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
+        self.client.set_script(uid, SCRIPT)
+        self.client.put_tensor(uid + "x", X)
+        self.elapsed: float = 0.0
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            self.elapsed, self.error = call_within(
+                50, lambda: self.client.run_script(uid, function, [uid + "x"], [uid + "y"]))
+
+        self._thread = threading.Thread(target=run)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_is_replaced_and_unregistered(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
-        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
-        client.set_script(uid, SCRIPT)
-        client.put_tensor(uid + "x", X)
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            outcome["elapsed"], outcome["error"] = call_within(
-                50, lambda: client.run_script(uid, "slow", [uid + "x"], [uid + "y"]))
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        run = _Run(orch, uid, "slow")
         victim = _wait_for_busy_worker(orch)
         os.kill(_registry(orch)[0][victim], signal.SIGKILL)
-        caller.join()
-        assert outcome["error"] is None, outcome["error"]
-        assert outcome["elapsed"] < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
-        np.testing.assert_allclose(client.get_tensor(uid + "y"), X)
+        run.join()
+        assert run.error is None, run.error
+        assert run.elapsed < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
+        np.testing.assert_allclose(run.client.get_tensor(uid + "y"), X)
         workers, inflight = _registry(orch)
         assert victim not in workers and victim not in inflight
-        client.close()
+        run.client.close()
 
 
 @pytest.mark.slow
 def test_a_request_whose_workers_die_twice_fails_fast(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
-        client = Client(_options(orch.address, SR_MODEL_TIMEOUT=60_000))
-        client.set_script(uid, SCRIPT)
-        client.put_tensor(uid + "x", X)
-        outcome: dict[str, object] = {}
-
-        def run() -> None:
-            outcome["elapsed"], outcome["error"] = call_within(
-                50, lambda: client.run_script(uid, "spin", [uid + "x"], [uid + "y"]))
-
-        caller = threading.Thread(target=run)
-        caller.start()
+        run = _Run(orch, uid, "spin")
         first = _wait_for_busy_worker(orch)
         pids = _registry(orch)[0]
         os.kill(pids[first], signal.SIGKILL)
         second = _wait_for_busy_worker(orch, exclude={first}, seconds=15)
         os.kill(pids[second], signal.SIGKILL)
-        caller.join()
-        error = outcome["error"]
-        assert isinstance(error, RedisReplyError) and "died" in str(error) and "retried once" in str(error), error
-        assert outcome["elapsed"] < 30
+        run.join()
+        assert isinstance(run.error, RedisReplyError), run.error
+        assert "died" in str(run.error) and "retried once" in str(run.error)
+        assert run.elapsed < 30
         assert _registry(orch) == ({}, {})
-        client.close()
+        run.client.close()
 
 
 @pytest.mark.slow
@@ -193,6 +194,43 @@ def test_workers_stop_on_sigterm_while_the_database_is_stopped(uid: str) -> None
             while worker.is_running() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not worker.is_running(), "the worker ignored SIGTERM while blocked"
+
+
+_SAVER = """
+import sys, torch
+from smartredis_io import SmartRedisCheckpointIO
+io = SmartRedisCheckpointIO(sys.argv[1], cluster=False, chunk_bytes=4096)
+print("saving", flush=True)
+while True:
+    io.save_checkpoint({"w": torch.zeros(1 << 20)}, sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_a_saver_killed_mid_save_leaves_only_expiring_chunks(server, uid: str) -> None:
+    path = f"{uid}.ckpt"
+    io = SmartRedisCheckpointIO(server.address, cluster=False, chunk_bytes=4096)
+    io.save_checkpoint({"w": torch.ones(8)}, path)
+    plain = redis.Redis(host=server.host, port=server.port)
+    published = set(plain.keys(f"{{{path}}}.chunk.*"))
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, server.address, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert saver.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 30
+        while len(set(plain.keys(f"{{{path}}}.chunk.*")) - published) < 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        saver.kill()
+        saver.wait()
+    current = wire.decode_header(plain.getrange(path, 0, wire.HEADER_MAX_BYTES - 1), path)
+    live = set(k.encode() for k in current.chunk_keys(path))
+    leftovers = set(plain.keys(f"{{{path}}}.chunk.*")) - live
+    assert leftovers, "the kill happened mid-save"
+    assert all(0 < plain.pttl(k) for k in leftovers), "an unpublished chunk would never go away"
+    assert all(plain.pttl(k) == -1 for k in live), "published chunks are permanent"
+    assert io.load_checkpoint(path)["w"].shape in ((8,), (1 << 20,))  # a whole checkpoint, old or new
+    plain.close()
+    io.teardown()
 
 
 _PARENT = """

@@ -41,10 +41,12 @@ def test_round_trips_through_the_adapter(plain: redis.Redis, uid: str) -> None:
     pool = plain.connection_pool
     value = np.arange(1000, dtype=np.float64)
     with _redispy.pooled_connection(pool) as conn:
-        _redispy.send_parts(conn, [_redispy.pack_getrange_and_set(uid, value.nbytes, 8), memoryview(value).cast("B"),
-                                   _redispy.CRLF])
+        head, tail = _redispy.pack_getrange_and_set(uid, value.nbytes, 8, px_ms=60_000)
+        _redispy.send_parts(conn, [head, memoryview(value).cast("B"), tail])
         assert _redispy.read_reply(conn) == b""  # GETRANGE of a missing key
         assert _redispy.read_reply(conn) in (b"OK", "OK", True)
+        _redispy.send_commands(conn, [("PTTL", uid)])
+        assert 0 < _redispy.read_reply(conn) <= 60_000
         _redispy.send_commands(conn, [("LLEN", uid)])
         assert isinstance(_redispy.read_reply(conn), redis.exceptions.ResponseError)  # WRONGTYPE comes back
         out = np.empty_like(value)
