@@ -48,6 +48,7 @@ TIMING_SUFFIX = "rank_{rank}_timing.csv"
 BARRIER_TIMEOUT_S = 600.0
 DEFAULT_RUN_TIMEOUT_S = 1800.0
 MPI_POLL_INTERVAL_S = 0.05
+MPI_LOG_TAIL_CHARS = 4000  # of an mpirun's output, in the error when it fails
 MPI_MISSING = (
     "--launcher mpi needs mpi4py and an MPI launcher: `pip install -e '.[mpi]'` (or `pip install mpi4py`) "
     "with an MPI implementation such as Open MPI or MPICH installed"
@@ -207,11 +208,13 @@ def _run_mpi(apps: Sequence[App], run_dir: Path, mpirun: str, timeout_s: float) 
     argv0 = shlex.split(mpirun)
     if not argv0 or shutil.which(argv0[0]) is None:
         raise RuntimeError(f"MPI launcher {mpirun!r} not found on PATH; {MPI_MISSING}")
-    procs = [
-        (app.name, subprocess.Popen([*argv0, "-n", str(app.nprocs), sys.executable, "-m", __name__,
-                                     str(run_dir), app.name]))
-        for app in apps
-    ]
+    logs = {app.name: Path(run_dir) / f"{app.prefix}{app.name}.mpirun.log" for app in apps}
+    procs = []
+    for app in apps:
+        with open(logs[app.name], "wb") as log_file:  # the child keeps its own descriptor
+            procs.append((app.name, subprocess.Popen(
+                [*argv0, "-n", str(app.nprocs), sys.executable, "-m", __name__, str(run_dir), app.name],
+                stdout=log_file, stderr=subprocess.STDOUT)))
     deadline = time.monotonic() + timeout_s
     try:
         pending = dict(procs)
@@ -224,7 +227,9 @@ def _run_mpi(apps: Sequence[App], run_dir: Path, mpirun: str, timeout_s: float) 
                     continue
                 del pending[name]
                 if code != 0:
-                    raise RuntimeError(f"{mpirun} for application {name} failed with exit code {code}")
+                    tail = logs[name].read_text(errors="replace")[-MPI_LOG_TAIL_CHARS:]
+                    raise RuntimeError(f"{mpirun} for application {name} failed with exit code {code}; "
+                                       f"the end of its output ({logs[name]}):\n{tail}")
             time.sleep(MPI_POLL_INTERVAL_S)
     finally:
         for _, proc in procs:
