@@ -209,12 +209,16 @@ def _run_mpi(apps: Sequence[App], run_dir: Path, mpirun: str, timeout_s: float) 
     if not argv0 or shutil.which(argv0[0]) is None:
         raise RuntimeError(f"MPI launcher {mpirun!r} not found on PATH; {MPI_MISSING}")
     logs = {app.name: Path(run_dir) / f"{app.prefix}{app.name}.mpirun.log" for app in apps}
+    # The environment as Python holds it, not the process' C environment: an MPI library initialized
+    # in this process (mpi4py, e.g. by Lightning's cluster detection) adds OMPI_*/PMIX_* variables
+    # there, and an mpirun that inherits them takes itself for a nested launch and exits at once.
+    env = dict(os.environ)
     procs = []
     for app in apps:
         with open(logs[app.name], "wb") as log_file:  # the child keeps its own descriptor
             procs.append((app.name, subprocess.Popen(
                 [*argv0, "-n", str(app.nprocs), sys.executable, "-m", __name__, str(run_dir), app.name],
-                stdout=log_file, stderr=subprocess.STDOUT)))
+                stdout=log_file, stderr=subprocess.STDOUT, env=env)))
     deadline = time.monotonic() + timeout_s
     try:
         pending = dict(procs)

@@ -194,6 +194,11 @@ def test_mpi_launcher_runs_the_clients_under_a_real_mpirun(tmp_path, monkeypatch
     if os.geteuid() == 0:  # Open MPI refuses root without these
         monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
         monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    from mpi4py import MPI
+
+    # MPI initialized in the driver's own process (Lightning's cluster detection does it): its
+    # OMPI_*/PMIX_* variables must not reach mpirun, which would take itself for a nested launch.
+    assert MPI.COMM_WORLD.Get_size() == 1
     exp_dir = tmp_path / "mpi"
     assert main(["throughput", "--exp_dir", str(exp_dir), "--address", redis_server.address, "--launcher", "mpi",
                  "--mpirun", "mpirun --oversubscribe", "--tensor_bytes", "4096", "--clients_per_node", "2",
