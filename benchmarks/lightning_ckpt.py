@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import mmap
 import os
 import signal
 import statistics
@@ -64,8 +65,10 @@ from benchmarks.plugins import (  # noqa: E402
 from benchmarks.raw_gcs import MemoryReader, RawGcs  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     MB,
+    CpuMeter,
     PeakRSS,
     bar_chart,
+    format_markdown_table,
     format_table,
     per_second,
     ratio,
@@ -125,12 +128,13 @@ COMPARE_ROWS = tuple(k for k in ROW_SPECS if k != "peer-no-mpu")
 
 @dataclass
 class Op:
-    """One timed operation: seconds, the resident memory it added, and (async saves) how long the
-    caller was blocked before the save went on in the background."""
+    """One timed operation: seconds, the resident memory it added, (async saves) how long the caller
+    was blocked before the save went on in the background, and the CPU seconds each process used."""
 
     seconds: float
     extra_rss_mb: float
     blocked_s: float | None = None
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,6 +144,7 @@ class Subject:
     key: str
     name: str
     kind: str  # "row" | "ceiling"
+    meter: CpuMeter
     upload: str | None = None  # rows: "single" | "xml" | "composite" | None; ceilings: what they bound
     saves: list[Op] = field(default_factory=list)
     loads: list[Op] = field(default_factory=list)
@@ -160,25 +165,26 @@ class Subject:
         """Release connections and workers."""
 
 
-def _timed(fn: Callable[[], Any]) -> Op:
+def _timed(fn: Callable[[], Any], meter: CpuMeter) -> Op:
     gc.collect()
+    cpu = meter.snapshot()
     with PeakRSS() as rss:
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
-    return Op(seconds, rss.peak_mb - rss.start_mb)
+    return Op(seconds, rss.peak_mb - rss.start_mb, cpu_s=meter.since(cpu))
 
 
 class PluginRow(Subject):
     """A plugin of :data:`PLUGINS` in this process, saving through the shared Trainer."""
 
     def __init__(self, spec: RowSpec, upload_mode: str | None, services: Services, trainer: Any,
-                 run_id: str, keep: bool) -> None:
+                 run_id: str, keep: bool, meter: CpuMeter) -> None:
         plugin = spec.plugin
         assert plugin is not None
         suffix = f" [{upload_mode}]" if upload_mode and plugin.follows_upload_mode else ""
         upload = upload_mode if plugin.follows_upload_mode else plugin.upload
-        super().__init__(spec.key + (f"[{upload_mode}]" if suffix else ""), spec.name + suffix, "row", upload)
+        super().__init__(spec.key + (f"[{upload_mode}]" if suffix else ""), spec.name + suffix, "row", meter, upload)
         self.spec, self.plugin, self.trainer, self.keep = spec, plugin, trainer, keep
         self.inner = plugin.make(services, upload_mode if plugin.follows_upload_mode else "auto")
         self.io = self.inner
@@ -203,7 +209,7 @@ class PluginRow(Subject):
             if self.spec.asynchronous:
                 self.io.teardown()  # waits until the checkpoint is stored
 
-        op = _timed(run)
+        op = _timed(run, self.meter)
         op.blocked_s = blocked[0] if self.spec.asynchronous else None
         if self.plugin.settle is not None:
             self.plugin.settle(self.inner)  # its background housekeeping must not slow the next row
@@ -212,7 +218,7 @@ class PluginRow(Subject):
         return op
 
     def load(self, step: int) -> Op:
-        return _timed(lambda: self.io.load_checkpoint(self.path(step)))
+        return _timed(lambda: self.io.load_checkpoint(self.path(step)), self.meter)
 
     def remove(self, step: int) -> None:
         if not self.keep:
@@ -227,27 +233,31 @@ class PluginRow(Subject):
 class PeerRow(Subject):
     """A variant of the peer package, run by its worker process on the same endpoint and data."""
 
-    def __init__(self, spec: RowSpec, worker: PeerProcess, directory: str, run_id: str, keep: bool) -> None:
+    def __init__(self, spec: RowSpec, worker: PeerProcess, directory: str, run_id: str, keep: bool,
+                 meter: CpuMeter) -> None:
         variant = PEER_VARIANTS[spec.peer_variant]
-        super().__init__(spec.key, spec.name, "row", "xml" if variant.multipart else "single")
+        super().__init__(spec.key, spec.name, "row", meter, "xml" if variant.multipart else "single")
         self.variant, self.worker, self.keep = variant, worker, keep
         self.directory = f"{directory}/{run_id}/{spec.key}"
 
     def path(self, step: int) -> str:
         return f"{self.directory}/ckpt_{step}.ckpt"
 
-    def save(self, step: int) -> Op:
+    def _call(self, op: str, step: int) -> Op:
         gc.collect()
-        reply = self.worker.call("save", self.variant.key, self.path(step))
+        cpu = self.meter.snapshot()
+        reply = self.worker.call(op, self.variant.key, self.path(step))
+        blocked = reply["blocked_s"] if op == "save" and self.variant.asynchronous else None
+        return Op(reply["seconds"], reply["extra_rss_mb"], blocked, self.meter.since(cpu))
+
+    def save(self, step: int) -> Op:
+        op = self._call("save", step)
         if self.size_bytes is None:
             self.size_bytes = fsspec_size(self.path(step), None)
-        return Op(reply["seconds"], reply["extra_rss_mb"],
-                  reply["blocked_s"] if self.variant.asynchronous else None)
+        return op
 
     def load(self, step: int) -> Op:
-        gc.collect()
-        reply = self.worker.call("load", self.variant.key, self.path(step))
-        return Op(reply["seconds"], reply["extra_rss_mb"])
+        return self._call("load", step)
 
     def remove(self, step: int) -> None:
         if not self.keep:
@@ -266,8 +276,9 @@ CEILING_NAMES = {
 class UploadCeiling(Subject):
     """The bytes of the checkpoint uploaded with raw HTTP: one request, XML multipart or composite."""
 
-    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: bytes, run_id: str) -> None:
-        super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", mode, does_load=False)
+    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
+        super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", meter, mode,
+                         does_load=False)
         self.raw, self.bucket, self.data, self.mode = raw, bucket, data, mode
         self.size_bytes = len(data)
         self.prefix = f"{run_id}/ceiling-{mode}"
@@ -276,11 +287,11 @@ class UploadCeiling(Subject):
         name = f"{self.prefix}/ckpt_{step}"
         parts: list[str] = []
         if self.mode == "single":
-            op = _timed(lambda: self.raw.single_upload(self.bucket, name, self.data))
+            op = _timed(lambda: self.raw.single_upload(self.bucket, name, self.data), self.meter)
         elif self.mode == "xml":
-            op = _timed(lambda: self.raw.xml_multipart_upload(self.bucket, name, self.data))
+            op = _timed(lambda: self.raw.xml_multipart_upload(self.bucket, name, self.data), self.meter)
         else:
-            op = _timed(lambda: parts.extend(self.raw.composite_upload(self.bucket, name, self.data)))
+            op = _timed(lambda: parts.extend(self.raw.composite_upload(self.bucket, name, self.data)), self.meter)
         # As the plugin's composite uploads, the part objects are deleted after the upload is complete.
         self.raw.delete(self.bucket, parts)
         return op
@@ -293,8 +304,9 @@ class LoadCeiling(Subject):
     """The serial bound of a load: the object fetched with raw parallel ranged GETs (the plugin's part
     size and connection count) into memory, then ``torch.load`` from there with its defaults."""
 
-    def __init__(self, raw: RawGcs, bucket: str, data: bytes, run_id: str) -> None:
-        super().__init__("ceiling-load", f"ceiling: {CEILING_NAMES['load']}", "ceiling", "load", does_save=False)
+    def __init__(self, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
+        super().__init__("ceiling-load", f"ceiling: {CEILING_NAMES['load']}", "ceiling", meter, "load",
+                         does_save=False)
         self.raw, self.bucket = raw, bucket
         self.size_bytes = len(data)
         self.name_ = f"{run_id}/ceiling-load/ckpt"
@@ -308,22 +320,24 @@ class LoadCeiling(Subject):
             finally:
                 buffer.close()
 
-        return _timed(run)
+        return _timed(run, self.meter)
 
     def close(self) -> None:
         self.raw.delete(self.bucket, self.name_)
 
 
-def checkpoint_bytes(trainer: Any, directory: str) -> bytes:
-    """The bytes a TorchCheckpointIO save of the Trainer writes (the ceilings move the same bytes)."""
+def checkpoint_bytes(trainer: Any, directory: str, stack: ExitStack) -> mmap.mmap:
+    """The bytes a TorchCheckpointIO save of the Trainer writes (the ceilings move the same bytes),
+    mapped from a local file: the page cache, not this process, holds them between uses."""
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 
     path = Path(directory) / f"ceiling-{uuid.uuid4().hex[:8]}.ckpt"
     save(trainer, TorchCheckpointIO(), str(path))
-    try:
-        return path.read_bytes()
-    finally:
-        path.unlink()
+    stack.callback(path.unlink, missing_ok=True)
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    stack.callback(data.close)
+    return data
 
 
 # Selection -------------------------------------------------------------------------------------------
@@ -370,7 +384,9 @@ def _rates(size_bytes: int, ops: list[Op]) -> dict[str, float | None]:
 
 
 def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
-    """The JSON row of one subject: sizes, per-step times, medians, spread and extra memory.
+    """The JSON row of one subject: sizes, per-step times, medians, spread, extra memory, and the CPU
+    seconds of each process taking part (this one, the emulator, the XML server, toxiproxy, the peer's
+    worker; medians over the steps, ``*_cpu_total_s`` their sum).
 
     ``save_s``/``load_s`` and ``save_mbps``/``load_mbps`` are means (the reference reports averages);
     the ``*_median_*`` values are what the ratios use.
@@ -387,21 +403,30 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
             f"{prefix}_times_s": [op.seconds for op in ops],
             f"{prefix}_extra_rss_mb": max(op.extra_rss_mb for op in ops) if ops else None,
         })
+        row[f"{prefix}_cpu_s"] = {name: statistics.median(op.cpu_s.get(name, 0.0) for op in ops)
+                                  for name in sorted({n for op in ops for n in op.cpu_s})}
+        row[f"{prefix}_cpu_total_s"] = statistics.median(sum(op.cpu_s.values()) for op in ops) if ops else None
     blocked = [op.blocked_s for op in subject.saves if op.blocked_s is not None]
     row["save_blocked_median_s"] = statistics.median(blocked) if blocked else None
     return row
 
 
-def add_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> None:
-    """Ratios of medians: to the baseline (gcsfs), to the peer, and to the ceiling of each row's path."""
+def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> None:
+    """Ratios of medians: to the baseline (gcsfs), to the peer, and to the ceiling of each row's path.
+
+    Ceilings get their ratios to the baseline and the peer too: the most any row on that path could
+    show against them in this run.
+    """
     baseline = next((r for r in rows if r["key"] == BASELINE_KEY), None)
     peer = next((r for r in rows if r["key"] == PEER_KEY), None)
+    ceilings = {r["upload"]: r for r in ceiling_rows}
     load_ceiling = ceilings.get("load")
-    for row in rows:
+    for row in rows + ceiling_rows:
         for op in ("save", "load"):
             value = row[f"{op}_median_mbps"]
             row[f"{op}_vs_baseline"] = ratio(value, baseline and baseline[f"{op}_median_mbps"])
             row[f"{op}_vs_peer"] = ratio(value, peer and peer[f"{op}_median_mbps"])
+    for row in rows:
         row["save_rss_vs_peer"] = ratio(row["save_extra_rss_mb"], peer and peer["save_extra_rss_mb"])
         save_ceiling = ceilings.get(row["upload"]) if row["upload"] else None
         row["save_ceiling"] = save_ceiling and save_ceiling["type"]
@@ -426,6 +451,8 @@ TABLE_COLUMNS = {
     "load_range": "(min-max)",
     "save_extra_rss_mb": "Save +RSS MB",
     "load_extra_rss_mb": "Load +RSS MB",
+    "save_cpu_total_s": "Save CPU s",
+    "load_cpu_total_s": "Load CPU s",
     "save_blocked_median_s": "Blocked (s)",
 }
 RATIO_COLUMNS = {
@@ -445,18 +472,27 @@ CEILING_COLUMNS = {
     "save_range": "(min-max)",
     "load_median_mbps": "Load MB/s",
     "load_range": "(min-max)",
+    "save_cpu_total_s": "Save CPU s",
+    "load_cpu_total_s": "Load CPU s",
+    "save_vs_baseline": "Save x gcsfs",
+    "load_vs_baseline": "Load x gcsfs",
+    "save_vs_peer": "Save x peer",
+    "load_vs_peer": "Load x peer",
 }
 
 
-def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> str:
-    shown = [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in rows]
-    parts = [format_table(shown, TABLE_COLUMNS)]
+def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]],
+                  table: Callable[[Sequence[dict[str, Any]], dict[str, str]], str] = format_table) -> str:
+    """The results, ratios and ceilings tables (``table`` formats one: plain text or Markdown)."""
+
+    def ranged(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in items]
+
+    parts = [table(ranged(rows), TABLE_COLUMNS)]
     if len(rows) > 1 or ceiling_rows:
-        parts.append(format_table(rows, RATIO_COLUMNS))
+        parts.append(table(rows, RATIO_COLUMNS))
     if ceiling_rows:
-        parts.append(format_table(
-            [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in ceiling_rows],
-            CEILING_COLUMNS))
+        parts.append(table(ranged(ceiling_rows), CEILING_COLUMNS))
     return "\n\n".join(parts)
 
 
@@ -516,6 +552,10 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
     subjects: list[Subject] = []
     worker: PeerProcess | None = None
     peer_missing: str | None = None
+    meter = CpuMeter()
+    meter.watch("benchmark", os.getpid())
+    for name, pid in (services.endpoint.pids.items() if services.endpoint else ()):
+        meter.watch(name, pid)
     for spec in specs:
         reason = spec.unavailable_reason() or (peer_missing if spec.peer_variant else None)
         if reason:
@@ -525,24 +565,25 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
             continue
         if spec.plugin is not None:
             modes = upload_modes(args) if spec.plugin.follows_upload_mode else [None]
-            subjects += [PluginRow(spec, mode, services, trainer, run_id, args.keep) for mode in modes]
+            subjects += [PluginRow(spec, mode, services, trainer, run_id, args.keep, meter) for mode in modes]
             continue
         if worker is None:
             try:
                 worker = stack.enter_context(PeerProcess(
                     endpoint=services.endpoint.url if services.endpoint else None, layers=args.layers,
                     peer_path=args.peer_path, project=args.project, wikitext2_dir=args.wikitext2_dir))
+                meter.watch("peer worker", worker.pid)
             except PeerUnavailableError as err:
                 peer_missing = f"{err}; {PEER_INSTALL_HINT}"
                 if args.types:
                     raise SystemExit(f"{spec.name} is not available: {peer_missing}") from err
                 log.warning("skipping %s: %s", spec.name, peer_missing)
                 continue
-        subjects.append(PeerRow(spec, worker, services.gcs_dir(), run_id, args.keep))
+        subjects.append(PeerRow(spec, worker, services.gcs_dir(), run_id, args.keep, meter))
     endpoint = services.endpoint
     if endpoint is not None and any(s.upload for s in subjects):
         bucket = services.gcs_dir().split("/")[2]
-        data = checkpoint_bytes(trainer, services.local_dir())
+        data = checkpoint_bytes(trainer, services.local_dir(), stack)
         from dataflux_ckpt import CHUNK_SIZE_BYTES, MAX_WORKERS
 
         raw = RawGcs(endpoint.url, workers=MAX_WORKERS, part_bytes=CHUNK_SIZE_BYTES)
@@ -550,8 +591,8 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
         needed = {s.upload for s in subjects if s.upload}
         for mode in ("single", "xml", "composite"):
             if mode in needed:
-                subjects.append(UploadCeiling(mode, raw, bucket, data, run_id))
-        subjects.append(LoadCeiling(raw, bucket, data, run_id))
+                subjects.append(UploadCeiling(mode, raw, bucket, data, run_id, meter))
+        subjects.append(LoadCeiling(raw, bucket, data, run_id, meter))
     return subjects
 
 
@@ -607,7 +648,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wikitext2-dir", help="train on WikiText2 from this directory instead of synthetic tokens")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints instead of removing them")
     parser.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
-                        help="write the rows as a JSON list here, and the chart next to it (default %(default)s)")
+                        help="write the rows as a JSON list here, the tables as Markdown (.md) and the chart "
+                             "(.png) next to it (default %(default)s)")
     parser.add_argument("--chart", metavar="PATH",
                         help="write the PNG chart here (default: the JSON path with .png)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the services and plugins do")
@@ -670,12 +712,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; services stopped", file=sys.stderr)
         return 130
-    add_ratios(rows, {r["upload"]: r for r in ceiling_rows})
+    add_ratios(rows, ceiling_rows)
     print()
     print(format_report(rows, ceiling_rows))
     write_json(args.json, rows + ceiling_rows)
+    markdown = Path(args.json).with_suffix(".md")
+    markdown.write_text(f"{header}\n\n{format_report(rows, ceiling_rows, format_markdown_table)}\n")
     chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), rows, ceiling_rows, header)
-    print(f"\nrows: {args.json}; chart: {chart}")
+    print(f"\nrows: {args.json} (tables as Markdown: {markdown}); chart: {chart}")
     return 0
 
 

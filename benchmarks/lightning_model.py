@@ -93,6 +93,8 @@ def fitted_trainer(layers: int, wikitext2_dir: str | None, root_dir: str) -> Any
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=root_dir,
     )
     trainer.fit(model, DataLoader(dataset, batch_size=1))
+    # Checkpoints hold no gradients: freeing them halves the model's memory (2.6 GB at LAYERS=1000).
+    model.zero_grad(set_to_none=True)
     return trainer
 
 

@@ -109,6 +109,11 @@ class PeerProcess:
     def __enter__(self) -> PeerProcess:
         return self
 
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        return self._proc.pid
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 

@@ -138,12 +138,13 @@ class RawGcs:
         return [data[start : start + part_bytes] for start in range(0, len(data), part_bytes)] or [data[:0]]
 
     # Uploads ----------------------------------------------------------------------------------
-    def single_upload(self, bucket: str, name: str, data: bytes | memoryview) -> None:
+    def single_upload(self, bucket: str, name: str, data: bytes | memoryview | mmap.mmap) -> None:
         """One media upload request of the whole object."""
         target = f"/upload/storage/v1/b/{quote(bucket, safe='')}/o?" + urlencode({"uploadType": "media", "name": name})
-        self._call("POST", target, data, {"Content-Type": OCTET_STREAM})
+        # A buffer, never a file-like: http.client would send a file in 8 KiB reads.
+        self._call("POST", target, memoryview(data).cast("B"), {"Content-Type": OCTET_STREAM})
 
-    def xml_multipart_upload(self, bucket: str, name: str, data: bytes | memoryview) -> None:
+    def xml_multipart_upload(self, bucket: str, name: str, data: bytes | memoryview | mmap.mmap) -> None:
         """XML API multipart upload: initiate, ``part_bytes`` parts on the parallel connections, complete."""
         path = _xml_path(bucket, name)
         body, _ = self._call("POST", f"{path}?uploads", b"", {"Content-Type": OCTET_STREAM})
@@ -162,7 +163,7 @@ class RawGcs:
         self._call("POST", f"{path}?" + urlencode({"uploadId": upload_id}), completion,
                    {"Content-Type": "application/xml"})
 
-    def composite_upload(self, bucket: str, name: str, data: bytes | memoryview) -> list[str]:
+    def composite_upload(self, bucket: str, name: str, data: bytes | memoryview | mmap.mmap) -> list[str]:
         """Part objects on the parallel connections (at most 32, so that one compose suffices), then
         one compose into ``name``. Returns the part objects, left for the caller to delete."""
         view = memoryview(data).cast("B")

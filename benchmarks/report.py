@@ -110,6 +110,35 @@ class PeakRSS:
         self.peak_mb = max(self.peak_mb, self._process.memory_info().rss / MB)
 
 
+class CpuMeter:
+    """CPU seconds (user + system) used by a set of processes: a benchmark and the services it drives.
+
+    ``watch`` adds a process by name; ``snapshot`` reads them all; ``since(snapshot)`` is what each
+    used from then on. A process that has exited counts as having used nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._processes: dict[str, psutil.Process] = {}
+
+    def watch(self, name: str, pid: int | None) -> None:
+        if pid is not None:
+            self._processes[name] = psutil.Process(pid)
+
+    def snapshot(self) -> dict[str, float]:
+        seen = {}
+        for name, process in self._processes.items():
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            seen[name] = times.user + times.system
+        return seen
+
+    def since(self, before: Mapping[str, float]) -> dict[str, float]:
+        now = self.snapshot()
+        return {name: now[name] - before[name] for name in before if name in now}
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "-"

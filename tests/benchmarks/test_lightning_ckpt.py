@@ -144,6 +144,8 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
         assert name in err  # its progress bar
     assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
     assert str(chart) in out
+    markdown = chart.with_suffix(".md").read_text()
+    assert "| Checkpoint Type |" in markdown and "| Ceiling |" in markdown
 
 
 @pytest.mark.slow
