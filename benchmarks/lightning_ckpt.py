@@ -42,9 +42,7 @@ import torch  # noqa: E402
 
 from benchmarks.lightning_model import fitted_trainer, quiet_lightning, save  # noqa: E402
 from benchmarks.lightning_peer import (  # noqa: E402
-    INSTALL_HINT as PEER_INSTALL_HINT,
-)
-from benchmarks.lightning_peer import (  # noqa: E402
+    PEER_INSTALL_HINT,
     PEER_PATH_ENV,
     PEER_VARIANTS,
     PeerProcess,
@@ -99,13 +97,6 @@ class RowSpec:
     @property
     def storage(self) -> str:
         return self.plugin.storage if self.plugin else "gcs"
-
-    @property
-    def upload(self) -> str | None:
-        """The upload path of its saves: "single", "parallel" or None (not GCS)."""
-        if self.plugin:
-            return self.plugin.upload
-        return "parallel" if PEER_VARIANTS[self.peer_variant].multipart else "single"
 
     def unavailable_reason(self) -> str | None:
         return self.plugin.unavailable_reason() if self.plugin else None
@@ -316,7 +307,8 @@ class LoadCeiling(Subject):
         def run() -> None:
             buffer = self.raw.download(self.bucket, self.name_, self.size_bytes)
             try:
-                torch.load(MemoryReader(buffer))
+                with MemoryReader(buffer) as reader:
+                    torch.load(reader)
             finally:
                 buffer.close()
 

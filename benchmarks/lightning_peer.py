@@ -36,7 +36,7 @@ PEER_VERSION = "1.4.0"
 PEER_PATH_ENV = "DATAFLUX_PEER_PATH"
 PEER_PINS = ("gcs-torch-dataflux==1.4.0", "absl-py==2.5.1", "google-cloud-storage==2.19.0",
              "google-resumable-media==2.7.2")
-INSTALL_HINT = (f"install it in its own directory, `pip install --no-deps --target DIR {' '.join(PEER_PINS)}`, "
+PEER_INSTALL_HINT = (f"install it in its own directory, `pip install --no-deps --target DIR {' '.join(PEER_PINS)}`, "
                 f"and pass --peer-path DIR (or set ${PEER_PATH_ENV})")
 START_TIMEOUT_S = 600.0  # imports, model build and one training step (LAYERS=1000 takes minutes)
 OP_TIMEOUT_S = 1800.0

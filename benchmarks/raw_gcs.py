@@ -68,6 +68,12 @@ class MemoryReader(io.RawIOBase):
         self._pos = end
         return end - start
 
+    def close(self) -> None:
+        """Release the buffer (its owner may then close or resize it)."""
+        if not self.closed:
+            self._view.release()
+        super().close()
+
 
 class RawGcs:
     """Raw HTTP transfers against the GCS endpoint at ``url`` with ``workers`` parallel connections.
