@@ -480,11 +480,16 @@ def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]
     def ranged(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in items]
 
-    parts = [table(ranged(rows), TABLE_COLUMNS)]
+    def shown(items: list[dict[str, Any]], columns: dict[str, str]) -> str:
+        # A column with no value in any row (no peer in this run, no async row...) is left out.
+        kept = {key: title for key, title in columns.items() if any(r.get(key) is not None for r in items)}
+        return table(items, kept)
+
+    parts = [shown(ranged(rows), TABLE_COLUMNS)]
     if len(rows) > 1 or ceiling_rows:
-        parts.append(table(rows, RATIO_COLUMNS))
+        parts.append(shown(rows, RATIO_COLUMNS))
     if ceiling_rows:
-        parts.append(table(ranged(ceiling_rows), CEILING_COLUMNS))
+        parts.append(shown(ranged(ceiling_rows), CEILING_COLUMNS))
     return "\n\n".join(parts)
 
 

@@ -45,8 +45,7 @@ class ServiceOptions:
 
     ``ckpt_dir``: ``gs://bucket/prefix`` (real GCS, with the environment's credentials) or a local
     directory; default: a bucket on a local emulator and a temporary directory. ``network``: the model
-    every GCS client connection goes through (the emulator only). ``xml_multipart``: serve GCS's XML
-    multipart uploads in front of the emulator.
+    every GCS client connection goes through (the emulator only).
     """
 
     ckpt_dir: str | None = None
@@ -54,17 +53,13 @@ class ServiceOptions:
     project: str | None = None
     emulator_backend: str = "filesystem"
     network: NetworkModel = LOOPBACK
-    xml_multipart: bool = True
 
 
 @dataclass
 class GcsEndpoint:
-    """The local GCS stack: what clients talk to (``url``) and what sits behind it."""
+    """The local GCS stack: the URL every client talks to, and the process id of each service."""
 
     url: str
-    emulator_url: str
-    xml_url: str | None
-    network: NetworkModel
     pids: dict[str, int] = field(default_factory=dict)
 
 
@@ -123,18 +118,14 @@ class Services:
         if options.emulator_backend == "filesystem":
             root = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="fake-gcs-"))
         emulator = self.stack.enter_context(FakeGcsServer(root=root))
-        pids = {"fake-gcs-server": emulator.pid}
-        front = emulator.url
-        xml_url = None
         proxy = self.stack.enter_context(Toxiproxy()) if not options.network.is_loopback else None
-        # Behind a network model, the URLs the servers hand out (resumable-upload sessions) must
+        # Behind a network model, the URLs the XML server hands out (resumable-upload sessions) must
         # name the proxy, so that those requests cross the model too: its port is chosen first.
         public_port = free_port() if proxy is not None else None
         public_url = f"http://127.0.0.1:{public_port}" if public_port else None
-        if options.xml_multipart:
-            xml = self.stack.enter_context(_xml_server(emulator.url, public_url))
-            pids["xml-multipart-server"] = xml.pid
-            front = xml_url = xml.url
+        xml = self.stack.enter_context(_xml_server(emulator.url, public_url))
+        pids = {"fake-gcs-server": emulator.pid, "xml-multipart-server": xml.pid}
+        front = xml.url
         if proxy is not None:
             pids["toxiproxy-server"] = proxy.pid
             front = proxy.proxy("gcs", front, options.network, listen_port=public_port)
@@ -142,7 +133,7 @@ class Services:
         self.stack.enter_context(activated(front))
         log.info("GCS emulator (%s backend) at %s, clients use %s (%s), bucket %s",
                  options.emulator_backend, emulator.url, front, options.network.describe(), bucket)
-        return GcsEndpoint(front, emulator.url, xml_url, options.network, pids)
+        return GcsEndpoint(front, pids)
 
     def redis_address(self) -> str:
         """``host:port`` of the embedded redis-server (started on first use)."""
