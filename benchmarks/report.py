@@ -244,7 +244,7 @@ def bar_chart(
     ax.set_yticks(range(len(labels)), labels=labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
-    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=9)
     fig.legend(fontsize=7, loc="outside lower center", ncols=2)
     ax.grid(axis="x", alpha=0.3)
     fig.savefig(path, dpi=120)
