@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import select
@@ -33,9 +33,13 @@ ENV_KEYS = ("CKPT_DIR_PATH", "DATAFLUX_CKPT", "USE_TRANSFER_MANAGER", "LAYERS", 
 
 def _peer_available() -> str | None:
     """Why the peer rows cannot run here, or None."""
-    if os.environ.get(PEER_PATH_ENV) or importlib.util.find_spec("dataflux_pytorch"):
+    if os.environ.get(PEER_PATH_ENV):
         return None
-    return f"gcs-torch-dataflux is not installed here and ${PEER_PATH_ENV} is not set"
+    try:
+        importlib.import_module("dataflux_pytorch.lightning")
+    except ImportError as err:  # absent, or installed beside a google-cloud-storage it cannot use
+        return f"${PEER_PATH_ENV} is not set and gcs-torch-dataflux does not import here: {err}"
+    return None
 
 
 def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
