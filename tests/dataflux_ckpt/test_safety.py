@@ -25,7 +25,7 @@ from dataflux_ckpt import (
     TransferError,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
-from dataflux_ckpt.upload import PARTS_SUFFIX
+from dataflux_ckpt.upload import PART_OBJECT_SUFFIX, PARTS_SUFFIX
 from tests.support.gcs import FAST_RETRY, client_for, object_names, uploads_in_progress
 
 # Upload paths and the plugin options that select them (parts are C bytes; checkpoints ~6 C).
@@ -315,6 +315,8 @@ def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_wr
         child.kill()
         child.wait(10)
     (dead_upload,) = _part_uploads(url, gcs_bucket, key)
+    # What a bucket lifecycle rule (matchesSuffix) finds.
+    assert all(name.endswith(PART_OBJECT_SUFFIX) for name in object_names(url, gcs_bucket, key + PARTS_SUFFIX))
 
     live_plugin = _plugin(url, upload_mode="composite")
     live = live_plugin.writer(path)  # a live writer, with the default (long) deadline
