@@ -19,8 +19,10 @@ import torch
 from dataflux_ckpt import (
     ConcurrentWriteError,
     DatafluxCheckpointIO,
+    Deadline,
     DeadlineExceededError,
     FakeGcsServer,
+    Gcs,
     TransferError,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
@@ -306,6 +308,18 @@ def _part_uploads(url: str, bucket: str, key: str) -> dict[str, int]:
     return counts
 
 
+def _kill_a_writer_mid_upload(url: str, bucket: str, key: str) -> None:
+    """Start a writer process, and SIGKILL it once some of its part objects are stored."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, f"gs://{bucket}/{key}", str(C)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+        _wait_for(lambda: sum(_part_uploads(url, bucket, key).values()) >= 3)
+    finally:
+        child.kill()
+        child.wait(10)
+
+
 def _wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -316,14 +330,7 @@ def _wait_for(condition, timeout_s: float = 20.0) -> None:
 def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_writers(gcs_emulator, gcs_bucket):
     url, key = gcs_emulator.url, "crash/last.ckpt"
     path = f"gs://{gcs_bucket}/{key}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, path, str(C)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().strip() == "writing"
-        _wait_for(lambda: sum(_part_uploads(url, gcs_bucket, key).values()) >= 3)
-    finally:
-        child.kill()
-        child.wait(10)
+    _kill_a_writer_mid_upload(url, gcs_bucket, key)
     (dead_upload,) = _part_uploads(url, gcs_bucket, key)
     # What a bucket lifecycle rule (matchesSuffix) finds.
     assert all(name.endswith(PART_OBJECT_SUFFIX) for name in object_names(url, gcs_bucket, key + PARTS_SUFFIX))
@@ -348,14 +355,17 @@ def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_wr
 def test_remove_checkpoint_removes_a_dead_writers_parts(gcs_emulator, gcs_bucket):
     url, key = gcs_emulator.url, "crash2/last.ckpt"
     path = f"gs://{gcs_bucket}/{key}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, path, str(C)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().strip() == "writing"
-        _wait_for(lambda: sum(_part_uploads(url, gcs_bucket, key).values()) >= 3)
-    finally:
-        child.kill()
-        child.wait(10)
+    _kill_a_writer_mid_upload(url, gcs_bucket, key)
     time.sleep(3.2)
     _plugin(url).remove_checkpoint(path)
     assert object_names(url, gcs_bucket, "crash2/") == []
+
+
+def test_listing_reports_creation_times_on_the_servers_clock(gcs_emulator, gcs_bucket):
+    """Leases are counted on the server's clock: its listing must give both times, readable."""
+    client = client_for(gcs_emulator.url)
+    client.bucket(gcs_bucket).blob("clock/a").upload_from_string(b"a")
+    objects, now = Gcs(client).list_objects(gcs_bucket, "clock/", Deadline(10, "listing", f"gs://{gcs_bucket}/clock/"))
+    assert [o.name for o in objects] == ["clock/a"]
+    assert now is not None and abs(now - time.time()) < 60
+    assert now - 2 <= objects[0].created <= now + 2
