@@ -28,6 +28,7 @@ _EXPORTS = {
     "parse_gcs_prefix": "dataflux_ckpt.paths",
     "GcsPath": "dataflux_ckpt.paths",
     "parse_gcs_path": "dataflux_ckpt.paths",
+    "Deadline": "dataflux_ckpt.retry",
     "RetryPolicy": "dataflux_ckpt.retry",
     "ObjectWriter": "dataflux_ckpt.upload",
     "StreamingWriter": "dataflux_ckpt.upload",
@@ -42,6 +43,7 @@ __all__ = [
     "ConcurrentWriteError",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
+    "Deadline",
     "DeadlineExceededError",
     "FakeGcsServer",
     "Gcs",
@@ -80,7 +82,7 @@ if TYPE_CHECKING:
     )
     from dataflux_ckpt.gcs import Gcs
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
-    from dataflux_ckpt.retry import RetryPolicy
+    from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from dataflux_ckpt.xml_server import XmlMultipartServer
 

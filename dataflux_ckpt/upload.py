@@ -19,8 +19,9 @@ completions take no preconditions (the last completion wins). The crc32c of what
 checked from the publishing request's own answer, and a damaged object is deleted only in the
 generation this writer created.
 
-Temporary part objects live under ``<key>.dataflux-parts/<upload id>-<lease>s/``: the lease is the
-writer's deadline plus its clean-up budget, after which the writer is certainly finished. Every save
+Temporary part objects are named ``<key>.dataflux-parts/<upload id>-<lease>s/<n>.dataflux-part``:
+the lease is the writer's deadline plus its clean-up budget, after which the writer is certainly
+finished; the suffix lets a bucket lifecycle rule find them. Every save
 removes the part objects of uploads to its path whose lease ran out (by the server's clock) after
 their newest part: those of writers that died without cleaning up, never those of a live writer.
 """
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 MAX_COMPOSE_SOURCES = 32
 PARTS_SUFFIX = ".dataflux-parts/"
+# Every temporary part object's name ends so, for a bucket lifecycle rule (``matchesSuffix``).
+PART_OBJECT_SUFFIX = ".dataflux-part"
 # Statuses with which a server says it does not serve XML multipart uploads.
 XML_UNSUPPORTED_STATUS = frozenset({400, 404, 405, 501})
 # GCS refuses XML multipart parts (but the last) smaller than this; "auto" picks composite below it.
@@ -120,7 +123,7 @@ class _CompositeEngine:
         self._prefix = f"{parts_prefix(path)}{uuid.uuid4().hex}-{math.ceil(lease_s)}s/"
 
     def upload_part(self, number: int, data: memoryview, crc: int, deadline: Deadline) -> tuple[str, int]:
-        name = f"{self._prefix}{number:06d}"
+        name = f"{self._prefix}{number:06d}{PART_OBJECT_SUFFIX}"
         return name, self._gcs.upload_part_object(self._path.bucket, name, data, crc, deadline)
 
     def complete(self, tokens: list[tuple[str, int]], crc: int, deadline: Deadline) -> ObjectInfo:
@@ -129,7 +132,7 @@ class _CompositeEngine:
         sources = [name for name, _ in tokens]
         while len(sources) > MAX_COMPOSE_SOURCES:
             groups = [sources[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(sources), MAX_COMPOSE_SOURCES)]
-            names = [f"{self._prefix}c{level}-{i:06d}" for i in range(len(groups))]
+            names = [f"{self._prefix}c{level}-{i:06d}{PART_OBJECT_SUFFIX}" for i in range(len(groups))]
             composed = list(self._executor.map(lambda g, n: self._gcs.compose(bucket, g, n, deadline), groups, names))
             temporary += [(name, info.generation) for name, info in zip(names, composed, strict=True)]
             sources, level = names, level + 1
