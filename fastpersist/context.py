@@ -30,7 +30,7 @@ from fastpersist.engines import (
     IOEngine,
     PythonEngine,
 )
-from fastpersist.memory import ALIGNMENT_BYTES, MiB, get_pinned_buffer, release_pinned_buffer
+from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty, get_pinned_buffer, release_pinned_buffer
 
 log = logging.getLogger(__name__)
 
@@ -125,23 +125,27 @@ class FastPersistContext:
                 )
             return self._aio_handle
 
-    def staging_buffer(self, device: str = "cpu") -> torch.Tensor:
+    def staging_buffer(self, device: str = "cpu", pinned: bool = True) -> torch.Tensor:
         """The staging buffer for an engine whose buffer lives on ``device`` (``"cpu"`` or ``"cuda"``).
 
         A buffer passed in is returned as given (engines check where it lives). Otherwise host memory is
-        page-locked (with the aio handle where CUDA is absent), and GPU memory is plain device memory.
+        page-locked when ``pinned`` (with the aio handle where CUDA is absent; the python engine needs
+        no locking), and GPU memory is plain device memory.
         """
         with self._lock:
             if self._given_buffer is not None:
                 return self._given_buffer
-            buffer = self._buffers.get(device)
+            key = device if device != "cpu" else ("cpu-pinned" if pinned else "cpu")
+            buffer = self._buffers.get(key)
             if buffer is None:
-                if device == "cpu":
+                if key == "cpu-pinned":
                     handle = self.aio_handle() if aio_unavailable_reason() is None else None
                     buffer = get_pinned_buffer(self.io_buffer_mb, handle)
+                elif key == "cpu":
+                    buffer = aligned_empty(int(self.io_buffer_mb * MiB))
                 else:
                     buffer = torch.empty(int(self.io_buffer_mb * MiB), dtype=torch.uint8, device=device)
-                self._buffers[device] = buffer
+                self._buffers[key] = buffer
             return buffer
 
     def io_engine(self, name: str | None = None, directory: str | None = None) -> IOEngine:
@@ -227,8 +231,8 @@ class FastPersistContext:
     def close(self) -> None:
         """Free the staging buffers and threads this context created (a later use creates new ones)."""
         with self._lock:
-            for device, buffer in self._buffers.items():
-                if device == "cpu":
+            for key, buffer in self._buffers.items():
+                if key == "cpu-pinned":
                     release_pinned_buffer(buffer, self._aio_handle)
             if self._pool is not None:
                 self._pool.shutdown(wait=True)

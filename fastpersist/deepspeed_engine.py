@@ -14,7 +14,9 @@ DeepSpeed routes every checkpoint file of ``engine.save_checkpoint`` through
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,13 +165,28 @@ def enable_fastpersist(
 def deepspeed_initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """``deepspeed.initialize`` that honours the ds_config's checkpoint writer with FastPersist.
 
-    Takes and returns exactly what ``deepspeed.initialize`` does. When the ds_config has
-    ``"checkpoint": {"writer": {"type": "fast" | "python", ...}}``, the returned engine's checkpoints are
-    written by :class:`FastPersistCheckpointEngine`, tuned by that block and the ``"aio"`` block.
+    Takes and returns exactly what ``deepspeed.initialize`` does. When the ds_config (``config=``, a dict
+    or a JSON file path) has ``"checkpoint": {"writer": {"type": "fast" | "python", ...}}``, the returned
+    engine's checkpoints are written by :class:`FastPersistCheckpointEngine`, tuned by that block and the
+    ``"aio"`` block. The writer block is taken out of what DeepSpeed sees, so DeepSpeed does not also
+    set up its own writer (which needs its launcher's environment).
+
+    Raises:
+        ValueError: invalid writer or aio settings in the ds_config.
     """
     import deepspeed
 
+    config = kwargs.get("config")
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as stream:
+            config = json.load(stream)
+    settings = writer_settings(config) if isinstance(config, dict) else None
+    if settings is None or not settings.requested:
+        return deepspeed.initialize(*args, **kwargs)
+    checkpoint_block = {key: value for key, value in config["checkpoint"].items() if key != "writer"}
+    kwargs["config"] = {**config, "checkpoint": checkpoint_block}
     result = deepspeed.initialize(*args, **kwargs)
-    if writer_settings(_deepspeed_compat.ds_config_dict(result[0])).requested:
-        enable_fastpersist(result[0])
+    checkpoint_engine = FastPersistCheckpointEngine(config)
+    result[0].checkpoint_engine = checkpoint_engine
+    log.info("DeepSpeed engine checkpoints written by %s (%r)", ENGINE_NAME, checkpoint_engine.context)
     return result

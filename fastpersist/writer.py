@@ -31,7 +31,17 @@ from fastpersist import _torch_compat
 from fastpersist.archive import ArchiveWriter, new_serialization_id
 from fastpersist.buffers import DoubleBuffer, split_halves
 from fastpersist.context import FastPersistContext
-from fastpersist.engines import FILE_MODE, IOEngine, OpenFile, Transfer, io_error, open_file, reserve
+from fastpersist.engines import (
+    FILE_MODE,
+    AioEngine,
+    IOEngine,
+    OpenFile,
+    PythonEngine,
+    Transfer,
+    io_error,
+    open_file,
+    reserve,
+)
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, round_up
 
 log = logging.getLogger(__name__)
@@ -144,7 +154,7 @@ def _engine_and_buffer(
     ctx: FastPersistContext, engine: str | None, directory: str
 ) -> tuple[IOEngine, torch.Tensor]:
     io_engine = ctx.io_engine(engine, directory)
-    buffer = ctx.staging_buffer(io_engine.device)
+    buffer = ctx.staging_buffer(io_engine.device, pinned=not isinstance(io_engine, PythonEngine))
     on_gpu = buffer.device.type != "cpu"
     if io_engine.device == "cpu" and on_gpu:
         raise ValueError(
@@ -156,6 +166,7 @@ def _engine_and_buffer(
             f"fastpersist engine 'gds' needs a GPU staging buffer, got one on {buffer.device}; using 'aio'"
         )
         io_engine = ctx.io_engine("aio", directory)
+        buffer = ctx.staging_buffer("cpu", pinned=not isinstance(io_engine, PythonEngine))
     split_halves(buffer)  # refuse a too-small buffer before any work
     return io_engine, buffer
 
@@ -173,6 +184,8 @@ def _write(
             stage.has_device_copies = False
         io_engine.wait()  # the other half's write is done: it may be refilled after this submit
         _reserve_ahead(file, offset + nbytes)
+        if offset + nbytes > file.reserved and isinstance(io_engine, AioEngine):
+            _check_free_space(file, offset, nbytes)
         io_engine.submit(Transfer(file, half, offset, write=True))
         writes += 1
 
@@ -205,6 +218,20 @@ def _reserve_ahead(file: OpenFile, end: int) -> None:
         if err.errno != errno.ENOSPC:
             raise
         reserve(file, end)
+
+
+def _check_free_space(file: OpenFile, offset: int, nbytes: int) -> None:
+    """Refuse a write the filesystem has no room for: DeepSpeed's aio may never complete one."""
+    fs = os.statvfs(os.path.dirname(file.path))
+    free = fs.f_bavail * fs.f_frsize
+    if free < nbytes:
+        raise io_error(
+            errno.ENOSPC,
+            "write",
+            file,
+            offset,
+            f"no space left on device ({free} bytes free, {nbytes} needed)",
+        )
 
 
 def _check_target(file_path: str | os.PathLike[str]) -> str:
