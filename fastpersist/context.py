@@ -185,8 +185,16 @@ class FastPersistContext:
         if engine == "aio":
             return aio_unavailable_reason()
         if engine == "gds":
-            return gds_unavailable_reason() or self._probe_gds(directory)
+            return self.gds_unusable_reason(directory)
         return None
+
+    def gds_unusable_reason(self, directory: str | None = None) -> str | None:
+        """Why GPUDirect Storage cannot be used (in ``directory``'s filesystem, when given), or ``None``.
+
+        The filesystem is probed once per context with a one-block write whose native (cuFile) output
+        is captured, so a user sees one reason instead of raw C++ error lines.
+        """
+        return gds_unavailable_reason() or self._probe_gds(directory)
 
     def _gds(self) -> Any:
         if self._gds_handle is None:
