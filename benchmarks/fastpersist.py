@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, write_json
-from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save
+from fastpersist import FastPersistContext, _deepspeed_compat, fastpersist_load, fastpersist_save
 from fastpersist.aio import aio_unavailable_reason
 from fastpersist.memory import ALIGNMENT_BYTES, MiB
 
@@ -192,8 +192,12 @@ def raw_odirect(path: Path, num_bytes: int, handle: Any, buffer: torch.Tensor, w
             )  # as fastpersist_save does: in-file O_DIRECT writes run async
         for offset in range(0, num_bytes, buffer.numel()):
             chunk = buffer.narrow(0, 0, min(buffer.numel(), num_bytes - offset))
+            if not write and not _deepspeed_compat.reads_at_offset(handle):
+                if os.preadv(fd, [memoryview(chunk.numpy())], offset) != chunk.numel():
+                    raise OSError(f"raw O_DIRECT read failed at offset {offset} of {path}")
+                continue
             status = (
-                handle.async_pwrite(chunk, fd, offset)
+                _deepspeed_compat.async_pwrite(handle, chunk, fd, str(path), offset)
                 if write
                 else handle.async_pread(chunk, str(path), offset)
             )
@@ -393,7 +397,7 @@ def bench_deepspeed(
         cases = [
             Case(
                 "test_deepspeed_save",
-                default_engine.name or "torch",
+                getattr(default_engine, "name", None) or "torch",
                 lambda: save("deepspeed_save", default_engine),
                 size("deepspeed_save"),
                 fresh("deepspeed_save"),
@@ -401,7 +405,7 @@ def bench_deepspeed(
             ),
             Case(
                 "test_deepspeed_save_durable",
-                default_engine.name or "torch",
+                getattr(default_engine, "name", None) or "torch",
                 lambda: save("deepspeed_save_durable", default_engine, durable=True),
                 size("deepspeed_save_durable"),
                 fresh("deepspeed_save_durable"),

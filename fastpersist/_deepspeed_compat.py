@@ -102,6 +102,15 @@ def writes_by_descriptor(handle: Any) -> bool:
     return hasattr(handle, "get_alignment")
 
 
+def reads_at_offset(handle: Any) -> bool:
+    """Whether ``handle.async_pread`` can read part of a file.
+
+    DeepSpeed 0.16's path-based read never completes unless the buffer spans the whole file (the call
+    blocks forever), so there a read of part of a file must not be submitted to it.
+    """
+    return writes_by_descriptor(handle)
+
+
 def async_pwrite(handle: Any, buffer: torch.Tensor, fd: int, path: str, offset: int) -> int:
     """Queue one write on ``handle`` (by descriptor where DeepSpeed can, else by path)."""
     if writes_by_descriptor(handle):

@@ -259,6 +259,7 @@ class AioEngine(IOEngine):
         super().__init__()
         self.handle = handle
         self._locked_by_handle = locked_by_handle  # addresses of buffers this handle page-locked
+        self._read_here: list[Transfer] = []  # reads this DeepSpeed cannot do, done with preadv in wait()
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         if not file.direct:
@@ -279,11 +280,21 @@ class AioEngine(IOEngine):
             # DeepSpeed asserts (aborts) when a read runs past the end of the file: refuse it here.
             if transfer.offset + transfer.buffer.numel() > file.size():
                 raise io_error(errno.EINVAL, "read", file, transfer.offset, "past end of file")
+            if not _deepspeed_compat.reads_at_offset(self.handle):
+                self._queued.pop()
+                self._read_here.append(transfer)
+                return
             status = self.handle.async_pread(transfer.buffer, file.path, transfer.offset)
         if status != 0:
             self._queued.pop()
             what = "write" if transfer.write else "read"
             raise io_error(errno.EIO, what, file, transfer.offset, f"aio submit returned {status}")
+
+    def wait(self) -> None:
+        read_here, self._read_here = self._read_here, []
+        for transfer in read_here:
+            _move(transfer, 0, transfer.buffer.numel())
+        super().wait()
 
     def _finish(self, queued: list[Transfer]) -> None:
         completed = self.handle.wait()

@@ -63,3 +63,32 @@ def test_a_context_pickles_its_settings_not_its_resources() -> None:
         copy = pickle.loads(pickle.dumps(context))
     assert (copy.engine, copy.io_buffer_mb, copy.aio.queue_depth) == ("python", 2, 4)
     assert copy.staging_buffer("cpu", pinned=False).numel() == 2 * 1024**2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(aio_unavailable_reason() is not None, reason="DeepSpeed async_io op unavailable")
+def test_aio_engine_reads_part_of_a_file_at_an_offset(ckpt_dir: Path) -> None:
+    """A read of some blocks in the middle of a file returns exactly those bytes (and never hangs)."""
+    from fastpersist.engines import Transfer, open_file
+
+    data = torch.randint(0, 256, (3 * 2**20,), dtype=torch.uint8)
+    path = ckpt_dir / "blocks.bin"
+    path.write_bytes(data.numpy().tobytes())
+    context = FastPersistContext(io_buffer_mb=2, engine="aio")
+    buffer = context.staging_buffer().narrow(0, 0, 2**20)
+    engine = context.io_engine("aio", str(ckpt_dir))
+    file = open_file(str(path), write=False)
+    try:
+        engine.submit(Transfer(file, buffer, 2**20, write=False))
+        engine.wait()
+    finally:
+        file.close()
+    assert torch.equal(buffer, data[2**20 : 2 * 2**20])
+    loaded = fastpersist_load(_saved(ckpt_dir), engine="aio", weights_only=True)
+    assert torch.equal(loaded["b"], torch.arange(2**20, dtype=torch.float32))
+
+
+def _saved(directory: Path) -> str:
+    path = str(directory / "two.pt")
+    fastpersist_save({"a": torch.ones(3 * 2**18), "b": torch.arange(2**20, dtype=torch.float32)}, path)
+    return path
