@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -15,53 +14,21 @@ from typing_extensions import override
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.reader import fastpersist_load
 from fastpersist.writer import SaveStats, fastpersist_save
+from lightning_storage_plugins.ordering import SaveOrder
 
 log = logging.getLogger(__name__)
 
 
-class _SaveOrder:
-    """Keeps removals and saves of one path in the order they were asked for.
-
-    ``AsyncCheckpointIO`` queues saves on a worker thread but removes at once on the training thread,
-    so ``ModelCheckpoint`` can remove a checkpoint whose save has not been written yet; that save
-    would then publish it afterwards and the file would never go away. A removal of a path whose save
-    is running, or (once saves are seen on another thread) of a path not yet on disk, cancels that
-    save instead: a queued one is skipped, a running one is removed as soon as it lands.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._saving: dict[str, int] = {}
-        self._cancelled: set[str] = set()
-        self._save_threads: set[int] = set()
-
-    def begin_save(self, key: str) -> bool:
-        """Whether to go on with a save of ``key`` (False: it was removed before it could run)."""
-        with self._lock:
-            if key in self._cancelled and key not in self._saving:
-                self._cancelled.discard(key)
-                return False
-            self._saving[key] = self._saving.get(key, 0) + 1
-            self._save_threads.add(threading.get_ident())
-            return True
-
-    def end_save(self, key: str) -> bool:
-        """Whether the file just saved at ``key`` must be removed (a removal came while it ran)."""
-        with self._lock:
-            count = self._saving.pop(key) - 1
-            if count:
-                self._saving[key] = count
-                return False
-            if key in self._cancelled:
-                self._cancelled.discard(key)
-                return True
-            return False
-
-    def removing(self, key: str) -> None:
-        with self._lock:
-            saves_elsewhere = bool(self._save_threads - {threading.get_ident()})
-            if key in self._saving or (saves_elsewhere and not os.path.lexists(key)):
-                self._cancelled.add(key)
+def _local_path(path: _PATH) -> str:
+    """The absolute local path of ``path``; a URL of another storage is refused."""
+    text = os.fspath(path)
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.isidentifier():
+        if scheme != "file":
+            raise ValueError(f"{text!r} is a {scheme}:// URL; FastPersistCheckpointIO writes local files "
+                             "(give a path on a local or NVMe filesystem)")
+        text = rest
+    return os.path.abspath(text)
 
 
 class FastPersistCheckpointIO(CheckpointIO):
@@ -93,7 +60,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         self._owns_context = context is None
         self.context = context or FastPersistContext(engine=engine, io_buffer_mb=io_buffer_mb)
         self.last_stats: SaveStats | None = None
-        self._order = _SaveOrder()
+        self._order = SaveOrder(os.path.lexists)
 
     @override
     def save_checkpoint(
@@ -108,13 +75,14 @@ class FastPersistCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` was given.
+            ValueError: ``path`` is a URL of another storage (``gs://...``).
             OSError: the write failed; the previous file at ``path`` is intact.
         """
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__} does not support `storage_options`, got {storage_options!r}"
             )
-        key = os.path.abspath(os.fspath(path))
+        key = _local_path(path)
         if not self._order.begin_save(key):
             log.debug("not saving %s: it was removed before its save ran", key)
             return
@@ -140,9 +108,10 @@ class FastPersistCheckpointIO(CheckpointIO):
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
+            ValueError: ``path`` is a URL of another storage (``gs://...``).
             fastpersist.CheckpointFormatError: the file is not a readable checkpoint.
         """
-        if not os.path.exists(path):
+        if not os.path.exists(_local_path(path)):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return fastpersist_load(path, map_location, weights_only, context=self.context)
 
@@ -153,7 +122,7 @@ class FastPersistCheckpointIO(CheckpointIO):
         Args:
             path: the checkpoint file (or directory).
         """
-        key = os.path.abspath(os.fspath(path))
+        key = _local_path(path)
         self._order.removing(key)
         self._remove(key)
 
@@ -168,6 +137,7 @@ class FastPersistCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Free the staging buffer and handle of the plugin's own context (a later save makes new ones)."""
+        self._order.reset()
         if self._owns_context:
             self.context.close()
 
@@ -178,4 +148,4 @@ class FastPersistCheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._order = _SaveOrder()
+        self._order = SaveOrder(os.path.lexists)
