@@ -8,6 +8,7 @@ from dataflux_ckpt.checkpoint_io import (
     reader,
     writer,
 )
+from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
 from dataflux_ckpt.download import ObjectReader
 from dataflux_ckpt.emulator import FakeGcsServer
 from dataflux_ckpt.errors import DataCorruptionError, TransferError
@@ -21,6 +22,8 @@ __all__ = [
     "STREAM_CHUNK_SIZE_BYTES",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
+    "DatafluxStorageReader",
+    "DatafluxStorageWriter",
     "FakeGcsServer",
     "GcsPath",
     "ObjectReader",
