@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import uuid
 
-# gcsfs reads this at import time; an emulator does not serve the gRPC bucket-type probe.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+# Before anything imports gcsfs: an emulator does not serve its gRPC bucket-type probe.
+configure_gcsfs_for_emulator()
 
 import pytest  # noqa: E402
 
 from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
+from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
@@ -29,6 +32,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 def gcs_emulator():
     """A fake-gcs-server over HTTP, with this process' GCS clients pointed at it."""
     with FakeGcsServer() as server, server.activated():
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_xml_server(gcs_emulator: FakeGcsServer):
+    """The XML multipart server in front of the session emulator; parts of any size are accepted."""
+    with XmlMultipartServer(gcs_emulator, min_part_bytes=0) as server:
         yield server
 
 
