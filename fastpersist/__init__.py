@@ -26,12 +26,16 @@ __all__ = [
     "FastPersistCheckpointIO",
     "FastPersistCheckpointEngine",
     "enable_fastpersist",
+    "FastPersistStorageReader",
+    "FastPersistStorageWriter",
 ]
 
 _LAZY = {
     "FastPersistCheckpointIO": "fastpersist.checkpoint_io",
     "FastPersistCheckpointEngine": "fastpersist.deepspeed_engine",
     "enable_fastpersist": "fastpersist.deepspeed_engine",
+    "FastPersistStorageReader": "fastpersist.dcp",
+    "FastPersistStorageWriter": "fastpersist.dcp",
 }
 
 

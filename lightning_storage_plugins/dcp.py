@@ -26,7 +26,6 @@ import pickle
 import re
 import uuid
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future as _StdFuture
 from typing import Any
 
 import torch
@@ -41,6 +40,10 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "METADATA_NAME",
+    "allow_storage_info",
+    "check_bytes_item",
+    "is_swept",
+    "stamp_version",
     "ShardPlan",
     "ShardedStorageReader",
     "ShardedStorageWriter",
@@ -197,7 +200,6 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self._token: str | None = None
-        self._written: list[str] = []
 
     # Storage operations (relative names inside the checkpoint) --------------------------------
     @abc.abstractmethod
@@ -238,7 +240,6 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
             self.path = self._normalize(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._token = None
-        self._written = []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Called by DCP on every rank before planning.
@@ -271,9 +272,7 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         if not plan.items:
             return _done([])
         name = shard_name(shard.rank, shard.token)
-        results = self._write_shard(name, plan.items, planner)
-        self._written.append(name)
-        return _done(results)
+        return _done(self._write_shard(name, plan.items, planner))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish ``.metadata`` (coordinator only), after checking that every file it references is
@@ -451,5 +450,3 @@ class ShardedStorageReader(StorageReader, abc.ABC):
         check_bytes_item(data, f"{self.checkpoint_id}: item {index.fqn}", self.weights_only)
 
 
-__all__ += ["allow_storage_info", "check_bytes_item", "is_swept", "stamp_version"]
-_ = _StdFuture  # concurrent futures are what plugin readers use; re-exported for their type hints

@@ -229,7 +229,6 @@ def stalling_planner(marker: str, after_items: int) -> Any:
 
 
 def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
