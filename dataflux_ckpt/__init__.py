@@ -16,6 +16,8 @@ _EXPORTS = {
     "DatafluxCheckpointIO": "dataflux_ckpt.checkpoint_io",
     "reader": "dataflux_ckpt.checkpoint_io",
     "writer": "dataflux_ckpt.checkpoint_io",
+    "DatafluxFSDPStrategy": "dataflux_ckpt.strategies",
+    "DatafluxModelParallelStrategy": "dataflux_ckpt.strategies",
     "DatafluxStorageReader": "dataflux_ckpt.dcp",
     "DatafluxStorageWriter": "dataflux_ckpt.dcp",
     "ObjectReader": "dataflux_ckpt.download",
@@ -36,6 +38,8 @@ __all__ = [
     "STREAM_CHUNK_SIZE_BYTES",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
+    "DatafluxFSDPStrategy",
+    "DatafluxModelParallelStrategy",
     "DatafluxStorageReader",
     "DatafluxStorageWriter",
     "FakeGcsServer",
@@ -66,6 +70,7 @@ if TYPE_CHECKING:
     from dataflux_ckpt.errors import DataCorruptionError, TransferError
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path
     from dataflux_ckpt.retry import RetryPolicy
+    from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from dataflux_ckpt.xml_server import XmlMultipartServer
 

@@ -28,6 +28,8 @@ __all__ = [
     "enable_fastpersist",
     "FastPersistStorageReader",
     "FastPersistStorageWriter",
+    "FastPersistFSDPStrategy",
+    "FastPersistModelParallelStrategy",
 ]
 
 _LAZY = {
@@ -36,6 +38,8 @@ _LAZY = {
     "enable_fastpersist": "fastpersist.deepspeed_engine",
     "FastPersistStorageReader": "fastpersist.dcp",
     "FastPersistStorageWriter": "fastpersist.dcp",
+    "FastPersistFSDPStrategy": "fastpersist.strategies",
+    "FastPersistModelParallelStrategy": "fastpersist.strategies",
 }
 
 

@@ -18,6 +18,7 @@ import errno
 import io
 import logging
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Sequence
@@ -313,6 +314,9 @@ class FastPersistStorageWriter(ShardedStorageWriter):
                 os.unlink(self._file(name))
             except FileNotFoundError:
                 pass
+
+    def _remove_location(self) -> None:
+        shutil.rmtree(self.checkpoint_id, ignore_errors=True)
 
     def close(self) -> None:
         """Free the staging buffer this writer allocated (the next save allocates another)."""

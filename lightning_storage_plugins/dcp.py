@@ -233,6 +233,9 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
     def _prepare(self) -> None:
         """Make the checkpoint location ready for writing (every rank, before planning)."""
 
+    def _remove_location(self) -> None:
+        """Remove what is left of the checkpoint location once its files are deleted."""
+
     # StorageWriter ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, to ``checkpoint_id`` when given."""
@@ -338,6 +341,13 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         self._delete(own)
         self._token = None
 
+    def remove(self) -> None:
+        """Delete the checkpoint at this writer's path: ``.metadata`` first (so that it is no longer a
+        checkpoint), then everything under the path."""
+        self._delete([METADATA_NAME])
+        self._delete(self._list())
+        self._remove_location()
+
     def _require_path(self) -> str:
         if self.path is None:
             raise ValueError(f"{type(self).__name__} has no path: pass one, or dcp.save(checkpoint_id=...)")
@@ -422,6 +432,10 @@ class ShardedStorageReader(StorageReader, abc.ABC):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def exists(self) -> bool:
+        """Whether a complete checkpoint is at the path (its ``.metadata`` is there)."""
+        return self._read(METADATA_NAME) is not None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:

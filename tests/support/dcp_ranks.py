@@ -229,6 +229,12 @@ def stalling_planner(marker: str, after_items: int) -> Any:
 
 
 def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    if spec["steps"] and all(step["op"] == "lightning" for step in spec["steps"]):
+        from tests.support.dcp_lightning import run_trainer, torchrun_environ
+
+        os.environ.update(torchrun_environ(rank, world, spec["port"]))
+        return {"rank": rank, "steps": [run_trainer(step["kind"], step["storage"], step["root"])
+                                        for step in spec["steps"]]}
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
