@@ -229,6 +229,11 @@ def stalling_planner(marker: str, after_items: int) -> Any:
 
 
 def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    if spec["steps"] and spec["steps"][0]["op"] == "deepspeed":
+        from tests.support.dcp_deepspeed import run_zero
+
+        step = spec["steps"][0]
+        return {"rank": rank, "steps": run_zero(step["stages"], step["root"], rank, world, spec["port"])}
     if spec["steps"] and all(step["op"] == "lightning" for step in spec["steps"]):
         from tests.support.dcp_lightning import run_trainer, torchrun_environ
 
