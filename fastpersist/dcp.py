@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import math
 import os
 import shutil
 import threading
@@ -47,15 +48,18 @@ from fastpersist.engines import (
     engine_for,
     io_error,
     open_file,
+    preallocate,
 )
 from fastpersist.handles import (
     ALIGNMENT_BYTES,
     DEFAULT_BUFFER_MB,
     exclusive,
+    get_default_pinned_buffer,
     get_pinned_buffer,
     huge_page_empty,
     release_pinned_buffer,
 )
+from fastpersist.reader import _unpickle
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,8 @@ class _Staging:
     def buffer(self) -> torch.Tensor:
         with self._lock:
             if self._buffer is None:
+                if self.io_buffer_mb == DEFAULT_BUFFER_MB and self.aio_handle is None:
+                    return get_default_pinned_buffer()  # as fastpersist_save: one per process
                 self._buffer = get_pinned_buffer(self.io_buffer_mb, self.aio_handle)
                 self._owned = True
             return self._buffer
@@ -120,7 +126,7 @@ class _ShardFile(io.RawIOBase):
     fills. :meth:`publish` pads the tail, waits, truncates, fsyncs and renames the temporary into place;
     :meth:`discard` removes it. Nothing appears under ``path`` unless complete."""
 
-    def __init__(self, path: str, io_engine: IOEngine, buffer: torch.Tensor) -> None:
+    def __init__(self, path: str, io_engine: IOEngine, buffer: torch.Tensor, expected_size: int) -> None:
         super().__init__()
         self.path = path
         directory, name = os.path.split(path)
@@ -128,6 +134,12 @@ class _ShardFile(io.RawIOBase):
         self._halves = split_halves(buffer)
         self._file: OpenFile = open_file(self._temp, write=True)
         self._file.label = f"{path} (temporary {os.path.basename(self._temp)})"
+        try:
+            # Aligned O_DIRECT writes inside reserved blocks run in parallel (appends are serialized).
+            preallocate(self._file, _round_up(expected_size))
+        except BaseException:
+            self.discard()
+            raise
         self._engine = engine_for(io_engine, self._halves[0], self._file)
         self._views = [memoryview(half.numpy()) for half in self._halves]
         self._index = 0
@@ -180,8 +192,10 @@ class _ShardFile(io.RawIOBase):
         _fsync_dir(os.path.dirname(self.path))
 
     def discard(self) -> None:
+        engine = getattr(self, "_engine", None)
         try:
-            self._engine.wait()
+            if engine is not None:
+                engine.wait()
         except OSError:
             pass  # the write that failed is being reported already
         self._file.close()
@@ -189,6 +203,17 @@ class _ShardFile(io.RawIOBase):
             os.unlink(self._temp)
         except FileNotFoundError:
             pass
+
+
+ITEM_OVERHEAD_BYTES = 64 * 1024  # zip records, pickle and padding of one torch.save'd tensor, at most
+
+
+def _planned_bytes(item: WriteItem) -> int:
+    """About how many bytes ``item`` takes in the file (reserved ahead; the file is cut to size after)."""
+    data = item.tensor_data
+    if data is None:
+        return ITEM_OVERHEAD_BYTES
+    return math.prod(data.size) * torch.empty((), dtype=data.properties.dtype).element_size() + ITEM_OVERHEAD_BYTES
 
 
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
@@ -256,7 +281,8 @@ class FastPersistStorageWriter(ShardedStorageWriter):
         results: list[WriteResult] = []
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
         with exclusive(("buffer", buffer.data_ptr())), io_engine.session():
-            stream = _ShardFile(self._file(name), io_engine, buffer)
+            expected = sum(_planned_bytes(item) for item in ordered)
+            stream = _ShardFile(self._file(name), io_engine, buffer, expected)
             try:
                 for item in ordered:
                     offset = stream.tell()
@@ -394,14 +420,18 @@ class FastPersistStorageReader(ShardedStorageReader):
             data = _read_range(os.path.join(self.checkpoint_id, name), start, end)
             view = memoryview(data.numpy())
             for item, info in sorted(zip(items, infos, strict=True), key=lambda pair: pair[1].offset):
-                self._use(item, view[info.offset - start : info.offset - start + info.length], name, planner)
+                first = info.offset - start
+                storage = data.untyped_storage()[data.storage_offset() + first :
+                                                 data.storage_offset() + first + info.length]
+                self._use(item, view[first : first + info.length], storage, name, planner)
 
-    def _use(self, item: ReadItem, data: memoryview, name: str, planner: LoadPlanner) -> None:
+    def _use(self, item: ReadItem, data: memoryview, storage: torch.UntypedStorage, name: str,
+             planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             self.check_bytes(data, item.storage_index)
             planner.load_bytes(item, io.BytesIO(data))
             return
-        loaded = torch.load(_MemoryFile(data), map_location="cpu", weights_only=True)
+        loaded = _load_tensor(data, storage, f"{self.checkpoint_id}/{name}")
         stored = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != stored.size():
@@ -409,6 +439,16 @@ class FastPersistStorageReader(ShardedStorageReader):
                              f"{tuple(stored.size())}, the target is {tuple(target.size())}")
         target.copy_(stored)
         planner.commit_tensor(item, target)
+
+
+def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) -> torch.Tensor:
+    """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
+    no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
+    reader = torch._C.PyTorchFileReader(_MemoryFile(data))
+    tensor = _unpickle(reader, "cpu", True, where, overall_storage=storage)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")
+    return tensor
 
 
 def _read_range(path: str, start: int, end: int) -> torch.Tensor:
