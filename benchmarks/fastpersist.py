@@ -33,7 +33,8 @@ from torch import nn
 
 from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, timed, write_json
 from fastpersist import fastpersist_load, fastpersist_save, get_aio_handle, get_pinned_buffer
-from fastpersist.handles import ALIGNMENT_BYTES, MiB, aio_op
+from fastpersist.aio import aio_unavailable_reason
+from fastpersist.memory import ALIGNMENT_BYTES, MiB
 
 log = logging.getLogger("benchmarks.fastpersist")
 
@@ -191,7 +192,12 @@ def bench_state(
         rows.append(Row(name, stats.bytes, seconds, stats.engine, rss.peak_mb - rss.start_mb))
     seconds, _ = timed(lambda: fastpersist_load(fast_file, None, True, handle, buffer), args.repeat)
     rows.append(
-        Row("test_fastpersist_load", fast_file.stat().st_size, seconds, "aio" if aio_op() else "python")
+        Row(
+            "test_fastpersist_load",
+            fast_file.stat().st_size,
+            seconds,
+            "aio" if aio_unavailable_reason() is None else "python",
+        )
     )
     seconds, _ = timed(
         lambda: torch.load(torch_file, weights_only=True), args.repeat, lambda: drop_file_cache(torch_file)
@@ -288,7 +294,7 @@ def summarize(rows: list[Row]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(logging.WARNING)
-    if aio_op() is None:
+    if aio_unavailable_reason() is not None:
         log.warning("DeepSpeed async_io op unavailable: aio rows run on the Python engine, no ceiling rows")
         return 1
     handle = get_aio_handle()

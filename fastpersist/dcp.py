@@ -17,13 +17,11 @@ from __future__ import annotations
 import errno
 import io
 import logging
-import math
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -38,28 +36,12 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from fastpersist.buffers import split_halves
-from fastpersist.engines import (
-    IOEngine,
-    OpenFile,
-    PythonEngine,
-    Transfer,
-    create_engine,
-    engine_for,
-    io_error,
-    open_file,
-    preallocate,
-)
-from fastpersist.handles import (
-    ALIGNMENT_BYTES,
-    DEFAULT_BUFFER_MB,
-    exclusive,
-    get_default_pinned_buffer,
-    get_pinned_buffer,
-    huge_page_empty,
-    release_pinned_buffer,
-)
-from fastpersist.reader import _unpickle
+from fastpersist import _torch_compat
+from fastpersist.buffers import DoubleBuffer
+from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
+from fastpersist.engines import Transfer, io_error, open_file
+from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
+from fastpersist.writer import save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo
 
 log = logging.getLogger(__name__)
@@ -76,10 +58,6 @@ def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
     return os.path.abspath(text)
 
 
-def _round_up(value: int) -> int:
-    return -(-value // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
-
-
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -88,140 +66,11 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-class _Staging:
-    """The staging buffer (allocated on first use, owned by its writer or reader) and the engine name."""
-
-    def __init__(self, io_buffer_mb: int, engine: str | None, aio_handle: Any, pinned_buffer: torch.Tensor | None) -> None:
-        if io_buffer_mb <= 0:
-            raise ValueError(f"io_buffer_mb must be positive, not {io_buffer_mb}")
-        self.io_buffer_mb, self.engine, self.aio_handle = io_buffer_mb, engine, aio_handle
-        self._buffer, self._owned = pinned_buffer, False
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffer": None, "_owned": False, "_lock": None, "aio_handle": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
-
-    def buffer(self) -> torch.Tensor:
-        with self._lock:
-            if self._buffer is None:
-                if self.io_buffer_mb == DEFAULT_BUFFER_MB and self.aio_handle is None:
-                    return get_default_pinned_buffer()  # as fastpersist_save: one per process
-                self._buffer = get_pinned_buffer(self.io_buffer_mb, self.aio_handle)
-                self._owned = True
-            return self._buffer
-
-    def release(self) -> None:
-        with self._lock:
-            if self._owned and self._buffer is not None:
-                release_pinned_buffer(self._buffer, self.aio_handle)
-            self._buffer, self._owned = None, False
-
-
-class _ShardFile(io.RawIOBase):
-    """A write-only file-like that ``torch.save`` writes into: its bytes are staged in the two halves of
-    ``buffer``, and each full half goes out as one aligned write at the next offset while the other
-    fills. :meth:`publish` pads the tail, waits, truncates, fsyncs and renames the temporary into place;
-    :meth:`discard` removes it. Nothing appears under ``path`` unless complete."""
-
-    def __init__(self, path: str, io_engine: IOEngine, buffer: torch.Tensor, expected_size: int) -> None:
-        super().__init__()
-        self.path = path
-        directory, name = os.path.split(path)
-        self._temp = os.path.join(directory, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
-        self._halves = split_halves(buffer)
-        self._file: OpenFile = open_file(self._temp, write=True)
-        self._file.label = f"{path} (temporary {os.path.basename(self._temp)})"
-        try:
-            # Aligned O_DIRECT writes inside reserved blocks run in parallel (appends are serialized).
-            preallocate(self._file, _round_up(expected_size))
-        except BaseException:
-            self.discard()
-            raise
-        self._engine = engine_for(io_engine, self._halves[0], self._file)
-        self._views = [memoryview(half.numpy()) for half in self._halves]
-        self._index = 0
-        self._fill = 0
-        self._offset = 0  # file offset of the current half
-        self._size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._size
-
-    def write(self, data: Any) -> int:  # type: ignore[override]
-        view = memoryview(data).cast("B")
-        capacity = self._views[0].nbytes
-        done = 0
-        while done < view.nbytes:
-            take = min(capacity - self._fill, view.nbytes - done)
-            self._views[self._index][self._fill : self._fill + take] = view[done : done + take]
-            self._fill += take
-            done += take
-            if self._fill == capacity:
-                self._drain(capacity)
-        self._size += view.nbytes
-        return view.nbytes
-
-    def _drain(self, nbytes: int) -> None:
-        self._engine.wait()  # the other half's write is done: it may be refilled after this submit
-        half = self._halves[self._index].narrow(0, 0, nbytes)
-        self._engine.submit(Transfer(self._file, half, self._offset, write=True))
-        self._offset += nbytes
-        self._index ^= 1
-        self._fill = 0
-
-    def publish(self) -> None:
-        if self._fill:
-            padded = _round_up(self._fill) if self._file.direct else self._fill
-            self._halves[self._index].narrow(0, self._fill, padded - self._fill).zero_()
-            self._drain(padded)
-        self._engine.wait()
-        if self._file.size() != self._size:
-            os.ftruncate(self._file.fd, self._size)  # the tail's alignment padding
-        if self._file.size() != self._size:
-            raise io_error(errno.EIO, "write", self._file, self._file.size(),
-                           f"file is {self._file.size()} bytes, expected {self._size}")
-        os.fsync(self._file.fd)
-        self._file.close()
-        os.replace(self._temp, self.path)
-        _fsync_dir(os.path.dirname(self.path))
-
-    def discard(self) -> None:
-        engine = getattr(self, "_engine", None)
-        try:
-            if engine is not None:
-                engine.wait()
-        except OSError:
-            pass  # the write that failed is being reported already
-        self._file.close()
-        try:
-            os.unlink(self._temp)
-        except FileNotFoundError:
-            pass
-
-
-ITEM_OVERHEAD_BYTES = 64 * 1024  # zip records, pickle and padding of one torch.save'd tensor, at most
-
-
-def _planned_bytes(item: WriteItem) -> int:
-    """About how many bytes ``item`` takes in the file (reserved ahead; the file is cut to size after)."""
-    data = item.tensor_data
-    if data is None:
-        return ITEM_OVERHEAD_BYTES
-    return math.prod(data.size) * torch.empty((), dtype=data.properties.dtype).element_size() + ITEM_OVERHEAD_BYTES
-
-
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
-    """What ``FileSystemWriter`` stores for a tensor: itself on CPU, copied when it is a view of a
-    larger storage (``torch.save`` would store the whole storage)."""
+    """What ``FileSystemWriter`` stores for a tensor: itself, copied when it is a view of a larger
+    storage (``torch.save`` would store the whole storage). A GPU tensor stays there: the staging
+    buffer receives its bytes straight from the device."""
     tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
@@ -232,30 +81,32 @@ class FastPersistStorageWriter(ShardedStorageWriter):
 
     Args:
         path: the checkpoint directory (created if missing).
-        io_buffer_mb: size of the page-locked staging buffer, allocated on first save (two halves).
+        context: the aio handle, staging buffer and lock to use, kept across saves (pass one when
+            saving repeatedly); without one, each save creates and frees its own.
         engine: ``"aio"`` (default), ``"python"`` or ``"gds"``; an unavailable one falls back with a warning.
-        aio_handle: a DeepSpeed aio handle to use (default: the shared one).
-        pinned_buffer: staging memory to use instead of allocating one.
+        io_buffer_mb: size of the staging buffer of a context this writer creates.
         overwrite: ``False`` refuses to save where a checkpoint exists.
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save``).
 
     Raises:
-        ValueError: ``path`` is not a local path, or ``io_buffer_mb`` is not positive.
+        ValueError: ``path`` is not a local path.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        io_buffer_mb: int = DEFAULT_BUFFER_MB,
+        context: FastPersistContext | None = None,
         engine: str | None = None,
-        aio_handle: Any = None,
-        pinned_buffer: torch.Tensor | None = None,
+        io_buffer_mb: float = DEFAULT_BUFFER_MB,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
     ) -> None:
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
-        self._staging = _Staging(io_buffer_mb, engine, aio_handle, pinned_buffer)
+        self.context, self.engine, self.io_buffer_mb = context, engine, io_buffer_mb
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "context": None}  # handles and pinned memory stay in their process
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -276,28 +127,30 @@ class FastPersistStorageWriter(ShardedStorageWriter):
         os.makedirs(self.checkpoint_id, exist_ok=True)
 
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        buffer = self._staging.buffer()
-        io_engine = create_engine(self._staging.engine, self._staging.aio_handle)
         results: list[WriteResult] = []
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
-        with exclusive(("buffer", buffer.data_ptr())), io_engine.session():
-            expected = sum(_planned_bytes(item) for item in ordered)
-            stream = _ShardFile(self._file(name), io_engine, buffer, expected)
-            try:
-                for item in ordered:
-                    offset = stream.tell()
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(data.getbuffer())
-                    else:
-                        torch.save(_tensor_to_save(data), cast(Any, stream))
-                    length = stream.tell() - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=StorageInfo(name, offset, length)))
-                stream.publish()
-            except BaseException:
-                stream.discard()
-                raise
+
+        def content(stage: DoubleBuffer) -> int:
+            storages = 0
+            for item in ordered:
+                start = stage.position
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    stage.put(bytes(data.getbuffer()))
+                else:  # the archive torch.save would write for the tensor, offsets relative to its start
+                    storages += write_archive(_tensor_to_save(data), stage.put,
+                                              lambda base=start: stage.position - base)
+                length = stage.position - start
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=StorageInfo(name, start, length)))
+            return storages
+
+        context = self.context or FastPersistContext(engine=self.engine, io_buffer_mb=self.io_buffer_mb)
+        try:
+            save_file(self._file(name), content, engine=self.engine, context=context)
+        finally:
+            if self.context is None:
+                context.close()
         return results
 
     def _publish(self, name: str, data: bytes) -> None:
@@ -344,10 +197,6 @@ class FastPersistStorageWriter(ShardedStorageWriter):
     def _remove_location(self) -> None:
         shutil.rmtree(self.checkpoint_id, ignore_errors=True)
 
-    def close(self) -> None:
-        """Free the staging buffer this writer allocated (the next save allocates another)."""
-        self._staging.release()
-
 
 class _MemoryFile(io.RawIOBase):
     """A seekable read-only file-like over a memoryview (no copy until read)."""
@@ -385,14 +234,20 @@ class FastPersistStorageReader(ShardedStorageReader):
 
     Args:
         path: the checkpoint directory.
+        context: whose reading threads to use (default: a context made and closed for each load).
         weights_only: see :class:`~lightning_storage_plugins.dcp.ShardedStorageReader`.
 
     Raises:
         ValueError: ``path`` is not a local path.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, weights_only: bool | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, context: FastPersistContext | None = None,
+                 weights_only: bool | None = None) -> None:
         super().__init__(path, weights_only=weights_only)
+        self.context = context
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "context": None}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -413,17 +268,25 @@ class FastPersistStorageReader(ShardedStorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in per_file.items():
-            infos = [self.storage_data[item.storage_index] for item in items]
-            start = min(info.offset for info in infos)
-            end = max(info.offset + info.length for info in infos)
-            data = _read_range(os.path.join(self.checkpoint_id, name), start, end)
-            view = memoryview(data.numpy())
-            for item, info in sorted(zip(items, infos, strict=True), key=lambda pair: pair[1].offset):
-                first = info.offset - start
-                storage = data.untyped_storage()[data.storage_offset() + first :
-                                                 data.storage_offset() + first + info.length]
-                self._use(item, view[first : first + info.length], storage, name, planner)
+        context = self.context or FastPersistContext()
+        try:
+            for name, items in per_file.items():
+                self._read_file(name, items, context, planner)
+        finally:
+            if self.context is None:
+                context.close()
+
+    def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner) -> None:
+        infos = [self.storage_data[item.storage_index] for item in items]
+        start = min(info.offset for info in infos)
+        end = max(info.offset + info.length for info in infos)
+        with context.lock:
+            data = _read_range(os.path.join(self.checkpoint_id, name), start, end, context)
+        view = memoryview(data.numpy())
+        for item, info in sorted(zip(items, infos, strict=True), key=lambda pair: pair[1].offset):
+            first = info.offset - start
+            storage = data.untyped_storage()[data.storage_offset() + first : data.storage_offset() + first + info.length]
+            self._use(item, view[first : first + info.length], storage, name, planner)
 
     def _use(self, item: ReadItem, data: memoryview, storage: torch.UntypedStorage, name: str,
              planner: LoadPlanner) -> None:
@@ -445,13 +308,13 @@ def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) ->
     """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
     no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
     reader = torch._C.PyTorchFileReader(_MemoryFile(data))
-    tensor = _unpickle(reader, "cpu", True, where, overall_storage=storage)
+    tensor = _torch_compat.unpickle(reader, "cpu", True, where, overall_storage=storage)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")
     return tensor
 
 
-def _read_range(path: str, start: int, end: int) -> torch.Tensor:
+def _read_range(path: str, start: int, end: int, context: FastPersistContext) -> torch.Tensor:
     """Bytes ``[start, end)`` of ``path``: the aligned part with parallel O_DIRECT reads straight into a
     page-aligned allocation, the unaligned ends with buffered reads."""
     file = open_file(path, write=False)
@@ -460,10 +323,10 @@ def _read_range(path: str, start: int, end: int) -> torch.Tensor:
         if end > size:
             raise io_error(errno.EIO, "read", file, size, f"file is {size} bytes, the checkpoint needs {end}")
         first = start // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-        direct_end = min(_round_up(end), size // ALIGNMENT_BYTES * ALIGNMENT_BYTES) if file.direct else first
+        direct_end = min(round_up(end), size // ALIGNMENT_BYTES * ALIGNMENT_BYTES) if file.direct else first
         whole = huge_page_empty(max(end, direct_end) - first)
         if direct_end > first:
-            engine = PythonEngine()
+            engine = context.python_engine()
             engine.submit(Transfer(file, whole.narrow(0, 0, direct_end - first), first, write=False))
             engine.wait()
         tail_start = max(direct_end, first)
