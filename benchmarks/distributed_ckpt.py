@@ -317,6 +317,9 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
     needs_raw = any(row.ceiling for row in rows)
     buffer = aligned_copy(shards) if needs_raw else None
     peer = PeerClient(spec, rank) if any(row.peer for row in rows) else None
+    from fastpersist import FastPersistContext
+
+    fastpersist_context = FastPersistContext()  # handle and staging buffer kept across saves, as a trainer would
     gcs_root, local_root = spec["gcs_root"], spec["local_root"]
     bucket, _, prefix = gcs_root.removeprefix("gs://").partition("/")
     results: dict[str, Any] = {"rank": rank, "rows": {row.key: {"save": [], "load": []} for row in rows},
@@ -327,19 +330,24 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         return f"{root}/{row.key}-{spec['world']}r-{round_index}"
 
     def operation(row: Row, op: str, where: str) -> Callable[[], dict[str, Any] | None]:
+        try:
+            from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+        except ImportError:  # torch < 2.7 keeps them in a private module
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
         from dataflux_ckpt import DatafluxStorageReader, DatafluxStorageWriter
         from fastpersist import FastPersistStorageReader, FastPersistStorageWriter
 
         writers: dict[str, Callable[[], Any]] = {
             "filesystem": lambda: dcp.FileSystemWriter(where, sync_files=True),
-            "fastpersist": lambda: FastPersistStorageWriter(where),
-            "fsspec": lambda: dcp.FsspecWriter(where, sync_files=False),
+            "fastpersist": lambda: FastPersistStorageWriter(where, context=fastpersist_context),
+            "fsspec": lambda: FsspecWriter(where, sync_files=False),
             "dataflux": lambda: DatafluxStorageWriter(where),
         }
         readers: dict[str, Callable[[], Any]] = {
             "filesystem": lambda: dcp.FileSystemReader(where),
-            "fastpersist": lambda: FastPersistStorageReader(where),
-            "fsspec": lambda: dcp.FsspecReader(where),
+            "fastpersist": lambda: FastPersistStorageReader(where, context=fastpersist_context),
+            "fsspec": lambda: FsspecReader(where),
             "dataflux": lambda: DatafluxStorageReader(where),
         }
         if row.peer:
@@ -393,6 +401,7 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
                     remove(where)
                 dist.barrier()
     finally:
+        fastpersist_context.close()
         if peer is not None:
             peer.close()
     Path(spec["results"][rank]).write_text(json.dumps(results))

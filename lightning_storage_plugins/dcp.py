@@ -421,8 +421,9 @@ class ShardedStorageReader(StorageReader, abc.ABC):
             FileNotFoundError: there is no complete checkpoint at the path.
             pickle.UnpicklingError: the metadata holds something other than DCP metadata.
         """
-        if kwargs.get("rank") is not None:
-            raise ValueError(f"{type(self).__name__} reads one .metadata for all ranks, not rank-local metadata")
+        if kwargs.get("rank") is not None:  # newer torch asks after the global metadata failed
+            raise FileNotFoundError(f"{type(self).__name__} reads one {METADATA_NAME} for all ranks, "
+                                    f"not rank-local metadata ({self.checkpoint_id})")
         where = f"{self.checkpoint_id}/{METADATA_NAME}"
         data = self._read(METADATA_NAME)
         if data is None:

@@ -272,7 +272,7 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             try:
                 dcp.save(sharded_state(full, mesh), storage_writer=writer, planner=planner)
                 outcome["error"] = None
-            except Exception as err:  # the peer died: the collective after the writes fails
+            except (Exception, dcp.CheckpointException) as err:  # the peer died: a collective fails
                 outcome["error"] = type(err).__name__
                 writer.abort()
             outcome["seconds"] = time.monotonic() - started
