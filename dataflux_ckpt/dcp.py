@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from google.cloud import storage
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -51,7 +50,7 @@ from lightning_storage_plugins.dcp import (
     ShardedStorageReader,
     ShardedStorageWriter,
     StorageInfo,
-    allow_storage_info,
+    narrow,
 )
 
 log = logging.getLogger(__name__)
@@ -79,8 +78,6 @@ class GcsItemInfo(StorageInfo):
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
 
-
-allow_storage_info(GcsItemInfo)
 
 
 def _checkpoint_path(checkpoint_id: str | os.PathLike[str]) -> GcsPath:
@@ -158,6 +155,8 @@ class DatafluxStorageWriter(ShardedStorageWriter):
         self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
         self.upload_mode = upload_mode
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+
+    storage_info_types = (GcsItemInfo,)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -387,6 +386,8 @@ class DatafluxStorageReader(ShardedStorageReader):
         self.chunk_size, self.max_workers, self.coalesce_gap = chunk_size, max_workers, coalesce_gap
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
 
+    storage_info_types = (GcsItemInfo,)
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a ``gs://bucket/prefix`` path."""
@@ -545,7 +546,7 @@ class DatafluxStorageReader(ShardedStorageReader):
                 stored = _sub_block(info, item, data, request.start - info.offset, where)
             else:  # a torch.save item (FsspecWriter / FileSystemWriter layout)
                 loaded = torch.load(io.BytesIO(memoryview(data.numpy())), map_location="cpu", weights_only=True)
-                stored = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+                stored = narrow(loaded, item.storage_offsets, item.lengths)
             if stored.size() != target.size():
                 raise ValueError(f"{where}: stored block {tuple(stored.size())} does not fit the target "
                                  f"{tuple(target.size())}")

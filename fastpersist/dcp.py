@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -42,7 +41,7 @@ from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import Transfer, io_error, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
 from fastpersist.writer import save_file, write_archive
-from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo
+from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +294,7 @@ class FastPersistStorageReader(ShardedStorageReader):
             planner.load_bytes(item, io.BytesIO(data))
             return
         loaded = _load_tensor(data, storage, f"{self.checkpoint_id}/{name}")
-        stored = narrow_tensor_by_index(loaded, item.storage_offsets, item.lengths)
+        stored = narrow(loaded, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != stored.size():
             raise ValueError(f"{self.checkpoint_id}/{name}: item {item.storage_index.fqn} holds "

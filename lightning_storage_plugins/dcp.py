@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "METADATA_NAME",
-    "allow_storage_info",
     "check_bytes_item",
     "is_swept",
+    "narrow",
     "stamp_version",
     "ShardPlan",
     "ShardedStorageReader",
@@ -80,6 +80,14 @@ class ShardPlan:
 
     rank: int
     token: str
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The block of ``tensor`` at ``offsets`` with ``lengths`` (a view), as DCP's readers cut items."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def _done(value: Any) -> Future:
@@ -190,6 +198,9 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save`` staging).
     """
 
+    #: The plugin's own ``StorageInfo`` subclasses, which its checkpoints' metadata may hold.
+    storage_info_types: tuple[type, ...] = ()
+
     def __init__(
         self, path: str | os.PathLike[str] | None, *, overwrite: bool = True, cache_staged_state_dict: bool = False
     ) -> None:
@@ -258,6 +269,7 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Make the checkpoint location ready (every rank); the plan is unchanged."""
         self._prepare()
         return plan
 
@@ -306,6 +318,7 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         self._sweep(set(ends))
 
     def storage_meta(self) -> StorageMeta | None:
+        """The checkpoint id and this save's id, recorded in the metadata."""
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     @property
@@ -315,9 +328,7 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
 
     # Clean-up -----------------------------------------------------------------------------------
     def _sweep(self, keep: set[str]) -> None:
-        stale = [name for name in self._list() if is_swept(name) and name.split("/")[0] not in keep
-                 and name != METADATA_NAME]
-        stale = [name for name in stale if not _under(name, keep)]
+        stale = [name for name in self._list() if is_swept(name) and not _under(name, keep)]
         if stale:
             log.debug("deleting %d files no checkpoint at %s references", len(stale), self.checkpoint_id)
             self._delete(stale)
@@ -334,7 +345,8 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         if token is None or self.path is None:
             return
         published = self._read(METADATA_NAME)
-        if published is not None and token in _referenced_tokens(published, self.checkpoint_id):
+        allowed = _qualified(self.storage_info_types)
+        if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
             return
         own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
         log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
@@ -359,22 +371,17 @@ def _under(name: str, keep: set[str]) -> bool:
     return any(name == kept or name.startswith(kept + "/") for kept in keep)
 
 
-def _referenced_tokens(data: bytes, where: str) -> set[str]:
+def _qualified(types: Iterable[type]) -> tuple[tuple[str, str], ...]:
+    return tuple((cls.__module__, cls.__qualname__) for cls in types)
+
+
+def _referenced_tokens(data: bytes, where: str, allowed: Iterable[tuple[str, str]]) -> set[str]:
     try:
-        metadata = load_metadata(data, where, allowed=_ALLOWED_STORAGE_INFO)
+        metadata = load_metadata(data, where, allowed=allowed)
     except pickle.UnpicklingError:
         return set()
     names = {getattr(info, "relative_path", "") for info in (metadata.storage_data or {}).values()}
     return {part for name in names for part in name.split(".")[1:-1]}
-
-
-# Storage-info classes of the plugins that a checkpoint's metadata may name; registered by them.
-_ALLOWED_STORAGE_INFO: set[tuple[str, str]] = set()
-
-
-def allow_storage_info(cls: type) -> None:
-    """Let :func:`load_metadata` accept ``cls`` (a plugin's storage-info dataclass) in metadata."""
-    _ALLOWED_STORAGE_INFO.add((cls.__module__, cls.__qualname__))
 
 
 # Reader -------------------------------------------------------------------------------------------
@@ -387,6 +394,9 @@ class ShardedStorageReader(StorageReader, abc.ABC):
             DCP's classes and pickled items must pass ``torch.load(weights_only=True)``; ``False``
             unpickles them without restriction (only for checkpoints from a trusted source).
     """
+
+    #: The plugin's own ``StorageInfo`` subclasses, which the metadata it reads may hold.
+    storage_info_types: tuple[type, ...] = ()
 
     def __init__(self, path: str | os.PathLike[str] | None, *, weights_only: bool | None = None) -> None:
         StorageReader.__init__(self)
@@ -428,7 +438,8 @@ class ShardedStorageReader(StorageReader, abc.ABC):
         data = self._read(METADATA_NAME)
         if data is None:
             raise FileNotFoundError(f"no checkpoint at {self.checkpoint_id} (no {METADATA_NAME})")
-        metadata = load_metadata(data, where, weights_only=self.weights_only, allowed=_ALLOWED_STORAGE_INFO)
+        metadata = load_metadata(data, where, weights_only=self.weights_only,
+                                 allowed=_qualified(self.storage_info_types))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -439,17 +450,21 @@ class ShardedStorageReader(StorageReader, abc.ABC):
         return self._read(METADATA_NAME) is not None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Keep where every item lies (from the metadata)."""
         if metadata.storage_data is None:
             raise ValueError(f"{self.checkpoint_id}/{METADATA_NAME} has no storage data")
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The plan, unchanged."""
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The plans, unchanged."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items (see the plugin) and hand them to ``planner``; a completed future."""
         self._read_items(plan, planner)
         return _done(None)
 

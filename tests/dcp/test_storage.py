@@ -202,6 +202,18 @@ def test_torch_metadata_loads_through_the_restricted_unpickler(nvme_root: Path) 
     assert set(metadata.state_dict_metadata) >= {"big", "nested.step", "channels_last"}
 
 
+def test_torch_dcp_internals_the_storage_layers_use() -> None:
+    """The private DCP names the shared module relies on (fails loudly when torch changes them)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import filesystem
+
+    fields = [field.name for field in dataclasses.fields(filesystem._StorageInfo)]
+    assert fields[:3] == ["relative_path", "offset", "length"]
+    assert all(field.default is None for field in dataclasses.fields(filesystem._StorageInfo)[3:])
+    assert getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0").count(".") == 2
+
+
 # Failed and repeated saves -------------------------------------------------------------------------------
 class _FailingPlanner(DefaultSavePlanner):
     """Fails while the shard is being written, after its first tensor."""
