@@ -207,9 +207,9 @@ class PeerClient:
             raise RuntimeError(f"gcs-torch-dataflux worker: {reply.get('error')}")
         return reply
 
-    def run(self, op: str, path: str) -> dict[str, Any]:
+    def run(self, op: str, path: str, warmup: bool = False) -> dict[str, Any]:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": op, "path": path}) + "\n")
+        self._proc.stdin.write(json.dumps({"op": op, "path": path, "warmup": warmup}) + "\n")
         self._proc.stdin.flush()
         return self._reply(COLLECTIVE_TIMEOUT_S)
 
@@ -258,8 +258,10 @@ def peer_worker(spec: dict[str, Any], rank: int) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['peer_port']}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (world,))
-    state = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"]), mesh)
-    target = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"], zeros=True), mesh)
+    full = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"]), mesh)
+    full_target = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"], zeros=True), mesh)
+    small = state_dict(local_shards(rank, world, world, 1), mesh)
+    small_target = state_dict(local_shards(rank, world, world, 1, zeros=True), mesh)
     send({"ok": True, "versions": versions})
     project = spec.get("project") or EMULATOR_PROJECT
     for line in sys.stdin:
@@ -267,6 +269,7 @@ def peer_worker(spec: dict[str, Any], rank: int) -> int:
         if request["op"] == "quit":
             break
         dist.barrier()
+        state, target = (small, small_target) if request.get("warmup") else (full, full_target)
         for shard in target.values():
             shard.to_local().zero_()
         with PeakRSS() as rss:
@@ -329,7 +332,7 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         root = gcs_root if row.storage == "gcs" else local_root
         return f"{root}/{row.key}-{spec['world']}r-{round_index}"
 
-    def operation(row: Row, op: str, where: str) -> Callable[[], dict[str, Any] | None]:
+    def operation(row: Row, op: str, where: str, warmup: bool = False) -> Callable[[], dict[str, Any] | None]:
         try:
             from torch.distributed.checkpoint import FsspecReader, FsspecWriter
         except ImportError:  # torch < 2.7 keeps them in a private module
@@ -352,16 +355,17 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         }
         if row.peer:
             assert peer is not None
-            return lambda: peer.run(op, where)
+            return lambda: peer.run(op, where, warmup)
         if row.key == "raw_local":
             os.makedirs(where, exist_ok=True)
             return lambda: raw_local(f"{where}/rank{rank}.bin", buffer, op == "save")
         if row.key == "raw_gcs":
             name = f"{prefix}/{os.path.basename(where)}/rank{rank}.bin".lstrip("/")
             return lambda: raw_gcs(spec["endpoint"], bucket, name, buffer, op == "save")
+        saved, loaded = (small, small_target) if warmup else (state, target)
         if op == "save":
-            return lambda: dcp.save(state, storage_writer=writers[row.key]())
-        return lambda: dcp.load(target, storage_reader=readers[row.key]())
+            return lambda: dcp.save(saved, storage_writer=writers[row.key]())
+        return lambda: dcp.load(loaded, storage_reader=readers[row.key]())
 
     def measure(row: Row, op: str, where: str) -> dict[str, float]:
         run = operation(row, op, where)
@@ -379,7 +383,20 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         dist.barrier()
         return {**measured, "total_seconds": time.perf_counter() - start}
 
+    # One untimed save and load of a small state per row first: clients, aio handles and staging
+    # buffers are set up once in a training job, not per checkpoint.
+    small = state_dict(local_shards(rank, world, world, 1), mesh)
+    small_target = state_dict(local_shards(rank, world, world, 1, zeros=True), mesh)
     try:
+        for row in rows:
+            if not row.ceiling:
+                where = path(row, -1)
+                for op in ("save", "load"):
+                    dist.barrier()
+                    operation(row, op, where, warmup=True)()
+                dist.barrier()
+                if rank == 0:
+                    remove(where)
         for round_index in range(spec["repeat"]):
             for row in rows:
                 where = path(row, round_index)
