@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.dcp_ranks import run
 
@@ -27,6 +28,8 @@ def _listing(storage: str, root: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
 def test_trainer_sharded_checkpoints(kind: str, gs_root: str, nvme_root: Path, tmp_path: Path) -> None:
+    if kind == "model_parallel" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7):
+        pytest.skip("FSDP2 (fully_shard) cannot train on CPU before torch 2.7 (CPU streams lack record_event)")
     roots = {"gs": f"{gs_root}/{kind}", "nvme": str(nvme_root / kind)}
     steps = [{"op": "lightning", "kind": kind, "storage": storage, "root": root} for storage, root in roots.items()]
     reports = run(steps, 2, tmp_path, timeout_s=240)

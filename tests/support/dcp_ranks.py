@@ -41,7 +41,7 @@ class Ranks:
     per rank would spend most of a short test importing).
     """
 
-    def __init__(self, steps: Sequence[dict[str, Any]], world: int, workdir: Path, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, steps: Sequence[dict[str, Any]], world: int, workdir: Path, *, timeout_s: float = 150.0) -> None:
         self.world, self.timeout_s = world, timeout_s
         run_id = uuid.uuid4().hex[:6]
         self._pids = workdir / f"pids-{run_id}.json"
@@ -116,7 +116,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def run(steps: Sequence[dict[str, Any]], world: int, workdir: Path, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+def run(steps: Sequence[dict[str, Any]], world: int, workdir: Path, timeout_s: float = 150.0) -> list[dict[str, Any]]:
     """Run ``steps`` on ``world`` ranks; every rank's report."""
     with Ranks(steps, world, workdir, timeout_s=timeout_s) as ranks:
         return [report for report in ranks.join() if report is not None]
