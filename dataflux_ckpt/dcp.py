@@ -158,16 +158,8 @@ class DatafluxStorageWriter(ShardedStorageWriter):
 
     storage_info_types = (GcsItemInfo,)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a ``gs://bucket/prefix`` path."""
-        try:
-            _checkpoint_path(checkpoint_id)
-        except ValueError:
-            return False
-        return True
-
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         return _checkpoint_path(checkpoint_id).uri
 
     def _object(self, name: str) -> GcsPath:
@@ -388,12 +380,8 @@ class DatafluxStorageReader(ShardedStorageReader):
 
     storage_info_types = (GcsItemInfo,)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a ``gs://bucket/prefix`` path."""
-        return DatafluxStorageWriter.validate_checkpoint_id(checkpoint_id)
-
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         return _checkpoint_path(checkpoint_id).uri
 
     def _object(self, name: str) -> GcsPath:

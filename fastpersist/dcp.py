@@ -40,7 +40,7 @@ from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import Transfer, io_error, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
-from fastpersist.writer import save_file, write_archive
+from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
 
 log = logging.getLogger(__name__)
@@ -55,14 +55,6 @@ def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
     if not isinstance(text, str) or "://" in text:
         raise ValueError(f"not a local directory: {checkpoint_id!r}")
     return os.path.abspath(text)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
@@ -107,16 +99,8 @@ class FastPersistStorageWriter(ShardedStorageWriter):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}  # handles and pinned memory stay in their process
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local path (not a URL)."""
-        try:
-            _directory(checkpoint_id)
-        except ValueError:
-            return False
-        return True
-
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         return _directory(checkpoint_id)
 
     def _file(self, name: str) -> str:
@@ -248,12 +232,8 @@ class FastPersistStorageReader(ShardedStorageReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local path (not a URL)."""
-        return FastPersistStorageWriter.validate_checkpoint_id(checkpoint_id)
-
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         return _directory(checkpoint_id)
 
     def _read(self, name: str) -> bytes | None:

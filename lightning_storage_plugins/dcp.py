@@ -190,7 +190,7 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
 
     Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name)
     and the small file operations :meth:`_publish`, :meth:`_read`, :meth:`_list`, :meth:`_size` and
-    :meth:`_delete`, plus :meth:`_normalize` and :meth:`validate_checkpoint_id`.
+    :meth:`_delete`, plus :meth:`_normalize` (which also answers :meth:`validate_checkpoint_id`).
 
     Args:
         path: the checkpoint (may be ``None`` when ``dcp.save(checkpoint_id=...)`` supplies it).
@@ -213,9 +213,19 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
         self._token: str | None = None
 
     # Storage operations (relative names inside the checkpoint) --------------------------------
+    @staticmethod
     @abc.abstractmethod
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         """The canonical form of a checkpoint id (raises ``ValueError`` for one of another storage)."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a checkpoint in this storage."""
+        try:
+            cls._normalize(checkpoint_id)
+        except ValueError:
+            return False
+        return True
 
     @abc.abstractmethod
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
@@ -405,9 +415,19 @@ class ShardedStorageReader(StorageReader, abc.ABC):
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
 
+    @staticmethod
     @abc.abstractmethod
-    def _normalize(self, checkpoint_id: str | os.PathLike[str]) -> str:
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
         """The canonical form of a checkpoint id (raises ``ValueError`` for one of another storage)."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a checkpoint in this storage."""
+        try:
+            cls._normalize(checkpoint_id)
+        except ValueError:
+            return False
+        return True
 
     @abc.abstractmethod
     def _read(self, name: str) -> bytes | None:
