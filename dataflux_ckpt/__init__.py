@@ -22,8 +22,14 @@ _EXPORTS = {
     "DatafluxStorageWriter": "dataflux_ckpt.dcp",
     "ObjectReader": "dataflux_ckpt.download",
     "FakeGcsServer": "dataflux_ckpt.emulator",
+    "BucketNotFoundError": "dataflux_ckpt.errors",
+    "ConcurrentWriteError": "dataflux_ckpt.errors",
     "DataCorruptionError": "dataflux_ckpt.errors",
+    "DeadlineExceededError": "dataflux_ckpt.errors",
+    "InvalidCheckpointError": "dataflux_ckpt.errors",
     "TransferError": "dataflux_ckpt.errors",
+    "Gcs": "dataflux_ckpt.gcs",
+    "parse_gcs_prefix": "dataflux_ckpt.paths",
     "GcsPath": "dataflux_ckpt.paths",
     "parse_gcs_path": "dataflux_ckpt.paths",
     "RetryPolicy": "dataflux_ckpt.retry",
@@ -36,14 +42,19 @@ __all__ = [
     "CHUNK_SIZE_BYTES",
     "MAX_WORKERS",
     "STREAM_CHUNK_SIZE_BYTES",
+    "BucketNotFoundError",
+    "ConcurrentWriteError",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
     "DatafluxFSDPStrategy",
     "DatafluxModelParallelStrategy",
     "DatafluxStorageReader",
     "DatafluxStorageWriter",
+    "DeadlineExceededError",
     "FakeGcsServer",
+    "Gcs",
     "GcsPath",
+    "InvalidCheckpointError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
@@ -51,6 +62,7 @@ __all__ = [
     "TransferError",
     "XmlMultipartServer",
     "parse_gcs_path",
+    "parse_gcs_prefix",
     "reader",
     "writer",
 ]
@@ -67,8 +79,16 @@ if TYPE_CHECKING:
     from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
     from dataflux_ckpt.download import ObjectReader
     from dataflux_ckpt.emulator import FakeGcsServer
-    from dataflux_ckpt.errors import DataCorruptionError, TransferError
-    from dataflux_ckpt.paths import GcsPath, parse_gcs_path
+    from dataflux_ckpt.errors import (
+        BucketNotFoundError,
+        ConcurrentWriteError,
+        DataCorruptionError,
+        DeadlineExceededError,
+        InvalidCheckpointError,
+        TransferError,
+    )
+    from dataflux_ckpt.gcs import Gcs
+    from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
     from dataflux_ckpt.retry import RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter

@@ -39,13 +39,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from dataflux_ckpt._gcs_compat import raw_body_reader
 from dataflux_ckpt.checksums import crc32c_extend
-from dataflux_ckpt.download import _body_reader
 from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
 from dataflux_ckpt.gcs import Gcs, make_client
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
-from dataflux_ckpt.retry import RetryPolicy
-from dataflux_ckpt.upload import UPLOAD_MODES, ObjectWriter
+from dataflux_ckpt.retry import Deadline, RetryPolicy
+from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, DEADLINE_S, UPLOAD_MODES, ObjectWriter
 from lightning_storage_plugins.dcp import (
     ShardedStorageReader,
     ShardedStorageWriter,
@@ -105,14 +105,15 @@ class _Connection:
     def gcs(self) -> Gcs:
         with self._lock:
             if self._gcs is None:
-                self._gcs = Gcs(self._client or make_client(self.project_name), self.retry, self.max_workers)
+                self._gcs = Gcs(self._client or make_client(self.project_name), retry=self.retry,
+                                connections=self.max_workers)
             return self._gcs
 
 
-def _check_options(chunk_size: int, max_workers: int, block_size: int) -> None:
-    if chunk_size <= 0 or max_workers <= 0 or block_size <= 0:
-        raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}) and block_size "
-                         f"({block_size}) must be positive")
+def _check_options(chunk_size: int, max_workers: int, block_size: int, deadline_s: float) -> None:
+    if chunk_size <= 0 or max_workers <= 0 or block_size <= 0 or not deadline_s > 0:
+        raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}), block_size ({block_size}) "
+                         f"and deadline_s ({deadline_s}) must be positive")
 
 
 class DatafluxStorageWriter(ShardedStorageWriter):
@@ -127,6 +128,8 @@ class DatafluxStorageWriter(ShardedStorageWriter):
         upload_mode: ``"auto"``, ``"xml"`` or ``"composite"`` (see ``DatafluxCheckpointIO``).
         block_size: bytes covered by each recorded crc32c (the granularity of verified partial reads).
         retry: retry policy for each request.
+        deadline_s: each step of a save on a rank (its shard, the metadata, the clean-up) must finish
+            within this many seconds, or fails with ``DeadlineExceededError`` naming it.
         overwrite: ``False`` refuses to save where a checkpoint exists.
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save``).
 
@@ -145,15 +148,16 @@ class DatafluxStorageWriter(ShardedStorageWriter):
         upload_mode: str = "auto",
         block_size: int = CRC_BLOCK_BYTES,
         retry: RetryPolicy | None = None,
+        deadline_s: float = DEADLINE_S,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
     ) -> None:
-        _check_options(chunk_size, max_workers, block_size)
+        _check_options(chunk_size, max_workers, block_size, deadline_s)
         if upload_mode not in UPLOAD_MODES:
             raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
-        self.upload_mode = upload_mode
+        self.upload_mode, self.deadline_s = upload_mode, deadline_s
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
 
     storage_info_types = (GcsItemInfo,)
@@ -166,13 +170,16 @@ class DatafluxStorageWriter(ShardedStorageWriter):
         base = _checkpoint_path(self.checkpoint_id)
         return GcsPath(base.bucket, f"{base.key}/{name}")
 
+    def _deadline(self) -> Deadline:
+        return Deadline(self.deadline_s, "save", self.checkpoint_id)
+
     # Files --------------------------------------------------------------------------------------
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
         target = self._object(name)
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
-        with ObjectWriter(self._connection.gcs, target, chunk_size=self.chunk_size,
-                          max_workers=self.max_workers, mode=self.upload_mode) as stream:
+        with ObjectWriter(self._connection.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
+                          mode=self.upload_mode, deadline_s=self.deadline_s) as stream:
             for item in ordered:
                 offset = stream.tell()
                 crcs = _BlockCrcs(self.block_size)
@@ -192,43 +199,44 @@ class DatafluxStorageWriter(ShardedStorageWriter):
                                        shape=tuple(tensor.shape))
                 results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
         # Part objects of a composite upload are deleted in the background: done before the save returns.
-        self._connection.gcs.wait_background()
+        self._connection.gcs.wait_background(CLEANUP_TIMEOUT_S)
         return results
 
     def _publish(self, name: str, data: bytes) -> None:
-        target = self._object(name)
-        self._connection.gcs.upload_object(target.bucket, target.key, memoryview(data), crc32c_extend(0, data))
+        self._connection.gcs.upload_object(self._object(name), memoryview(data), crc32c_extend(0, data),
+                                           self._deadline())
 
     def _read(self, name: str) -> bytes | None:
-        return _read_small(self._connection.gcs, self._object(name))
+        return _read_small(self._connection.gcs, self._object(name), self._deadline())
 
     def _list(self) -> list[str]:
         base = _checkpoint_path(self.checkpoint_id)
         prefix = f"{base.key}/"
-        return [name[len(prefix):] for name in self._connection.gcs.list_names(base.bucket, prefix)]
+        names = self._connection.gcs.list_names(base.bucket, prefix, self._deadline())
+        return [name[len(prefix):] for name in names]
 
     def _size(self, name: str) -> int | None:
         try:
-            return self._connection.gcs.stat(self._object(name)).size
+            return self._connection.gcs.stat(self._object(name), self._deadline()).size
         except FileNotFoundError:
             return None
 
     def _delete(self, names: Sequence[str]) -> None:
-        gcs = self._connection.gcs
+        gcs, deadline = self._connection.gcs, self._deadline()
         targets = [self._object(name) for name in names]
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="dataflux-delete") as pool:
-            list(pool.map(lambda path: gcs.delete(*path), targets))
+            list(pool.map(lambda path: gcs.delete(path.bucket, path.key, deadline), targets))
 
 
-def _read_small(gcs: Gcs, path: GcsPath) -> bytes | None:
+def _read_small(gcs: Gcs, path: GcsPath, deadline: Deadline) -> bytes | None:
     """One small object whole, or ``None`` when it does not exist."""
     what = f"download of {path.uri}"
 
     def get() -> bytes | None:
-        response = gcs.request("GET", gcs.media_url(*path), what, ok=(200, 404))
+        response = gcs.request("GET", gcs.media_url(*path), what, deadline, ok=(200, 404))
         return None if response.status_code == 404 else response.content
 
-    return gcs.retry.call(get, what)
+    return gcs.retry.call(get, what, deadline)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -353,6 +361,8 @@ class DatafluxStorageReader(ShardedStorageReader):
         max_workers: concurrent GETs.
         coalesce_gap: items of one object closer than this many bytes are fetched by one GET.
         retry: retry policy for each request.
+        deadline_s: a rank's load (metadata, then its items) must finish within this many seconds, or
+            fails with ``DeadlineExceededError`` naming it.
         weights_only: see :class:`~lightning_storage_plugins.dcp.ShardedStorageReader`.
 
     Raises:
@@ -369,13 +379,15 @@ class DatafluxStorageReader(ShardedStorageReader):
         max_workers: int = MAX_WORKERS,
         coalesce_gap: int = COALESCE_GAP_BYTES,
         retry: RetryPolicy | None = None,
+        deadline_s: float = DEADLINE_S,
         weights_only: bool | None = None,
     ) -> None:
-        _check_options(chunk_size, max_workers, 1)
+        _check_options(chunk_size, max_workers, 1, deadline_s)
         if coalesce_gap < 0:
             raise ValueError(f"coalesce_gap must not be negative, not {coalesce_gap}")
         super().__init__(path, weights_only=weights_only)
         self.chunk_size, self.max_workers, self.coalesce_gap = chunk_size, max_workers, coalesce_gap
+        self.deadline_s = deadline_s
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
 
     storage_info_types = (GcsItemInfo,)
@@ -389,7 +401,7 @@ class DatafluxStorageReader(ShardedStorageReader):
         return GcsPath(base.bucket, f"{base.key}/{name}")
 
     def _read(self, name: str) -> bytes | None:
-        return _read_small(self._connection.gcs, self._object(name))
+        return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))
 
     # Planning -----------------------------------------------------------------------------------
     def _request(self, item: ReadItem, planner: LoadPlanner) -> _Request:
@@ -448,7 +460,7 @@ class DatafluxStorageReader(ShardedStorageReader):
         budget = max(2 * self.max_workers * self.chunk_size, 1)
         in_flight: dict[Future[None], _Get] = {}
         buffered = 0  # bytes of temporary destinations alive
-        gcs = self._connection.gcs
+        gcs, deadline = self._connection.gcs, Deadline(self.deadline_s, "load", self.checkpoint_id)
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="dataflux-dcp-read") as pool:
             try:
                 for get in gets:
@@ -459,7 +471,7 @@ class DatafluxStorageReader(ShardedStorageReader):
                     for request in fresh:
                         request.dest = torch.empty(request.size, dtype=torch.uint8)
                     buffered += need
-                    in_flight[pool.submit(self._fetch, gcs, get)] = get
+                    in_flight[pool.submit(self._fetch, gcs, get, deadline)] = get
                 while in_flight:
                     buffered -= self._complete(in_flight, planner)
             except BaseException:
@@ -483,7 +495,7 @@ class DatafluxStorageReader(ShardedStorageReader):
                     request.dest = None
         return freed
 
-    def _fetch(self, gcs: Gcs, get: _Get) -> None:
+    def _fetch(self, gcs: Gcs, get: _Get, deadline: Deadline) -> None:
         path = self._object(get.name)
         what = f"download of bytes {get.start}-{get.end - 1} of {path.uri}"
         url = gcs.media_url(*path)
@@ -491,10 +503,10 @@ class DatafluxStorageReader(ShardedStorageReader):
 
         def once() -> None:
             headers = {"Range": f"bytes={get.start}-{get.end - 1}", "Accept-Encoding": "identity"}
-            with gcs.request("GET", url, what, ok=(200, 206), headers=headers, stream=True) as response:
+            with gcs.request("GET", url, what, deadline, ok=(200, 206), headers=headers, stream=True) as response:
                 if response.status_code == 200 and get.start != 0:
                     raise HttpStatusError(200, f"{what}: the server ignored the Range header")
-                source = _body_reader(response)
+                source = raw_body_reader(response)
                 position = get.start
                 for request, offset, length in get.parts:
                     if offset > position:  # a gap between coalesced items: read and drop
@@ -505,13 +517,13 @@ class DatafluxStorageReader(ShardedStorageReader):
                     position = offset + length
 
         try:
-            gcs.retry.call(once, what)
+            gcs.retry.call(once, what, deadline)
         except HttpStatusError as err:
             if err.status == 404:
                 raise FileNotFoundError(f"{path.uri} is missing; the checkpoint {self.checkpoint_id} "
                                         "references it") from err
             raise TransferError(f"{what} failed: {err}") from err
-        except (DataCorruptionError, FileNotFoundError):
+        except (DataCorruptionError, FileNotFoundError, TransferError):  # deadline errors included
             raise
         except Exception as err:
             raise TransferError(f"{what} failed: {err}") from err

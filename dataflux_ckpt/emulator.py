@@ -125,14 +125,21 @@ class FakeGcsServer:
             conn.close()
 
     def start(self) -> FakeGcsServer:
+        """Start the emulator and wait until it answers.
+
+        Raises:
+            ServiceStartError: it did not come up; the message has its log.
+        """
         self._process.start()
         return self
 
     def stop(self) -> None:
+        """Stop the emulator (the in-memory backend forgets everything). Idempotent."""
         self._process.stop()
 
     @property
     def pid(self) -> int | None:
+        """The emulator's process id while it runs."""
         return self._process.pid
 
     def __enter__(self) -> FakeGcsServer:

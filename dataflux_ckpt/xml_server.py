@@ -25,6 +25,12 @@ Served, as GCS serves them (path-style URLs, ``/{bucket}/{object}``):
 An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``. Parts are
 kept in memory until the upload completes or is aborted. Redirects of resumable uploads
 (``Location``) are rewritten to point here, so whole sessions pass through this server.
+
+It also enforces the JSON API's ``ifGenerationMatch`` precondition where fake-gcs-server ignores
+it (media uploads, compose, delete, and the last request of a resumable upload): a request whose
+precondition does not hold gets ``412``, as from GCS. Writes to one object are serialized while a
+precondition is checked, so concurrent writers see GCS's compare-and-swap behaviour. A compose onto
+an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
 """
 
 from __future__ import annotations
@@ -202,14 +208,50 @@ class _Upstream:
             raise
 
 
+class _ObjectLocks:
+    """One lock per object name, held from a precondition check until the write it guards is done."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], list[Any]] = {}  # name -> [lock, users]
+        self._mutex = threading.Lock()
+
+    @contextmanager
+    def held(self, bucket: str, name: str) -> Iterator[None]:
+        key = (bucket, name)
+        with self._mutex:
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._mutex:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locks[key]
+
+
 class _MultipartState:
-    """Uploads in progress, shared by the server's threads."""
+    """Uploads in progress, resumable sessions and per-object locks, shared by the server's threads."""
 
     def __init__(self, upstream: _Upstream, min_part_bytes: int) -> None:
         self.upstream = upstream
         self.min_part_bytes = min_part_bytes
+        self.object_locks = _ObjectLocks()
+        # Resumable sessions opened with a generation precondition: upload_id -> (bucket, name, generation).
+        self.sessions: dict[str, tuple[str, str, int]] = {}
         self._uploads: dict[str, _Upload] = {}
         self._lock = threading.Lock()
+
+    def generation(self, bucket: str, name: str) -> int:
+        """The generation of ``bucket/name`` upstream now; 0 when there is none."""
+        status, payload = self.upstream.call(
+            "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?fields=generation")
+        if status == 404:
+            return 0
+        if status != 200:
+            raise _Reply(502, "BadGateway", f"looking up {bucket}/{name} upstream answered HTTP {status}")
+        return int(json.loads(payload).get("generation") or 0)
 
     def create(self, bucket: str, key: str, content_type: str) -> _Upload:
         status, _ = self.upstream.call("GET", f"/storage/v1/b/{quote(bucket, safe='')}?fields=name")
@@ -356,6 +398,89 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
 
         # Forwarding ----------------------------------------------------------------------------
         def _forward(self) -> None:
+            written = self._written_object()
+            if written is None:
+                return self._forward_now()
+            bucket, name, required = written
+            compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
+            with state.object_locks.held(bucket, name):
+                current = state.generation(bucket, name) if required is not None or compose else 0
+                if required is not None and current != required:
+                    self._drain()
+                    return self._precondition_failed(bucket, name, required, current)
+                if compose and current:
+                    return self._compose_over(bucket, name)
+                self._forward_now()
+            session = parse_qs(urlsplit(self.path).query).get("upload_id")
+            if session:
+                with state._lock:
+                    state.sessions.pop(session[0], None)
+
+        def _written_object(self) -> tuple[str, str, int | None] | None:
+            """The object this JSON API request writes or deletes, and the generation it requires.
+
+            fake-gcs-server ignores ``ifGenerationMatch`` on media uploads, compose, delete and
+            resumable uploads; these are checked here, under a lock per object, against what is
+            upstream. Every write to an object takes its lock, conditional or not.
+            """
+            split = urlsplit(self.path)
+            query = parse_qs(split.query)
+            required = query.get("ifGenerationMatch", [None])[0]
+            segments = [unquote(p) for p in split.path.split("/")]
+            method = self.command
+            if split.path.startswith("/upload/storage/v1/b/") and len(segments) >= 7:
+                bucket = segments[5]
+                upload_type = query.get("uploadType", [""])[0]
+                if method == "POST" and upload_type == "media" and query.get("name"):
+                    return bucket, query["name"][0], _int_or_none(required)
+                if method == "PUT" and query.get("upload_id") and self._finishes_session():
+                    session = state.sessions.get(query["upload_id"][0])
+                    if session is not None:
+                        return session[0], session[1], session[2]
+                return None
+            if split.path.startswith("/storage/v1/b/") and len(segments) >= 7 and segments[5] == "o":
+                bucket, rest = segments[4], segments[6:]
+                if method == "POST" and len(rest) >= 2 and rest[-1] == "compose":
+                    return bucket, "/".join(rest[:-1]), _int_or_none(required)
+                if method == "DELETE":
+                    return bucket, "/".join(rest), _int_or_none(required)
+            return None
+
+        def _compose_over(self, bucket: str, name: str) -> None:
+            """Compose onto an existing object with a new generation, as GCS does.
+
+            fake-gcs-server's compose keeps the generation of the object it replaces, so that
+            generations no longer tell writes apart; compose into a temporary object and copy that
+            (a copy gets a new generation) instead.
+            """
+            body = bytes(self._read_body())
+            b = quote(bucket, safe="")
+            temporary = f"{name}.compose-{uuid.uuid4().hex}"
+            status, payload = upstream.call("POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/compose",
+                                            {"Content-Type": "application/json"}, body)
+            try:
+                if status == 200:
+                    status, payload = upstream.call(
+                        "POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/copyTo/b/{b}/o/{quote(name, safe='')}",
+                        {"Content-Type": "application/json"}, b"{}")
+            finally:
+                upstream.call("DELETE", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}")
+            self._send(status, payload, {"Content-Type": "application/json; charset=UTF-8"})
+
+        def _finishes_session(self) -> bool:
+            """Whether a resumable upload request carries the total size (its last request)."""
+            content_range = self.headers.get("Content-Range", "")
+            return "/" in content_range and not content_range.rstrip().endswith("/*")
+
+        def _precondition_failed(self, bucket: str, name: str, required: int, current: int) -> None:
+            message = "At least one of the pre-conditions you specified did not hold."
+            body = json.dumps({"error": {"code": 412, "message": message, "errors": [{
+                "domain": "global", "reason": "conditionNotMet", "locationType": "header",
+                "location": "If-Match", "message": f"{message} ({bucket}/{name}: generation {current}, "
+                                                   f"required {required})"}]}}).encode()
+            self._send(412, body, {"Content-Type": "application/json; charset=UTF-8"})
+
+        def _forward_now(self) -> None:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
             if self._chunked():
                 body: bytes | None = b"".join(self._chunks())
@@ -389,6 +514,16 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
                 conn.send(view[:n])
                 remaining -= n
 
+        def _remember_session(self, location: str) -> None:
+            """Keep the generation precondition of a resumable upload for its last request."""
+            query = parse_qs(urlsplit(self.path).query)
+            required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
+            session = parse_qs(urlsplit(location).query)
+            if required is not None and session.get("upload_id") and session.get("name"):
+                bucket = unquote(urlsplit(self.path).path.split("/")[5])
+                with state._lock:
+                    state.sessions[session["upload_id"][0]] = (bucket, session["name"][0], required)
+
         def _relay(self, response: http.client.HTTPResponse) -> None:
             self.send_response_only(response.status, response.reason)
             self.send_header("Date", self.date_time_string())
@@ -399,6 +534,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
                     continue
                 if lowered == "location" and value.startswith(upstream.url):
                     value = public_url + value[len(upstream.url):]
+                    self._remember_session(value)
                 self.send_header(name, value)
             no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
             if no_body:
@@ -553,15 +689,16 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             """Write the parts as one object upstream (one streamed request); its metadata."""
             path = (f"/upload/storage/v1/b/{quote(upload.bucket, safe='')}/o"
                     f"?uploadType=media&name={quote(upload.key, safe='')}")
-            conn = upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
-            try:
-                for part in parts:
-                    conn.send(memoryview(part.data))
-                response = conn.getresponse()
-                payload = response.read()
-            except BaseException:
-                upstream.discard()
-                raise
+            with state.object_locks.held(upload.bucket, upload.key):
+                conn = upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
+                try:
+                    for part in parts:
+                        conn.send(memoryview(part.data))
+                    response = conn.getresponse()
+                    payload = response.read()
+                except BaseException:
+                    upstream.discard()
+                    raise
             if response.status == 404:
                 raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", upload.bucket)
             if response.status != 200:
@@ -570,6 +707,15 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             return json.loads(payload)
 
     return Handler
+
+
+def _int_or_none(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise _Reply(400, "InvalidArgument", f"ifGenerationMatch must be an integer, not {text!r}") from None
 
 
 def _same_digest(declared: str, actual: str) -> bool:

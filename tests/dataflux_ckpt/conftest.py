@@ -9,11 +9,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from google.cloud import storage
 
-from dataflux_ckpt import DatafluxCheckpointIO, FakeGcsServer, RetryPolicy, XmlMultipartServer
+from dataflux_ckpt import DatafluxCheckpointIO, FakeGcsServer, XmlMultipartServer
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
-from tests.support.gcs import FaultProxy
-
-FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.02, max_backoff_s=0.1)
+from tests.support.gcs import FAST_RETRY, FaultProxy
 
 
 @pytest.fixture

@@ -238,3 +238,60 @@ def test_google_cloud_storage_transfer_manager_uploads_through_it(gcs_xml_server
     transfer_manager.upload_chunks_concurrently(str(source), blob, chunk_size=2**20, max_workers=4,
                                                 worker_type=transfer_manager.THREAD)
     assert _stored(gcs_xml_server.url, gcs_bucket, "tm/big.bin")[1] == data
+
+
+def _generation(url: str, bucket: str, key: str) -> int:
+    return int(_stored(url, bucket, key)[2].get("generation") or 0)
+
+
+def test_generation_preconditions_are_enforced_where_fake_gcs_server_ignores_them(gcs_xml_server, gcs_bucket):
+    url = gcs_xml_server.url
+    upload = f"{url}/upload/storage/v1/b/{gcs_bucket}/o"
+
+    def media(name: str, data: bytes, generation: int | None) -> requests.Response:
+        params = {"uploadType": "media", "name": name}
+        if generation is not None:
+            params["ifGenerationMatch"] = str(generation)
+        return requests.post(upload, params=params, data=data, timeout=10)
+
+    assert media("pre/obj", b"first", 0).status_code == 200  # 0: only if there is none
+    first = _generation(url, gcs_bucket, "pre/obj")
+    refused = media("pre/obj", b"second", 0)
+    assert refused.status_code == 412 and refused.json()["error"]["errors"][0]["reason"] == "conditionNotMet"
+    assert media("pre/obj", b"second", first + 1).status_code == 412
+    assert media("pre/obj", b"second", first).status_code == 200
+    second = _generation(url, gcs_bucket, "pre/obj")
+    assert second != first and _stored(url, gcs_bucket, "pre/obj")[1] == b"second"
+
+    for name in ("pre/a", "pre/b"):
+        assert media(name, name.encode(), None).status_code == 200
+    compose = f"{url}/storage/v1/b/{gcs_bucket}/o/{requests.utils.quote('pre/obj', safe='')}/compose"
+    body = {"sourceObjects": [{"name": "pre/a"}, {"name": "pre/b"}]}
+    assert requests.post(compose, params={"ifGenerationMatch": first}, json=body, timeout=10).status_code == 412
+    composed = requests.post(compose, params={"ifGenerationMatch": second}, json=body, timeout=10)
+    assert composed.status_code == 200
+    third = int(composed.json()["generation"])
+    assert third not in (first, second)  # a compose over an object makes a new generation, as on GCS
+    assert _stored(url, gcs_bucket, "pre/obj")[1] == b"pre/apre/b"
+
+    delete = f"{url}/storage/v1/b/{gcs_bucket}/o/{requests.utils.quote('pre/obj', safe='')}"
+    assert requests.delete(delete, params={"ifGenerationMatch": second}, timeout=10).status_code == 412
+    assert _stored(url, gcs_bucket, "pre/obj")[0] == 200
+    assert requests.delete(delete, params={"ifGenerationMatch": third}, timeout=10).status_code in (200, 204)
+    assert _stored(url, gcs_bucket, "pre/obj")[0] == 404
+
+
+def test_resumable_upload_precondition_is_checked_when_it_finishes(gcs_xml_server, gcs_bucket):
+    url = gcs_xml_server.url
+    requests.post(f"{url}/upload/storage/v1/b/{gcs_bucket}/o", params={"uploadType": "media", "name": "res"},
+                  data=b"old", timeout=10)
+    current = _generation(url, gcs_bucket, "res")
+    for generation, expected in ((current + 1, 412), (current, 200)):
+        start = requests.post(f"{url}/upload/storage/v1/b/{gcs_bucket}/o", json={}, timeout=10,
+                              params={"uploadType": "resumable", "name": "res", "ifGenerationMatch": generation})
+        session = start.headers["Location"]
+        assert requests.put(session, data=b"x" * 262144, headers={"Content-Range": "bytes 0-262143/*"},
+                            timeout=10).status_code == 308
+        last = requests.put(session, data=b"y", headers={"Content-Range": "bytes 262144-262144/262145"}, timeout=10)
+        assert last.status_code == expected
+    assert _stored(url, gcs_bucket, "res")[1] == b"x" * 262144 + b"y"

@@ -12,7 +12,7 @@ import threading
 import urllib.request
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -20,7 +20,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from dataflux_ckpt.emulator import EMULATOR_PROJECT
+from dataflux_ckpt.retry import RetryPolicy
 
+FAST_RETRY = RetryPolicy(attempts=3, initial_backoff_s=0.02, max_backoff_s=0.1)
 S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "host", "content-length"}
 
@@ -30,6 +32,7 @@ class Request:
     method: str
     path: str
     body_size: int
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 # A fault rule sees each request (and how often that method+path was seen) and answers
@@ -50,6 +53,8 @@ class FaultProxy:
         self.upstream_url = upstream.rstrip("/")
         self.upstream = urlsplit(upstream)
         self.fault: FaultRule | None = None
+        # Requests for which this answers True reach the upstream with their first body byte flipped.
+        self.corrupt_request: Callable[[Request, int], bool] | None = None
         self.requests: list[Request] = []
         self._seen: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
@@ -85,7 +90,7 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = Request(self.command, self.path, len(body))
+                request = Request(self.command, self.path, len(body), dict(self.headers))
                 with proxy._lock:
                     proxy.requests.append(request)
                     key = (self.command, self.path)
@@ -99,6 +104,8 @@ class FaultProxy:
                 if isinstance(action, int):
                     self._reply(action, b"injected fault", {})
                     return
+                if proxy.corrupt_request is not None and body and proxy.corrupt_request(request, seen):
+                    body = bytes([body[0] ^ 0xFF]) + body[1:]
                 status, headers, payload = proxy._forward(self.command, self.path, dict(self.headers), body)
                 if action == "corrupt" and payload:
                     payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
@@ -134,6 +141,11 @@ class FaultProxy:
             return response.status, kept, payload
         finally:
             conn.close()
+
+
+def object_names(url: str, bucket: str, prefix: str = "") -> list[str]:
+    """Every object name in ``bucket`` under ``prefix``, as google-cloud-storage lists them, sorted."""
+    return sorted(blob.name for blob in client_for(url).list_blobs(bucket, prefix=prefix))
 
 
 def uploads_in_progress(url: str, bucket: str) -> list[str]:
