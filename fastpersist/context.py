@@ -94,6 +94,7 @@ class FastPersistContext:
         self._aio_handle: Any = None
         self._gds_handle: Any = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._locked_by_handle: dict[int, set[int]] = {}  # id(handle) -> addresses it page-locked
         self._pool: ThreadPoolExecutor | None = None
         self._warned: set[str] = set()
         self._gds_probes: dict[int, str | None] = {}  # st_dev -> why cuFile cannot write there
@@ -141,6 +142,8 @@ class FastPersistContext:
                 if key == "cpu-pinned":
                     handle = self.aio_handle() if aio_unavailable_reason() is None else None
                     buffer = get_pinned_buffer(self.io_buffer_mb, handle)
+                    if handle is not None and not torch.cuda.is_available():
+                        self._locked_by_handle.setdefault(id(handle), set()).add(buffer.data_ptr())
                 elif key == "cpu":
                     buffer = aligned_empty(int(self.io_buffer_mb * MiB))
                 else:
@@ -166,7 +169,8 @@ class FastPersistContext:
             )
             current = fallback
         if current == "aio":
-            return AioEngine(self.aio_handle())
+            handle = self.aio_handle()
+            return AioEngine(handle, frozenset(self._locked_by_handle.get(id(handle), ())))
         if current == "gds":
             return GdsEngine(self._gds())
         return PythonEngine(self._python_pool())
@@ -185,8 +189,16 @@ class FastPersistContext:
         if engine == "aio":
             return aio_unavailable_reason()
         if engine == "gds":
-            return gds_unavailable_reason() or self._probe_gds(directory)
+            return self.gds_unusable_reason(directory)
         return None
+
+    def gds_unusable_reason(self, directory: str | None = None) -> str | None:
+        """Why GPUDirect Storage cannot be used (in ``directory``'s filesystem, when given), or ``None``.
+
+        The filesystem is probed once per context with a one-block write whose native (cuFile) output
+        is captured, so a user sees one reason instead of raw C++ error lines.
+        """
+        return gds_unavailable_reason() or self._probe_gds(directory)
 
     def _gds(self) -> Any:
         if self._gds_handle is None:
@@ -240,6 +252,7 @@ class FastPersistContext:
 
     def _reset_resources(self) -> None:
         self._buffers = {}
+        self._locked_by_handle = {}
         self._pool = None
         self._aio_handle = None
         self._gds_handle = None

@@ -255,14 +255,16 @@ class AioEngine(IOEngine):
 
     name = "aio"
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, locked_by_handle: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.handle = handle
+        self._locked_by_handle = locked_by_handle  # addresses of buffers this handle page-locked
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         if not file.direct:
             return f"{file.path} is not open with O_DIRECT"
-        if not _deepspeed_compat.handle_is_pinned(self.handle, buffer):
+        locked = buffer.device.type == "cpu" and buffer.data_ptr() in self._locked_by_handle
+        if not locked and not _deepspeed_compat.handle_is_pinned(self.handle, buffer):
             # DeepSpeed would allocate a locked bounce buffer per request (and abort if mlock fails).
             return "staging buffer is not page-locked host memory"
         return None

@@ -239,18 +239,21 @@ def test_pinned_memory_is_recognised_on_this_deepspeed(small_context: FastPersis
     assert not _deepspeed_compat.handle_is_pinned(handle, aligned_empty(1 << 20))
 
 
-def test_smaps_locked_memory_probe_used_where_deepspeed_cannot_tell(
-    small_context: FastPersistContext,
-) -> None:
+def test_smaps_locked_memory_probe_used_where_deepspeed_cannot_tell(small_context: FastPersistContext) -> None:
     from fastpersist.aio import aio_unavailable_reason
     from fastpersist.memory import aligned_empty
 
     if aio_unavailable_reason() is not None or torch.cuda.is_available():
         pytest.skip("needs DeepSpeed-locked host memory on a machine without CUDA")
-    buffer = small_context.staging_buffer()
-    assert _deepspeed_compat.memory_is_locked(buffer.data_ptr(), buffer.numel())
-    unlocked = aligned_empty(1 << 20)
-    assert not _deepspeed_compat.memory_is_locked(unlocked.data_ptr(), unlocked.numel())
+    handle = small_context.aio_handle()
+    size = 64 * 1024**2  # above malloc's largest mmap threshold: a mapping of its own
+    locked = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    try:
+        assert _deepspeed_compat.memory_is_locked(locked.data_ptr(), size)
+    finally:
+        handle.free_cpu_locked_tensor(locked)
+    unlocked = aligned_empty(size)
+    assert not _deepspeed_compat.memory_is_locked(unlocked.data_ptr(), size)
 
 
 def test_writes_go_by_descriptor_or_path_as_this_deepspeed_takes_them(
