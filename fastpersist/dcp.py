@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from fastpersist import _torch_compat
 from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
-from fastpersist.engines import Transfer, io_error, open_file
+from fastpersist.engines import OpenFile, Transfer, io_error, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FastPersistStorageReader", "FastPersistStorageWriter"]
 
-TEMP_SUFFIX = ".fastpersist.tmp"
+READ_WINDOW_BYTES = 64 * 2**20
 
 
 def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -256,16 +256,35 @@ class FastPersistStorageReader(ShardedStorageReader):
                 context.close()
 
     def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner) -> None:
-        infos = [self.storage_data[item.storage_index] for item in items]
-        start = min(info.offset for info in infos)
-        end = max(info.offset + info.length for info in infos)
+        """Read the items of one file in windows of about ``READ_WINDOW_BYTES``: the next window's reads
+        are in flight while the items of this one are copied into their targets."""
+        pairs = sorted(((item, self.storage_data[item.storage_index]) for item in items), key=lambda p: p[1].offset)
+        windows: list[list[tuple[ReadItem, Any]]] = [[]]
+        for pair in pairs:
+            window = windows[-1]
+            if window and pair[1].offset + pair[1].length - window[0][1].offset > READ_WINDOW_BYTES:
+                windows.append([])
+            windows[-1].append(pair)
+        path = os.path.join(self.checkpoint_id, name)
         with context.lock:
-            data = _read_range(os.path.join(self.checkpoint_id, name), start, end, context)
-        view = memoryview(data.numpy())
-        for item, info in sorted(zip(items, infos, strict=True), key=lambda pair: pair[1].offset):
-            first = info.offset - start
-            storage = data.untyped_storage()[data.storage_offset() + first : data.storage_offset() + first + info.length]
-            self._use(item, view[first : first + info.length], storage, name, planner)
+            file = open_file(path, write=False)
+            try:
+                reads = [_RangeRead(file, windows[0], context)]
+                for index, window in enumerate(windows):
+                    read = reads.pop()
+                    if index + 1 < len(windows):
+                        reads.append(_RangeRead(file, windows[index + 1], context))
+                    data = read.result()
+                    view = memoryview(data.numpy())
+                    for item, info in window:
+                        first = info.offset - read.start
+                        offset = data.storage_offset() + first
+                        storage = data.untyped_storage()[offset : offset + info.length]
+                        self._use(item, view[first : first + info.length], storage, name, planner)
+            finally:
+                for read in reads:
+                    read.abandon()
+                file.close()
 
     def _use(self, item: ReadItem, data: memoryview, storage: torch.UntypedStorage, name: str,
              planner: LoadPlanner) -> None:
@@ -293,28 +312,46 @@ def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) ->
     return tensor
 
 
-def _read_range(path: str, start: int, end: int, context: FastPersistContext) -> torch.Tensor:
-    """Bytes ``[start, end)`` of ``path``: the aligned part with parallel O_DIRECT reads straight into a
-    page-aligned allocation, the unaligned ends with buffered reads."""
-    file = open_file(path, write=False)
-    try:
+class _RangeRead:
+    """Bytes ``[start, end)`` of a file (the span of ``window``'s items) on their way into one page-aligned
+    allocation: the aligned part with parallel O_DIRECT reads (started here), the unaligned end with a
+    buffered read (in :meth:`result`)."""
+
+    def __init__(self, file: OpenFile, window: list[tuple[ReadItem, Any]], context: FastPersistContext) -> None:
+        self.file = file
+        self.start = window[0][1].offset
+        self.end = max(info.offset + info.length for _, info in window)
         size = file.size()
-        if end > size:
-            raise io_error(errno.EIO, "read", file, size, f"file is {size} bytes, the checkpoint needs {end}")
-        first = start // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-        direct_end = min(round_up(end), size // ALIGNMENT_BYTES * ALIGNMENT_BYTES) if file.direct else first
-        whole = huge_page_empty(max(end, direct_end) - first)
-        if direct_end > first:
-            engine = context.python_engine()
-            engine.submit(Transfer(file, whole.narrow(0, 0, direct_end - first), first, write=False))
-            engine.wait()
-        tail_start = max(direct_end, first)
-        if end > tail_start:
-            with open(path, "rb", buffering=0) as plain:
-                target = memoryview(whole.narrow(0, tail_start - first, end - tail_start).numpy())
-                got = os.preadv(plain.fileno(), [target], tail_start)
-            if got != end - tail_start:
-                raise io_error(errno.EIO, "read", file, tail_start + got, f"short read of {path}")
-    finally:
-        file.close()
-    return whole.narrow(0, start - first, end - start)
+        if self.end > size:
+            raise io_error(errno.EIO, "read", file, size, f"file is {size} bytes, the checkpoint needs {self.end}")
+        self.first = self.start // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        aligned_size = size // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        self.direct_end = max(self.first, min(round_up(self.end), aligned_size)) if file.direct else self.first
+        self.whole = huge_page_empty(max(self.end, self.direct_end) - self.first)
+        self.engine = None
+        if self.direct_end > self.first:
+            self.engine = context.python_engine()
+            span = self.whole.narrow(0, 0, self.direct_end - self.first)
+            self.engine.submit(Transfer(file, span, self.first, write=False))
+
+    def result(self) -> torch.Tensor:
+        """The bytes, once every read has completed (and its byte count was checked)."""
+        if self.engine is not None:
+            self.engine.wait()
+            self.engine = None
+        tail = max(self.direct_end, self.first)
+        if self.end > tail:
+            with open(self.file.path, "rb", buffering=0) as plain:
+                target = memoryview(self.whole.narrow(0, tail - self.first, self.end - tail).numpy())
+                got = os.preadv(plain.fileno(), [target], tail)
+            if got != self.end - tail:
+                raise io_error(errno.EIO, "read", self.file, tail + got, f"short read of {self.file.path}")
+        return self.whole.narrow(0, self.start - self.first, self.end - self.start)
+
+    def abandon(self) -> None:
+        """Wait for reads still in flight (their buffer must outlive them); errors are not reported."""
+        if self.engine is not None:
+            try:
+                self.engine.wait()
+            except OSError:
+                pass
