@@ -9,7 +9,8 @@ loads it, and :class:`FastPersistStorageReader` loads checkpoints torch wrote. W
 each rank's file is streamed through the two halves of a page-locked staging buffer, each full half
 going out as one large aligned O_DIRECT write through a FastPersist engine (DeepSpeed aio by default)
 that checks the bytes every write put down; the file is fsynced and renamed into place. Loads read each
-file with parallel aligned O_DIRECT reads into one page-aligned allocation.
+file in windows with parallel aligned O_DIRECT reads, the next window in flight while this one's tensors
+(built on the bytes read, no copy) are copied into their targets.
 """
 
 from __future__ import annotations
