@@ -32,6 +32,7 @@ _EXPORTS = {
     "parse_gcs_prefix": "dataflux_ckpt.paths",
     "GcsPath": "dataflux_ckpt.paths",
     "parse_gcs_path": "dataflux_ckpt.paths",
+    "Deadline": "dataflux_ckpt.retry",
     "RetryPolicy": "dataflux_ckpt.retry",
     "ObjectWriter": "dataflux_ckpt.upload",
     "StreamingWriter": "dataflux_ckpt.upload",
@@ -50,6 +51,7 @@ __all__ = [
     "DatafluxModelParallelStrategy",
     "DatafluxStorageReader",
     "DatafluxStorageWriter",
+    "Deadline",
     "DeadlineExceededError",
     "FakeGcsServer",
     "Gcs",
@@ -89,7 +91,7 @@ if TYPE_CHECKING:
     )
     from dataflux_ckpt.gcs import Gcs
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
-    from dataflux_ckpt.retry import RetryPolicy
+    from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from dataflux_ckpt.xml_server import XmlMultipartServer

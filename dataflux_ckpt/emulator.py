@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from lightning_storage_plugins.services import ManagedProcess, find_binary, free_port
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EMULATOR_PROJECT",
     "FakeGcsServer",
+    "LocalGcsService",
     "activated",
     "configure_gcsfs_for_emulator",
     "create_bucket",
@@ -75,7 +77,74 @@ def find_fake_gcs_server() -> str:
     return find_binary("fake-gcs-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT, providers=[_bundled_binary])
 
 
-class FakeGcsServer:
+_Service = TypeVar("_Service", bound="LocalGcsService")
+
+
+class LocalGcsService:
+    """What :class:`FakeGcsServer` and :class:`~dataflux_ckpt.XmlMultipartServer` share: a process on
+    a loopback port that serves the GCS JSON API at :attr:`url`, started and stopped with it.
+
+    Subclasses set :attr:`host`, :attr:`port`, :attr:`url` and ``_process`` (a ``ManagedProcess``
+    whose readiness check is :meth:`_answers`).
+    """
+
+    host: str
+    port: int
+    url: str
+    _process: ManagedProcess
+
+    def _answers(self) -> bool:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+        try:
+            conn.request("GET", "/storage/v1/b")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    def start(self: _Service) -> _Service:
+        """Start the process and wait until it answers.
+
+        Raises:
+            ServiceStartError: it did not come up; the message has its log.
+        """
+        self._process.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the process; what it held in memory is lost. Idempotent."""
+        self._process.stop()
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs."""
+        return self._process.pid
+
+    def __enter__(self: _Service) -> _Service:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name``; an existing bucket of that name is kept.
+
+        Raises:
+            RuntimeError: the server refused; the message carries its answer.
+        """
+        create_bucket(self.url, name)
+
+    def environ(self) -> dict[str, str]:
+        """Environment that points google-cloud-storage and gcsfs at this server."""
+        return emulator_environ(self.url)
+
+    @contextmanager
+    def activated(self: _Service) -> Iterator[_Service]:
+        """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at this server."""
+        with activated(self.url):
+            yield self
+
+
+class FakeGcsServer(LocalGcsService):
     """fake-gcs-server on loopback over plain HTTP, on a free port.
 
     The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
@@ -115,56 +184,6 @@ class FakeGcsServer:
             ready=self._answers,
             startup_timeout_s=startup_timeout_s,
         )
-
-    def _answers(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
-        try:
-            conn.request("GET", "/storage/v1/b")
-            return conn.getresponse().status == 200
-        finally:
-            conn.close()
-
-    def start(self) -> FakeGcsServer:
-        """Start the emulator and wait until it answers.
-
-        Raises:
-            ServiceStartError: it did not come up; the message has its log.
-        """
-        self._process.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop the emulator (the in-memory backend forgets everything). Idempotent."""
-        self._process.stop()
-
-    @property
-    def pid(self) -> int | None:
-        """The emulator's process id while it runs."""
-        return self._process.pid
-
-    def __enter__(self) -> FakeGcsServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name``; an existing bucket of that name is kept.
-
-        Raises:
-            RuntimeError: the emulator refused; the message carries its answer.
-        """
-        create_bucket(self.url, name)
-
-    def environ(self) -> dict[str, str]:
-        """Environment that points google-cloud-storage and gcsfs at this emulator."""
-        return emulator_environ(self.url)
-
-    @contextmanager
-    def activated(self) -> Iterator[FakeGcsServer]:
-        """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at the emulator."""
-        with activated(self.url):
-            yield self
 
 
 def create_bucket(url: str, name: str) -> None:

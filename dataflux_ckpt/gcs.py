@@ -12,11 +12,14 @@ delete, list), GCS's XML API multipart uploads, and ranged media downloads.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import threading
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple
 from urllib.parse import quote
@@ -81,10 +84,19 @@ def _info(meta: dict[str, Any]) -> ObjectInfo:
     return ObjectInfo(int(meta.get("size", 0)), meta.get("crc32c", ""), int(meta.get("generation") or 0))
 
 
-def _rfc3339(text: str) -> float:
-    from datetime import datetime
+_RFC3339_RE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:?\d\d)$")
 
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+def _rfc3339(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 time (any number of fractional digits, unlike
+    ``datetime.fromisoformat`` before Python 3.11); ``inf`` when unreadable, so that nothing
+    counts as old by mistake."""
+    match = _RFC3339_RE.match(text.strip())
+    if match is None:
+        return math.inf
+    offset = "+0000" if match[3] == "Z" else match[3].replace(":", "")
+    moment = datetime.strptime(match[1] + offset, "%Y-%m-%dT%H:%M:%S%z")
+    return moment.timestamp() + float(match[2] or 0)
 
 
 class Gcs:

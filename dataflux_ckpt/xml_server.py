@@ -57,6 +57,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
+from dataflux_ckpt.emulator import LocalGcsService
 from lightning_storage_plugins.services import ManagedProcess, free_port
 
 log = logging.getLogger(__name__)
@@ -174,25 +175,22 @@ class _Upstream:
 
     def start(self, method: str, path: str, headers: dict[str, str], length: int | None) -> http.client.HTTPConnection:
         """Send the request line and headers; the caller sends ``length`` body bytes, then reads the response."""
-        conn = self.connection()
-        try:
-            conn.putrequest(method, path, skip_accept_encoding=True)
-            for name, value in headers.items():
-                conn.putheader(name, value)
-            if length is not None:
-                conn.putheader("Content-Length", str(length))
-            conn.endheaders()
-        except (OSError, http.client.HTTPException):
-            # A kept-alive connection the server closed meanwhile: one fresh try.
-            self.discard()
+        for attempt in (1, 2):
             conn = self.connection()
-            conn.putrequest(method, path, skip_accept_encoding=True)
-            for name, value in headers.items():
-                conn.putheader(name, value)
-            if length is not None:
-                conn.putheader("Content-Length", str(length))
-            conn.endheaders()
-        return conn
+            try:
+                conn.putrequest(method, path, skip_accept_encoding=True)
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                if length is not None:
+                    conn.putheader("Content-Length", str(length))
+                conn.endheaders()
+                return conn
+            except (OSError, http.client.HTTPException):
+                # A kept-alive connection the server closed meanwhile: one fresh try.
+                self.discard()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def call(self, method: str, path: str, headers: dict[str, str] | None = None,
              body: bytes = b"") -> tuple[int, bytes]:
@@ -801,7 +799,7 @@ def serve(
     return server
 
 
-class XmlMultipartServer:
+class XmlMultipartServer(LocalGcsService):
     """The XML multipart server in a child process, in front of a fake-gcs-server at ``upstream``.
 
     Clients talk to :attr:`url` for both the JSON API (forwarded) and XML multipart uploads (served).
@@ -848,54 +846,6 @@ class XmlMultipartServer:
             env=env,
             startup_timeout_s=startup_timeout_s,
         )
-
-    def _answers(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
-        try:
-            conn.request("GET", "/storage/v1/b")
-            return conn.getresponse().status == 200
-        finally:
-            conn.close()
-
-    def start(self) -> XmlMultipartServer:
-        """Start the server process and wait until it answers (through to fake-gcs-server)."""
-        self._process.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop the server process; uploads in progress are lost. Idempotent."""
-        self._process.stop()
-
-    @property
-    def pid(self) -> int | None:
-        """The server process' id while it runs."""
-        return self._process.pid
-
-    def __enter__(self) -> XmlMultipartServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (through to fake-gcs-server); an existing bucket is kept."""
-        from dataflux_ckpt.emulator import create_bucket
-
-        create_bucket(self.url, name)
-
-    def environ(self) -> dict[str, str]:
-        """Environment that points google-cloud-storage and gcsfs at this server."""
-        from dataflux_ckpt.emulator import emulator_environ
-
-        return emulator_environ(self.url)
-
-    @contextmanager
-    def activated(self) -> Iterator[XmlMultipartServer]:
-        """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at this server."""
-        from dataflux_ckpt.emulator import activated
-
-        with activated(self.url):
-            yield self
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -31,6 +31,11 @@ def test_the_package_and_its_building_blocks_import_without_lightning_or_torch()
     assert result.stdout.split() in (["needs", "torch"], ["needs", "lightning"])
 
 
+def test_every_exported_name_resolves():
+    for name in dataflux_ckpt.__all__:
+        assert getattr(dataflux_ckpt, name) is not None
+
+
 def _public_callables(module: object) -> list[tuple[str, object]]:
     found = []
     for name in module.__all__:

@@ -38,6 +38,7 @@ def test_quick_start_trains_and_resumes_from_gcs():
     assert "resumed and trained to step 6" in _run(SNIPPETS[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [1, 2])
 def test_other_snippets_run_against_the_emulator(index):
     _run(f"SNIPPET = {SNIPPETS[index]!r}\n{ON_THE_EMULATOR}")

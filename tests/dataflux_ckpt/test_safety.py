@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,8 +19,10 @@ import torch
 from dataflux_ckpt import (
     ConcurrentWriteError,
     DatafluxCheckpointIO,
+    Deadline,
     DeadlineExceededError,
     FakeGcsServer,
+    Gcs,
     TransferError,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
@@ -115,29 +116,40 @@ def test_a_writer_overtaken_by_another_publishes_nothing_where_gcs_has_precondit
     assert object_names(url, gcs_bucket) == ["overtaken.ckpt"]
 
 
-def _save_rounds(url: str, path: str, tag: int, rounds: int) -> None:
-    plugin = _plugin(url, upload_mode="composite")
-    for round_ in range(rounds):
+WRITER_PROCESS = textwrap.dedent(
+    """
+    import sys
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+    from dataflux_ckpt import ConcurrentWriteError, Gcs, ObjectWriter, parse_gcs_path
+
+    url, path, tag, chunk = sys.argv[1], parse_gcs_path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    client = storage.Client(project="p", credentials=AnonymousCredentials(), client_options={"api_endpoint": url})
+    gcs = Gcs(client)
+    for round_ in range(6):
         try:
-            plugin.save_checkpoint(_state(100 * tag + round_), path)
+            with ObjectWriter(gcs, path, chunk_size=chunk, max_workers=3, mode="composite") as stream:
+                stream.write(bytes([tag, round_]) * (3 * chunk))
         except ConcurrentWriteError:
-            pass
-    plugin.teardown()
+            print("overtaken", flush=True)
+    gcs.close(30)
+    """
+)
 
 
-@pytest.mark.slow
-def test_two_writer_processes_to_one_path(gcs_xml_server, gcs_bucket):
-    path = f"gs://{gcs_bucket}/processes/last.ckpt"
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_save_rounds, args=(gcs_xml_server.url, path, tag, 5)) for tag in (1, 2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(60)
-    assert [p.exitcode for p in processes] == [0, 0]
-    loaded = _plugin(gcs_xml_server.url).load_checkpoint(path)
-    assert torch.equal(loaded["w"], _state(loaded["tag"])["w"]) and loaded["tag"] // 100 in (1, 2)
-    assert object_names(gcs_xml_server.url, gcs_bucket, "processes/") == ["processes/last.ckpt"]
+@pytest.mark.parametrize("server", ["emulator", "xml-server"])
+def test_two_writer_processes_to_one_path(server, gcs_emulator, gcs_xml_server, gcs_bucket):
+    url = _server_url(server, gcs_emulator, gcs_xml_server)
+    path = f"gs://{gcs_bucket}/processes/last.bin"
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER_PROCESS, url, path, str(tag), str(C)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for tag in (1, 2)]
+    for writer in writers:
+        _, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err[-2000:]
+    with _plugin(url).reader(path) as stream:
+        data = stream.read()
+    assert data == data[:2] * (3 * C) and data[0] in (1, 2)  # one writer's bytes, whole
+    assert object_names(url, gcs_bucket, "processes/") == ["processes/last.bin"]
 
 
 # Stalls: a SIGSTOPped fake-gcs-server accepts connections and never answers.
@@ -296,6 +308,18 @@ def _part_uploads(url: str, bucket: str, key: str) -> dict[str, int]:
     return counts
 
 
+def _kill_a_writer_mid_upload(url: str, bucket: str, key: str) -> None:
+    """Start a writer process, and SIGKILL it once some of its part objects are stored."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, f"gs://{bucket}/{key}", str(C)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "writing"
+        _wait_for(lambda: sum(_part_uploads(url, bucket, key).values()) >= 3)
+    finally:
+        child.kill()
+        child.wait(10)
+
+
 def _wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -306,14 +330,7 @@ def _wait_for(condition, timeout_s: float = 20.0) -> None:
 def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_writers(gcs_emulator, gcs_bucket):
     url, key = gcs_emulator.url, "crash/last.ckpt"
     path = f"gs://{gcs_bucket}/{key}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, path, str(C)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().strip() == "writing"
-        _wait_for(lambda: sum(_part_uploads(url, gcs_bucket, key).values()) >= 3)
-    finally:
-        child.kill()
-        child.wait(10)
+    _kill_a_writer_mid_upload(url, gcs_bucket, key)
     (dead_upload,) = _part_uploads(url, gcs_bucket, key)
     # What a bucket lifecycle rule (matchesSuffix) finds.
     assert all(name.endswith(PART_OBJECT_SUFFIX) for name in object_names(url, gcs_bucket, key + PARTS_SUFFIX))
@@ -338,14 +355,17 @@ def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_wr
 def test_remove_checkpoint_removes_a_dead_writers_parts(gcs_emulator, gcs_bucket):
     url, key = gcs_emulator.url, "crash2/last.ckpt"
     path = f"gs://{gcs_bucket}/{key}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD_WRITER, url, path, str(C)], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().strip() == "writing"
-        _wait_for(lambda: sum(_part_uploads(url, gcs_bucket, key).values()) >= 3)
-    finally:
-        child.kill()
-        child.wait(10)
+    _kill_a_writer_mid_upload(url, gcs_bucket, key)
     time.sleep(3.2)
     _plugin(url).remove_checkpoint(path)
     assert object_names(url, gcs_bucket, "crash2/") == []
+
+
+def test_listing_reports_creation_times_on_the_servers_clock(gcs_emulator, gcs_bucket):
+    """Leases are counted on the server's clock: its listing must give both times, readable."""
+    client = client_for(gcs_emulator.url)
+    client.bucket(gcs_bucket).blob("clock/a").upload_from_string(b"a")
+    objects, now = Gcs(client).list_objects(gcs_bucket, "clock/", Deadline(10, "listing", f"gs://{gcs_bucket}/clock/"))
+    assert [o.name for o in objects] == ["clock/a"]
+    assert now is not None and abs(now - time.time()) < 60
+    assert now - 2 <= objects[0].created <= now + 2
