@@ -34,6 +34,10 @@ __all__ = [
     "FastPersistCheckpointEngine",
     "enable_fastpersist",
     "deepspeed_initialize",
+    "FastPersistStorageReader",
+    "FastPersistStorageWriter",
+    "FastPersistFSDPStrategy",
+    "FastPersistModelParallelStrategy",
 ]
 
 _LAZY = {
@@ -41,6 +45,10 @@ _LAZY = {
     "FastPersistCheckpointEngine": "fastpersist.deepspeed_engine",
     "enable_fastpersist": "fastpersist.deepspeed_engine",
     "deepspeed_initialize": "fastpersist.deepspeed_engine",
+    "FastPersistStorageReader": "fastpersist.dcp",
+    "FastPersistStorageWriter": "fastpersist.dcp",
+    "FastPersistFSDPStrategy": "fastpersist.strategies",
+    "FastPersistModelParallelStrategy": "fastpersist.strategies",
 }
 
 

@@ -22,6 +22,7 @@ import os
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -109,6 +110,31 @@ def fastpersist_save(
         ValueError: unknown engine, or a staging buffer too small or on the wrong device.
         OSError: a write failed or was short (ENOSPC when the disk is full), naming path and offset.
     """
+    return save_file(
+        file_path,
+        lambda stage: write_archive(obj, stage.put, lambda: stage.position, pickle_protocol),
+        aio_handle,
+        pinned_buffer,
+        engine=engine,
+        context=context,
+    )
+
+
+def save_file(
+    file_path: str | os.PathLike[str],
+    content: Callable[[DoubleBuffer], int],
+    aio_handle: Any = None,
+    pinned_buffer: torch.Tensor | None = None,
+    *,
+    engine: str | None = None,
+    context: FastPersistContext | None = None,
+) -> SaveStats:
+    """Write a file whose bytes ``content`` puts into the staging buffer (and returns how many storages
+    it wrote), as :func:`fastpersist_save` writes one: temporary name, aligned writes, fsync, rename.
+
+    Raises:
+        As :func:`fastpersist_save`.
+    """
     start = time.perf_counter()
     path = _check_target(file_path)
     owned = context is None
@@ -125,7 +151,7 @@ def fastpersist_save(
                         f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'"
                     )
                     io_engine = ctx.python_engine()
-                size, num_storages, num_writes = _write(obj, io_engine, file, buffer, pickle_protocol)
+                size, num_storages, num_writes = _write(content, io_engine, file, buffer)
                 os.fsync(file.fd)
                 file.close()
                 os.replace(temp, path)
@@ -171,10 +197,24 @@ def _engine_and_buffer(
     return io_engine, buffer
 
 
+def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], position: Callable[[], int],
+                  protocol: int = _torch_compat.DEFAULT_PROTOCOL) -> int:
+    """Put ``obj``'s torch.save archive, as fastpersist writes it, through ``put`` (``position``: the
+    offset of the next byte put, relative to the archive's start); returns the number of storages."""
+    archive = ArchiveWriter(put, position)
+    pickled = _torch_compat.dump_pickle(obj, protocol, archive.add_storage)
+    archive.add_bytes("data.pkl", pickled)
+    for name, data in _torch_compat.archive_records():
+        archive.add_bytes(name, data)
+    archive.add_bytes(".data/serialization_id", new_serialization_id())
+    archive.finish()
+    return archive.num_storages
+
+
 def _write(
-    obj: Any, io_engine: IOEngine, file: OpenFile, buffer: torch.Tensor, protocol: int
+    content: Callable[[DoubleBuffer], int], io_engine: IOEngine, file: OpenFile, buffer: torch.Tensor
 ) -> tuple[int, int, int]:
-    """Stream ``obj``'s archive through the double buffer; returns (size, storages, writes)."""
+    """Stream what ``content`` puts through the double buffer; returns (size, storages, writes)."""
     writes = 0
 
     def drain(half: torch.Tensor, nbytes: int, offset: int) -> None:
@@ -190,13 +230,7 @@ def _write(
         writes += 1
 
     stage = DoubleBuffer(buffer, drain)
-    archive = ArchiveWriter(stage.put, lambda: stage.position)
-    pickled = _torch_compat.dump_pickle(obj, protocol, archive.add_storage)
-    archive.add_bytes("data.pkl", pickled)
-    for name, data in _torch_compat.archive_records():
-        archive.add_bytes(name, data)
-    archive.add_bytes(".data/serialization_id", new_serialization_id())
-    archive.finish()
+    num_storages = content(stage)
     size = stage.position
     stage.flush(ALIGNMENT_BYTES if file.direct else 1)
     io_engine.wait()
@@ -204,7 +238,7 @@ def _write(
         os.ftruncate(file.fd, size)  # drop the tail's alignment padding and unused reserved space
     if file.size() != size:
         raise io_error(errno.EIO, "write", file, file.size(), f"file is {file.size()} bytes, expected {size}")
-    return size, archive.num_storages, writes
+    return size, num_storages, writes
 
 
 def _reserve_ahead(file: OpenFile, end: int) -> None:
