@@ -16,6 +16,10 @@ _EXPORTS = {
     "DatafluxCheckpointIO": "dataflux_ckpt.checkpoint_io",
     "reader": "dataflux_ckpt.checkpoint_io",
     "writer": "dataflux_ckpt.checkpoint_io",
+    "DatafluxFSDPStrategy": "dataflux_ckpt.strategies",
+    "DatafluxModelParallelStrategy": "dataflux_ckpt.strategies",
+    "DatafluxStorageReader": "dataflux_ckpt.dcp",
+    "DatafluxStorageWriter": "dataflux_ckpt.dcp",
     "ObjectReader": "dataflux_ckpt.download",
     "FakeGcsServer": "dataflux_ckpt.emulator",
     "BucketNotFoundError": "dataflux_ckpt.errors",
@@ -43,6 +47,10 @@ __all__ = [
     "ConcurrentWriteError",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
+    "DatafluxFSDPStrategy",
+    "DatafluxModelParallelStrategy",
+    "DatafluxStorageReader",
+    "DatafluxStorageWriter",
     "Deadline",
     "DeadlineExceededError",
     "FakeGcsServer",
@@ -70,6 +78,7 @@ if TYPE_CHECKING:
         reader,
         writer,
     )
+    from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
     from dataflux_ckpt.download import ObjectReader
     from dataflux_ckpt.emulator import FakeGcsServer
     from dataflux_ckpt.errors import (
@@ -83,6 +92,7 @@ if TYPE_CHECKING:
     from dataflux_ckpt.gcs import Gcs
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
     from dataflux_ckpt.retry import Deadline, RetryPolicy
+    from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from dataflux_ckpt.xml_server import XmlMultipartServer
 

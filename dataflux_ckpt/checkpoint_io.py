@@ -28,6 +28,7 @@ from dataflux_ckpt.upload import (
     StreamingWriter,
     sweep_stale_parts,
 )
+from lightning_storage_plugins.ordering import SaveOrder
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +136,18 @@ class DatafluxCheckpointIO(CheckpointIO):
         self._client = storage_client
         self._gcs: Gcs | None = None
         self._lock = threading.Lock()
+        self._order = SaveOrder(self._exists)
 
     # Pickling: the client (sockets, credentials) stays behind and is made again where needed.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_client=None, _gcs=None, _lock=None)
+        state.update(_client=None, _gcs=None, _lock=None, _order=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
 
     @property
     def gcs(self) -> Gcs:
@@ -217,8 +220,17 @@ class DatafluxCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError(f"`storage_options` are not supported by {type(self).__name__}")
-        with self.writer(path) as stream:
-            torch.save(checkpoint, stream)
+        key = parse_gcs_path(path).uri
+        if not self._order.begin_save(key):
+            log.debug("not saving %s: it was removed before its save ran", key)
+            return
+        try:
+            with self.writer(path) as stream:
+                torch.save(checkpoint, stream)
+        finally:
+            remove = self._order.end_save(key)
+        if remove:
+            self._delete(parse_gcs_path(path))
 
     @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -272,11 +284,22 @@ class DatafluxCheckpointIO(CheckpointIO):
             DeadlineExceededError: the removal did not finish within ``deadline_s``.
         """
         target = parse_gcs_path(path)
+        self._order.removing(target.uri)
+        self._delete(target)
+
+    def _delete(self, target: GcsPath) -> None:
         deadline = self._deadline("remove", target.uri)
         gcs = self.gcs
         sweep_stale_parts(gcs, target, deadline)
         gcs.delete(target.bucket, target.key, deadline)
         log.debug("removed %s", target)
+
+    def _exists(self, uri: str) -> bool:
+        try:
+            self.gcs.stat(parse_gcs_path(uri), self._deadline("stat", uri))
+        except FileNotFoundError:
+            return False
+        return True
 
     def list_checkpoints(self, prefix: str | os.PathLike[str]) -> list[str]:
         """The ``gs://`` paths of the objects under ``prefix`` (``gs://bucket/dir/``), sorted; part
@@ -295,6 +318,7 @@ class DatafluxCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Wait (up to ``cleanup_timeout_s``) for the background deletion of part objects, then
         close this process' connections; the next use opens new ones."""
+        self._order.reset()
         with self._lock:
             gcs, self._gcs = self._gcs, None
         if gcs is not None and not gcs.close(self.cleanup_timeout_s, close_session=self._client is None):

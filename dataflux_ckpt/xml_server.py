@@ -777,6 +777,7 @@ def serve(
     *,
     min_part_bytes: int = GCS_MIN_PART_BYTES,
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+    public_url: str | None = None,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -787,14 +788,18 @@ def serve(
         upstream: base URL of fake-gcs-server (``http://host:port``).
         min_part_bytes: the smallest part (other than the last) a completion accepts; GCS's 5 MiB.
         upstream_timeout_s: how long a request to ``upstream`` may wait for it.
+        public_url: the base URL clients reach this server by, where that is not its own address
+            (a proxy in front of it); resumable-upload session locations point there.
 
     Raises:
-        ValueError: ``upstream`` is not an ``http://`` URL.
+        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL.
         OSError: the address cannot be bound.
     """
+    if public_url is not None and not public_url.startswith("http://"):
+        raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
     state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes)
     server = _Server((host, port), BaseHTTPRequestHandler)
-    public_url = f"http://{host}:{server.server_address[1]}"
+    public_url = (public_url or f"http://{host}:{server.server_address[1]}").rstrip("/")
     server.RequestHandlerClass = _handler_class(state, public_url)
     return server
 
@@ -812,6 +817,8 @@ class XmlMultipartServer(LocalGcsService):
         min_part_bytes: the smallest part (other than the last) a completion accepts. GCS's 5 MiB by
             default; 0 lets small test uploads through.
         upstream_timeout_s: how long a forwarded request may wait for fake-gcs-server.
+        public_url: the base URL clients reach the server by, where a proxy stands in front of it;
+            resumable-upload session locations point there. :attr:`url` by default.
         startup_timeout_s: how long :meth:`start` waits for the server to answer.
 
     Raises:
@@ -826,6 +833,7 @@ class XmlMultipartServer(LocalGcsService):
         *,
         min_part_bytes: int = GCS_MIN_PART_BYTES,
         upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+        public_url: str | None = None,
         startup_timeout_s: float = 30.0,
     ) -> None:
         self.upstream = upstream if isinstance(upstream, str) else upstream.url
@@ -841,7 +849,7 @@ class XmlMultipartServer(LocalGcsService):
             "xml-multipart-server",
             [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
              "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
-             "--upstream-timeout", str(upstream_timeout_s)],
+             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else [])],
             ready=self._answers,
             env=env,
             startup_timeout_s=startup_timeout_s,
@@ -857,10 +865,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="smallest part but the last a completion accepts (default: %(default)s, GCS's)")
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S,
                         help="seconds a forwarded request may wait for the upstream (default: %(default)s)")
+    parser.add_argument("--public-url", default=None,
+                        help="base URL clients reach this server by, where a proxy fronts it (default: its own)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
-                   upstream_timeout_s=args.upstream_timeout)
+                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url)
     print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
           f"in front of {args.upstream}", flush=True)
     try:

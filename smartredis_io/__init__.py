@@ -6,10 +6,11 @@ from smartredis_io import error
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.dataset import Dataset
-from smartredis_io.server import Orchestrator, RedisCluster, RedisServer
+from smartredis_io.server import AclUser, Orchestrator, RedisCluster, RedisServer, TlsFiles
 from smartredis_io.wire import bfloat16
 
 __all__ = [
+    "AclUser",
     "Client",
     "ConfigOptions",
     "Dataset",
@@ -17,12 +18,14 @@ __all__ = [
     "RedisCluster",
     "RedisServer",
     "SmartRedisCheckpointIO",
+    "SmartRedisModelCheckpoint",
     "SmartRedisModelPublisher",
+    "TlsFiles",
     "bfloat16",
     "error",
 ]
 
-_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelPublisher")
+_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher")
 
 
 def __getattr__(name: str) -> Any:

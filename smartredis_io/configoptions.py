@@ -84,6 +84,13 @@ class ConfigOptions:
         self._check_factory()
         self._overrides[option_name] = value
 
+    def derived(self, **strings: str) -> ConfigOptions:
+        """A new factory-made object with these options and string overrides (private helper)."""
+        result = ConfigOptions.create_from_environment(self._suffix) if self._is_created_via_factory else \
+            ConfigOptions.create_from_environment("")
+        result._overrides = {**self._overrides, **strings}
+        return result
+
     def integer_or(self, option_name: str, default: int) -> int:
         """The option as an integer, or ``default`` when unset (private helper of the client)."""
         return self.get_integer_option(option_name) if self.is_configured(option_name) else default

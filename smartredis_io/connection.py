@@ -1,48 +1,48 @@
 """One connection layer over a standalone Redis or a Redis Cluster, with the zero-copy tensor paths.
 
-Everything goes through redis-py except the hot paths: a tensor put is sent as the header
-followed by a memoryview of the caller's array (no concatenation copy), a tensor get reads the
-reply body with ``recv_into`` straight into the caller's array (the only copy after the socket read
-is the kernel's into that array; a few hundred bytes of the first read pass through a scratch buffer),
-and the run_model request/reply exchanges are sent and read on a pooled connection without
-redis-py's pipeline machinery (``Database.exchange``).
+Everything goes through redis-py except the hot paths (see :mod:`smartredis_io._redispy`): a tensor
+put is sent as the header followed by a memoryview of the caller's array, a tensor get reads the
+reply body straight into the caller's array, and the run_model request/reply exchanges are sent and
+read on a pooled connection without redis-py's pipeline machinery (``Database.exchange``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from smartredis_io import _redispy
+from smartredis_io._redispy import Command, ReadPlan
+from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.error import RedisConnectionError
+
+__all__ = ["Command", "ConnectionSettings", "Database", "ReadPlan", "detect_cluster", "parse_address", "plain_client"]
 
 log = logging.getLogger(__name__)
 
-RECV_SCRATCH_BYTES = 1024
-CONNECT_RETRY_INTERVAL_S = 0.1
-CRLF = b"\r\n"
-
-# plan(first bytes of the value, total value length) -> (bytes to skip, destination of the rest)
-ReadPlan = Callable[[memoryview, int], tuple[int, memoryview]]
-# (NAME, key, *arguments): a command whose first argument is the only key it touches
-Command = tuple[Any, ...]
-
-
-class _Fallback(Exception):
-    """The fast path met a reply it does not handle (e.g. a cluster redirection); use redis-py."""
+# SmartRedis' names, units and defaults (doc/runtime.rst of SmartRedis 0.6).
+DEFAULT_CONN_TIMEOUT_S = 100  # SR_CONN_TIMEOUT (seconds): how long to keep trying to connect
+DEFAULT_CONN_INTERVAL_MS = 1000  # SR_CONN_INTERVAL (milliseconds): pause between connection attempts
+DEFAULT_CMD_TIMEOUT_S = 100  # SR_CMD_TIMEOUT (seconds): deadline of each command and each public operation
+URL_SCHEMES = ("redis://", "rediss://")
+JOIN_BELOW_BYTES = 64 * 1024  # values up to this size are sent as one joined buffer
 
 
 def parse_address(address: str) -> list[tuple[str, int] | str]:
     """``host:port``, a comma (or semicolon) list of them, or ``unix:///path`` -> endpoints."""
     endpoints: list[tuple[str, int] | str] = []
-    for part in address.replace(";", ",").split(","):
+    for part in strip_credentials(address).replace(";", ",").split(","):
         part = part.strip()
         if not part:
             continue
@@ -59,86 +59,204 @@ def parse_address(address: str) -> list[tuple[str, int] | str]:
     return endpoints
 
 
-def _recv_into(sock: Any, view: memoryview) -> int:
-    n = sock.recv_into(view)
-    if n == 0:
-        raise redis.exceptions.ConnectionError("Connection closed by server")
-    return n
+def strip_credentials(address: str) -> str:
+    """``address`` without a ``redis://user:password@`` (or ``rediss://``) prefix."""
+    for scheme in URL_SCHEMES:
+        if address.startswith(scheme):
+            return address[len(scheme):].rpartition("@")[2].rstrip("/")
+    return address
 
 
-def _recv_exact_into(sock: Any, view: memoryview) -> None:
-    while view.nbytes:
-        view = view[_recv_into(sock, view):]
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """Where the database is and how to reach it: credentials, TLS, deadlines.
+
+    ``from_options`` reads them the way a SmartRedis program configures a client: ``SSDB`` (which
+    may also be a ``redis://user:password@host:port`` or ``rediss://`` URL), ``SR_DB_TYPE``,
+    ``SR_USERNAME`` / ``SR_PASSWORD``, ``SR_TLS`` / ``SR_TLS_CA_CERT`` / ``SR_TLS_CERT`` /
+    ``SR_TLS_KEY``, and SmartRedis' ``SR_CONN_TIMEOUT`` (s), ``SR_CONN_INTERVAL`` (ms) and
+    ``SR_CMD_TIMEOUT`` (s); each from the environment or a ``ConfigOptions`` override.
+    """
+
+    address: str
+    cluster: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca_cert: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca_data: str | None = field(default=None, repr=False)  # the CA's PEM text, instead of tls_ca_cert
+    connect_timeout_s: float = DEFAULT_CONN_TIMEOUT_S
+    connect_interval_s: float = DEFAULT_CONN_INTERVAL_MS / 1000
+    command_timeout_s: float = DEFAULT_CMD_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for scheme in URL_SCHEMES:
+            if self.address.startswith(scheme):
+                userinfo = self.address[len(scheme):].rpartition("@")[0]
+                parsed = urlsplit(f"{scheme}{userinfo}@x") if userinfo else None
+                object.__setattr__(self, "address", strip_credentials(self.address))
+                if scheme == "rediss://":
+                    object.__setattr__(self, "tls", True)
+                if parsed is not None:
+                    if parsed.username and self.username is None:
+                        object.__setattr__(self, "username", unquote(parsed.username))
+                    if parsed.password is not None and self.password is None:
+                        object.__setattr__(self, "password", unquote(parsed.password))
+        for name in ("connect_timeout_s", "command_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_options(cls, options: ConfigOptions | None = None, *, address: str | None = None,
+                     cluster: bool | None = None) -> ConnectionSettings:
+        """Settings from ``options`` (default: the environment), with ``address`` / ``cluster`` overriding.
+
+        :raises RedisConnectionError: if no address is given or configured
+        """
+        options = options or ConfigOptions.create_from_environment("")
+        address = address or options.string_or("SSDB", "")
+        if not address:
+            raise RedisConnectionError("Could not connect to database. $SSDB not set")
+        if cluster is None:
+            cluster = options.string_or("SR_DB_TYPE", "Standalone").lower() in ("clustered", "cluster")
+        return cls(
+            address, cluster,
+            username=options.string_or("SR_USERNAME", "") or None,
+            password=options.string_or("SR_PASSWORD", "") or None,
+            tls=options.string_or("SR_TLS", "").lower() in ("1", "true", "yes", "on"),
+            tls_ca_cert=options.string_or("SR_TLS_CA_CERT", "") or None,
+            tls_cert=options.string_or("SR_TLS_CERT", "") or None,
+            tls_key=options.string_or("SR_TLS_KEY", "") or None,
+            connect_timeout_s=options.integer_or("SR_CONN_TIMEOUT", DEFAULT_CONN_TIMEOUT_S),
+            connect_interval_s=options.integer_or("SR_CONN_INTERVAL", DEFAULT_CONN_INTERVAL_MS) / 1000,
+            command_timeout_s=options.integer_or("SR_CMD_TIMEOUT", DEFAULT_CMD_TIMEOUT_S),
+        )
+
+    def with_(self, **changes: Any) -> ConnectionSettings:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+    def redis_kwargs(self, socket_timeout_s: float | None = None) -> dict[str, Any]:
+        """redis-py connection arguments: credentials, TLS, timeouts, no retries (deadlines are ours)."""
+        timeout = self.command_timeout_s if socket_timeout_s is None else socket_timeout_s
+        kwargs: dict[str, Any] = {
+            "socket_connect_timeout": timeout, "socket_timeout": timeout, "socket_keepalive": True,
+            "retry": Retry(NoBackoff(), 0), "username": self.username, "password": self.password,
+        }
+        if self.tls:
+            verify = bool(self.tls_ca_cert or self.tls_ca_data)
+            kwargs.update(ssl=True, ssl_ca_certs=self.tls_ca_cert, ssl_ca_data=self.tls_ca_data,
+                          ssl_certfile=self.tls_cert, ssl_keyfile=self.tls_key,
+                          ssl_cert_reqs="required" if verify else "none", ssl_check_hostname=False)
+        return kwargs
+
+
+def plain_client(endpoint: tuple[str, int] | str, settings: ConnectionSettings, timeout_s: float) -> redis.Redis:
+    """A redis-py client of one node (no cluster routing), every wait bounded by ``timeout_s``."""
+    kwargs = settings.redis_kwargs(timeout_s)
+    if isinstance(endpoint, str):
+        kwargs.pop("ssl", None)
+        for key in [k for k in kwargs if k.startswith("ssl_")]:
+            kwargs.pop(key)
+        return redis.Redis(unix_socket_path=endpoint, **kwargs)
+    return redis.Redis(host=endpoint[0], port=endpoint[1], **kwargs)
 
 
 class Database:
-    """redis-py client (standalone or cluster) plus the raw tensor paths on its connections."""
+    """redis-py client (standalone or cluster) plus the raw tensor paths on its connections.
 
-    def __init__(self, address: str, cluster: bool, connect_timeout_s: float) -> None:
-        self.address = address
-        self.cluster = cluster
-        endpoints = parse_address(address)
-        deadline = time.monotonic() + connect_timeout_s
+    Every socket wait is bounded by the settings' ``command_timeout_s``; a caller that spans
+    several round trips makes them one operation with :meth:`operation`, whose deadline
+    :meth:`check_deadline` enforces between them.
+    """
+
+    def __init__(self, settings: ConnectionSettings) -> None:
+        self.settings = settings
+        self.address = settings.address
+        self.cluster = settings.cluster
+        self._local = threading.local()
+        endpoints = parse_address(settings.address)
+        deadline = time.monotonic() + settings.connect_timeout_s
         while True:
             try:
-                self.redis = self._connect(endpoints, cluster, connect_timeout_s)
+                self.redis = self._connect(endpoints, settings, deadline)
                 break
-            except (redis.exceptions.RedisError, OSError) as exc:
-                if time.monotonic() + CONNECT_RETRY_INTERVAL_S > deadline:
+            except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
+                if not isinstance(exc, redis.exceptions.AuthenticationError) and "NOAUTH" not in str(exc):
+                    raise RedisConnectionError(f"The database at {self.address} refused the connection: {exc}") from None
+                if settings.password is None:
                     raise RedisConnectionError(
-                        f"Could not connect to the database at {address} within {connect_timeout_s:.1f} s: {exc}"
+                        f"The database at {self.address} requires a password: set SR_PASSWORD (and SR_USERNAME "
+                        "for an ACL user), or use a redis://user:password@host:port address"
                     ) from None
-                time.sleep(CONNECT_RETRY_INTERVAL_S)
+                user = settings.username or "default"
+                raise RedisConnectionError(
+                    f"Could not authenticate as user {user!r} at {self.address}: {exc}"
+                ) from None
+            except (redis.exceptions.RedisError, OSError) as exc:
+                if time.monotonic() + settings.connect_interval_s > deadline:
+                    raise RedisConnectionError(
+                        f"Could not connect to the database at {self.address} within "
+                        f"{settings.connect_timeout_s:g} s (SR_CONN_TIMEOUT): {exc}"
+                    ) from None
+                time.sleep(settings.connect_interval_s)
 
     @staticmethod
-    def _connect(endpoints: list, cluster: bool, timeout_s: float) -> redis.Redis | RedisCluster:
-        # No read timeout: blocking pops (run_model replies, worker queues) wait up to their own deadline.
-        # No redis-py retries either: the connection deadline is ours (SR_CONN_TIMEOUT).
-        opts = {"socket_connect_timeout": max(timeout_s, 0.05), "socket_timeout": None, "socket_keepalive": True,
-                "retry": Retry(NoBackoff(), 0)}
-        if cluster:
+    def _connect(endpoints: list, settings: ConnectionSettings, deadline: float) -> redis.Redis | RedisCluster:
+        # The probe's waits end at the connection deadline: a stopped server accepts TCP connections
+        # (the kernel does) but never answers.
+        remaining = max(deadline - time.monotonic(), 0.05)
+        probe = plain_client(endpoints[0], settings, min(remaining, settings.command_timeout_s))
+        try:
+            probe.ping()
+        finally:
+            probe.close()
+        if settings.cluster:
             nodes = [ClusterNode(*e) for e in endpoints if isinstance(e, tuple)]
-            client = RedisCluster(startup_nodes=nodes, **opts)
-        else:
-            first = endpoints[0]
-            if isinstance(first, str):
-                client = redis.Redis(unix_socket_path=first, **opts)
-            else:
-                client = redis.Redis(host=first[0], port=first[1], **opts)
-            client.ping()
-        return client
-
-    def close(self) -> None:
-        self.redis.close()
-
-    def _pool(self, key: str) -> redis.ConnectionPool:
-        if self.cluster:
-            return self.redis.get_node_from_key(key).redis_connection.connection_pool
-        return self.redis.connection_pool
-
-    def _shared_pool(self, commands: Sequence[Command]) -> redis.ConnectionPool | None:
-        """The pool of the one node every command's key lives on; None when they span nodes."""
-        if not self.cluster:
-            return self.redis.connection_pool
-        first, *rest = (self.redis.get_node_from_key(command[1]) for command in commands)
-        if any(node.name != first.name for node in rest):
-            return None
-        return first.redis_connection.connection_pool
+            return RedisCluster(startup_nodes=nodes, **settings.redis_kwargs())
+        return plain_client(endpoints[0], settings, settings.command_timeout_s)
 
     @contextmanager
-    def _connection(self, pool: redis.ConnectionPool):
-        conn = pool.get_connection()
+    def operation(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Make the calls inside one operation with one deadline (nested operations share the outer one)."""
+        local = self._local
+        if getattr(local, "deadline", None) is not None:
+            yield
+            return
+        local.deadline = time.monotonic() + (self.settings.command_timeout_s if timeout_s is None else timeout_s)
+        local.timeout_s = self.settings.command_timeout_s if timeout_s is None else timeout_s
         try:
-            yield conn
-        except BaseException:
-            # The reply may be half read: the connection cannot be reused.
-            conn.disconnect()
-            raise
+            yield
         finally:
-            pool.release(conn)
+            local.deadline = None
 
-    def exchange(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
+    def time_left(self) -> float:
+        """Seconds left to the current operation (``command_timeout_s`` outside one)."""
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is None:
+            return self.settings.command_timeout_s
+        return max(deadline - time.monotonic(), 0.0)
+
+    def check_deadline(self) -> None:
+        """Raise ``redis.exceptions.TimeoutError`` once the current operation's deadline has passed."""
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None and time.monotonic() > deadline:
+            raise redis.exceptions.TimeoutError(
+                f"the operation did not finish within {self._local.timeout_s:g} s (SR_CMD_TIMEOUT)"
+            )
+
+    def close(self) -> None:
+        """Close every connection of the pool(s)."""
+        self.redis.close()
+
+    def exchange(self, commands: Sequence[Command], raise_on_error: bool = True,
+                 block_s: float | None = None) -> list[Any]:
         """Run ``commands`` in one round trip, as ``pipeline(transaction=False).execute(raise_on_error)``.
+
+        ``block_s``: the commands may block (BLPOP) this long; their replies are awaited that much
+        longer than other replies.
 
         The replies are the server's, without redis-py's response callbacks (``SET`` gives b"OK",
         ``BLPOP`` a list). On one node the commands are packed and read on a pooled connection; a
@@ -146,13 +264,15 @@ class Database:
         others have run), and commands spanning cluster nodes go through redis-py's pipeline: those
         replies are redis-py's (``SET`` gives True).
         """
-        pool = self._shared_pool(commands)
+        self.check_deadline()
+        pool = _redispy.shared_pool(self.redis, [command[1] for command in commands])
         if pool is None:
             return self._pipeline(commands, raise_on_error)
-        with self._connection(pool) as conn:
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [self._read_reply(conn) for _ in commands]
-        redirected = [i for i, reply in enumerate(replies) if _redirected(reply)]
+        wait = None if block_s is None else block_s + self.settings.command_timeout_s
+        with _redispy.pooled_connection(pool) as conn:
+            _redispy.send_commands(conn, commands)
+            replies = [_redispy.read_reply(conn, wait) for _ in commands]
+        redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]
         if redirected:
             for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
                 replies[i] = reply
@@ -168,40 +288,33 @@ class Database:
             pipe.execute_command(*command)
         return pipe.execute(raise_on_error=raise_on_error)
 
-    def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int) -> bytes:
-        """``SET key <parts joined>`` without joining them; returns the first ``peek`` bytes it replaced."""
+    def set_parts(self, key: str, parts: Sequence[bytes | memoryview], peek: int, px_ms: int | None = None) -> bytes:
+        """``SET key <parts joined> [PX px_ms]`` without joining them; returns the first ``peek`` bytes it replaced."""
+        self.check_deadline()
         total = sum(memoryview(p).nbytes for p in parts)
-        bkey = key.encode()
-        head = (
-            b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%d\r\n" % (len(bkey), bkey, len(str(peek - 1)), peek - 1)
-            + b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total)
-        )
-        with self._connection(self._pool(key)) as conn:
-            conn.send_packed_command([head, *parts, CRLF])
-            old = self._read_reply(conn)
-            status = self._read_reply(conn)
-        if _redirected(old) or _redirected(status):
+        head, tail = _redispy.pack_getrange_and_set(key, total, peek, px_ms)
+        # A small value is cheaper to copy once than to send in several system calls.
+        packed = [b"".join([head, *parts, tail])] if total <= JOIN_BELOW_BYTES else [head, *parts, tail]
+        with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
+            _redispy.send_parts(conn, packed)
+            old = _redispy.read_reply(conn)
+            status = _redispy.read_reply(conn)
+        if _redispy.is_redirect(old) or _redispy.is_redirect(status):
             data = b"".join(bytes(p) for p in parts)  # rare path (cluster redirection): one join copy
-            old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data)], False)
+            expiry = () if px_ms is None else ("PX", int(px_ms))
+            old, status = self._pipeline([("GETRANGE", key, 0, peek - 1), ("SET", key, data, *expiry)], False)
         if isinstance(status, Exception):
             raise status
         return old if isinstance(old, bytes) else b""
 
-    @staticmethod
-    def _read_reply(conn: Any) -> Any:
-        """The next reply on ``conn``; an error reply as its exception (all replies are read)."""
-        try:
-            return conn.read_response()
-        except redis.exceptions.ResponseError as exc:
-            return exc
-
     def get_into(self, key: str, plan: ReadPlan, peek: int) -> bool:
         """``GET key`` read straight into the buffer ``plan`` picks; False when the key does not exist."""
+        self.check_deadline()
         try:
-            with self._connection(self._pool(key)) as conn:
+            with _redispy.pooled_connection(_redispy.node_pool(self.redis, key)) as conn:
                 conn.send_command("GET", key)
-                return self._read_bulk_into(conn._sock, plan, peek)
-        except _Fallback:
+                return _redispy.read_bulk_into(conn, plan, peek)
+        except _redispy.Redirected:
             value = self.redis.get(key)
             if value is None:
                 return False
@@ -210,56 +323,18 @@ class Database:
             dest[:] = view[skip:]  # rare path (cluster redirection): redis-py's copy plus this one
             return True
 
-    @staticmethod
-    def _read_bulk_into(sock: Any, plan: ReadPlan, peek: int) -> bool:
-        scratch = bytearray(max(RECV_SCRATCH_BYTES, peek + 64))
-        buf = memoryview(scratch)
-        have = _recv_into(sock, buf)
-        while (eol := scratch.find(CRLF, 0, have)) < 0:
-            have += _recv_into(sock, buf[have:])
-        line = bytes(scratch[:eol])
-        if line[:1] == b"-":
-            message = line[1:].decode(errors="replace")
-            if message.startswith(("MOVED", "ASK")):
-                raise _Fallback()
-            raise redis.exceptions.ResponseError(message)
-        if line[:1] == b"_":  # RESP3 null: no such key
-            return False
-        if line[:1] != b"$":
-            raise redis.exceptions.InvalidResponse(f"Unexpected reply to GET: {line[:64]!r}")
-        length = int(line[1:])
-        if length < 0:
-            return False
-        start = eol + 2
-        end_needed = start + min(length, peek)
-        while have < end_needed:
-            have += _recv_into(sock, buf[have:])
-        skip, dest = plan(buf[start:end_needed], length)
-        if skip + dest.nbytes != length:
-            raise redis.exceptions.InvalidResponse(f"value of {length} bytes does not fill {skip}+{dest.nbytes}")
-        body_start = start + skip
-        got = max(0, min(have - body_start, dest.nbytes))
-        dest[:got] = buf[body_start:body_start + got]  # at most RECV_SCRATCH_BYTES from the first read
-        tail = have - (body_start + got)
-        if got < dest.nbytes:
-            _recv_exact_into(sock, dest[got:])
-            tail = 0
-        if tail < 2:
-            _recv_exact_into(sock, memoryview(bytearray(2 - tail)))
-        return True
 
-
-def _redirected(reply: Any) -> bool:
-    """Whether a reply is a cluster redirection (the command did not run on that node)."""
-    return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError))
-
-
-def detect_cluster(address: str, timeout_s: float = 10.0) -> bool:
-    """Whether the first node of ``address`` runs in cluster mode."""
-    endpoint = parse_address(address)[0]
-    kwargs = {"unix_socket_path": endpoint} if isinstance(endpoint, str) else {"host": endpoint[0], "port": endpoint[1]}
-    client = redis.Redis(socket_connect_timeout=timeout_s, **kwargs)
+def detect_cluster(settings: ConnectionSettings | str, timeout_s: float = 10.0) -> bool:
+    """Whether the first node of the database runs in cluster mode (``CLUSTER INFO`` answers)."""
+    if isinstance(settings, str):
+        settings = ConnectionSettings(settings)
+    client = plain_client(parse_address(settings.address)[0], settings, timeout_s)
     try:
-        return client.info("cluster").get("cluster_enabled") == 1
+        client.execute_command("CLUSTER", "INFO")
+        return True
+    except redis.exceptions.ResponseError as exc:
+        if "cluster support disabled" in str(exc):
+            return False
+        raise
     finally:
         client.close()

@@ -134,6 +134,12 @@ def dataset_key(prefix: str, name: str) -> str:
     return f"{prefix}{{{name}}}"
 
 
+def renamed(dataset: Dataset, name: str) -> Dataset:
+    """``dataset`` (one just read, owned by the caller) under a new name."""
+    dataset._name = name
+    return dataset
+
+
 def _tensor_key(base: str, version: str, tensor: str) -> str:
     return f"{base}.{version}.{tensor}"
 
@@ -141,8 +147,11 @@ def _tensor_key(base: str, version: str, tensor: str) -> str:
 def put(db: Database, base: str, dataset: Dataset) -> None:
     """Write the tensors under a new version, then the manifest, then drop the previous version."""
     version = uuid.uuid4().hex
-    for tensor, array in dataset._tensors.items():
-        wire.put_array(db, _tensor_key(base, version, tensor), array)
+    lease = wire.lease_ms(db)  # the tensors of a writer that dies before the manifest expire
+    keys = [_tensor_key(base, version, tensor) for tensor in dataset._tensors]
+    for key, array in zip(keys, dataset._tensors.values(), strict=True):
+        wire.put_array(db, key, array, lease)
+    wire.persist(db, keys)
     old = db.redis.set(base + META_SUFFIX, dataset._manifest(version), get=True)
     if old:
         _delete_parts(db, base, old)

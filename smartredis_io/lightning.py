@@ -5,37 +5,62 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import redis
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
-from smartredis_io import models, wire
+from lightning_storage_plugins.ordering import SaveOrder
+from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
-from smartredis_io.connection import Database, detect_cluster
-from smartredis_io.error import RedisKeyError
+from smartredis_io.configoptions import ConfigOptions
+from smartredis_io.connection import ConnectionSettings, Database, detect_cluster
+from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError, RedisTimeoutError
 
-__all__ = ["SmartRedisCheckpointIO", "SmartRedisModelPublisher"]
+__all__ = ["SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher", "checkpoint_key"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_CHUNK_BYTES = 64 * wire.MiB  # one Redis value per chunk; also the save buffer's size
-CONNECT_TIMEOUT_S = 10.0
-KEY_SCHEME = "redis://"
+DEFAULT_TIMEOUT_S = 1800.0  # deadline of one save, load or removal as a whole
 
 
-def checkpoint_key(path: str | os.PathLike[str]) -> str:
-    """The database key of a checkpoint path (``redis://`` dropped; the rest kept as it is)."""
-    key = os.fspath(path).removeprefix(KEY_SCHEME)
-    if not key:
-        raise ValueError(f"Empty checkpoint path {path!r}")
-    return key
+def checkpoint_key(path: str | os.PathLike[str], root_dir: str | os.PathLike[str] | None = None) -> str:
+    """The database key of a checkpoint path.
+
+    A ``redis://name/...`` URL is keyed ``name/...``. A local path is keyed relative to ``root_dir``
+    (default: the working directory), so the same relative layout finds the same checkpoint from
+    any directory or host; a path outside ``root_dir`` is keyed by its absolute path.
+
+    Raises:
+        ValueError: an empty path, or a URL without a key.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise ValueError("Empty checkpoint path")
+    if text.startswith(f"{filesystem.PROTOCOL}:"):
+        return filesystem.url_key(text)
+    if "://" in text:
+        raise ValueError(f"SmartRedisCheckpointIO keeps checkpoints in Redis: {text!r} is neither a local path nor "
+                         f"a {filesystem.PROTOCOL}:// URL")
+    absolute = os.path.abspath(text)
+    relative = os.path.relpath(absolute, os.path.abspath(root_dir or os.getcwd()))
+    key = absolute if relative == ".." or relative.startswith(".." + os.sep) else relative
+    return key.replace(os.sep, "/")
 
 
-def _is_cluster(address: str, cluster: bool | None) -> bool:
-    return cluster if cluster is not None else detect_cluster(address)
+def _settings(address: str, cluster: bool | None, options: ConfigOptions | None) -> ConnectionSettings:
+    """Connection settings as a SmartRedis client reads them, the address (and cluster flag) given winning."""
+    settings = ConnectionSettings.from_options(options, address=address or None, cluster=bool(cluster))
+    return settings if cluster is not None else settings.with_(cluster=detect_cluster(settings))
 
 
 class _BufferReader(io.RawIOBase):
@@ -68,94 +93,223 @@ class _BufferReader(io.RawIOBase):
 class SmartRedisCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that keeps checkpoints in Redis (standalone or cluster).
 
-    A checkpoint is stored at its path as key: ``torch.save`` streams into chunks of
+    A checkpoint is keyed by its path (see :func:`checkpoint_key`): ``redis://run1/last.ckpt`` at
+    ``run1/last.ckpt``, a local path relative to ``root_dir``. ``torch.save`` streams into chunks of
     ``chunk_bytes`` under a fresh version, and a small header (the manifest: size, chunk count,
     CRC-32) written last publishes them; a failed save removes its chunks and leaves the previous
-    checkpoint. Loading reads every chunk straight into one preallocated buffer and checks the CRC.
+    checkpoint. Loading checks the stored size before allocating, reads every chunk straight into
+    one buffer and checks the CRC.
 
     Args:
-        address: ``host:port`` (or a comma list for a cluster); default ``$SSDB``.
+        address: ``host:port`` (or a comma list for a cluster, or a ``redis://user:password@...``
+            URL); default ``SSDB``.
         cluster: whether the database is a Redis Cluster; default: asked from the server.
         chunk_bytes: size of one stored chunk (and of the one save buffer).
+        root_dir: local paths are keyed relative to it; default: the working directory when the
+            plugin is made (which is also the Trainer's default ``default_root_dir``).
+        weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
+            ``None`` (Lightning 2.5 always does): ``None`` is torch's default, ``True``.
+        config_options: where credentials, TLS and deadlines come from, as for a SmartRedis
+            ``Client`` (``SR_USERNAME``, ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CONN_TIMEOUT``,
+            ``SR_CMD_TIMEOUT``); default: the environment.
+        timeout_s: deadline of one save, load or removal as a whole (each wait for the server is
+            bounded by ``SR_CMD_TIMEOUT`` as well).
 
     Raises:
-        ValueError: no address given and ``$SSDB`` unset.
+        ValueError: no address given and none configured, or a bad ``chunk_bytes`` / ``timeout_s``.
     """
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
-                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES) -> None:
-        self.address = address or os.environ.get("SSDB", "")
+                 chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, root_dir: str | os.PathLike[str] | None = None,
+                 weights_only: bool | None = None, config_options: ConfigOptions | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.config_options = config_options
+        options = config_options or ConfigOptions.create_from_environment("")
+        self.address = address or options.string_or("SSDB", "")
         if not self.address:
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
         if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
             raise ValueError(f"chunk_bytes must be in (0, {wire.BULK_LIMIT_BYTES - wire.HEADER_MAX_BYTES}]")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.cluster = cluster
         self.chunk_bytes = chunk_bytes
+        self.root_dir = os.path.abspath(root_dir or os.getcwd())
+        self.weights_only = weights_only
+        self.timeout_s = timeout_s
         self._db: Database | None = None
         self._pid = 0
+        self._order = SaveOrder(self._exists)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_db"] = None  # connections do not travel; each process makes its own
+        state["_order"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
+
+    def _exists(self, key: str) -> bool:
+        with self._operation("checkpoint_exists", key):
+            return wire.read_header(self.db, key) is not None
 
     @property
     def db(self) -> Database:
         """One connection per process (re-made after a fork)."""
         if self._db is None or self._pid != os.getpid():
-            self.cluster = _is_cluster(self.address, self.cluster)
-            self._db = Database(self.address, self.cluster, CONNECT_TIMEOUT_S)
+            settings = _settings(self.address, self.cluster, self.config_options)
+            self.cluster = settings.cluster
+            self._db = Database(settings)
             self._pid = os.getpid()
         return self._db
 
+    def key(self, path: str | os.PathLike[str]) -> str:
+        """The database key of the checkpoint at ``path`` (see :func:`checkpoint_key`)."""
+        return checkpoint_key(path, self.root_dir)
+
+    @contextmanager
+    def _operation(self, name: str, key: str) -> Iterator[None]:
+        """One public operation: one deadline (``timeout_s``), errors typed and naming it and the key."""
+        try:
+            with self.db.operation(self.timeout_s):
+                yield
+        except redis.exceptions.TimeoutError as exc:
+            raise RedisTimeoutError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
+        except redis.exceptions.ConnectionError as exc:
+            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {self.address}: {exc}") from None
+        except redis.exceptions.RedisError as exc:
+            raise RedisReplyError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` at ``path``; the previous checkpoint there is replaced only once this one is whole.
+
+        Raises:
+            TypeError: ``storage_options`` given (this plugin takes none).
+            RedisTimeoutError: the save did not finish within ``timeout_s``, or the server stopped
+                answering for ``SR_CMD_TIMEOUT``.
+            RedisConnectionError: the database went away.
+        """
         if storage_options is not None:
             raise TypeError(
                 "`SmartRedisCheckpointIO.save_checkpoint` does not take `storage_options`, "
                 f"got {storage_options!r}"
             )
-        key = checkpoint_key(path)
-        with wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
-            try:
-                torch.save(checkpoint, writer)
-            except Exception:
-                if writer.error is not None:  # the database error, not torch's follow-up complaint
-                    raise writer.error from None
-                raise
+        key = self.key(path)
+        if not self._order.begin_save(key):
+            log.debug("not saving %s: it was removed before its save ran", key)
+            return
+        try:
+            with self._operation("save_checkpoint", key), \
+                    wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+                try:
+                    torch.save(checkpoint, writer)
+                except Exception:
+                    if writer.error is not None:  # the database error, not torch's follow-up complaint
+                        raise writer.error from None
+                    raise
+        finally:
+            remove = self._order.end_save(key)
+        if remove:
+            self._delete(key)
         log.info("saved checkpoint %s to %s", key, self.address)
 
+    @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint at ``path``.
 
+        Args:
+            path: the checkpoint's path or ``redis://`` URL.
+            map_location: as for ``torch.load``.
+            weights_only: as for ``torch.load``; ``None`` takes this plugin's ``weights_only``, and
+                when that is ``None`` too, torch's default (``True``: no code runs while loading).
+
         Raises:
             FileNotFoundError: no checkpoint at that key (the message names key and address).
+            RedisInternalError: the stored value is corrupt (its header claims more than is stored,
+                or a checksum fails).
+            pickle.UnpicklingError: the checkpoint holds objects that only ``weights_only=False``
+                loads (the message names key, address and the object).
+            RedisTimeoutError: as for ``save_checkpoint``.
         """
-        key = checkpoint_key(path)
-        header = wire.read_header(self.db, key)
-        if header is None:
-            raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
-        buffer = np.empty(self.checkpoint_size(path), dtype=np.uint8)
+        key = self.key(path)
+        with self._operation("load_checkpoint", key):
+            try:
+                buffer = wire.get_array(self.db, key)  # sizes are checked before the buffer exists
+            except RedisKeyError:
+                raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}") from None
+        if weights_only is None:
+            weights_only = self.weights_only
         try:
-            wire.get_array(self.db, key, buffer)
-        except RedisKeyError:
-            raise FileNotFoundError(f"Checkpoint {key!r} was removed while being read") from None
-        return torch.load(_BufferReader(memoryview(buffer)), map_location=map_location,
-                          weights_only=weights_only if weights_only is not None else False)
+            return torch.load(_BufferReader(memoryview(buffer.reshape(-1).view(np.uint8))),
+                              map_location=map_location, weights_only=weights_only)
+        except pickle.UnpicklingError as exc:
+            if weights_only is False:
+                raise
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else repr(exc)).rstrip(".")
+            raise pickle.UnpicklingError(
+                f"Checkpoint {key!r} in the database at {self.address} cannot be loaded with weights_only=True "
+                f"(torch's default, under which loading runs no code): {detail}. If you trust everyone who can "
+                "write to this database, load it with weights_only=False (Trainer.fit(..., weights_only=False), "
+                "SmartRedisCheckpointIO(weights_only=False) or load_checkpoint(path, weights_only=False)), or "
+                "allow that type with torch.serialization.add_safe_globals."
+            ) from None
 
     def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
-        """Bytes of the stored checkpoint at ``path``; ``FileNotFoundError`` when there is none."""
-        key = checkpoint_key(path)
-        header = wire.read_header(self.db, key)
+        """Bytes of the stored checkpoint at ``path``.
+
+        Raises:
+            FileNotFoundError: no checkpoint there.
+        """
+        key = self.key(path)
+        with self._operation("checkpoint_size", key):
+            header = wire.read_header(self.db, key)
         if header is None:
             raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}")
         return header.payload_bytes if header.chunks else header.nbytes
 
+    @override
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        key = checkpoint_key(path)
-        if wire.delete_value(self.db, key):
-            log.debug("removed checkpoint %s", key)
+        """Remove the checkpoint at ``path`` and its chunks (nothing happens when there is none)."""
+        key = self.key(path)
+        self._order.removing(key)
+        self._delete(key)
 
+    def _delete(self, key: str) -> None:
+        with self._operation("remove_checkpoint", key):
+            if wire.delete_value(self.db, key):
+                log.debug("removed checkpoint %s", key)
+
+    @override
     def teardown(self) -> None:
+        """Close this process' connection."""
+        self._order.reset()
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+class SmartRedisModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that also finds the last checkpoint of a ``redis://`` directory.
+
+    Stock ``ModelCheckpoint`` saves, lists and removes ``redis://`` checkpoints through
+    :mod:`smartredis_io.filesystem`, but for ``ckpt_path="last"`` it passes the URLs it lists
+    through ``os.path.normpath``, which turns ``redis://run1/last.ckpt`` into a local path
+    (``redis:/run1/last.ckpt``), so Lightning finds nothing and trains from scratch. This keeps
+    the URLs whole; it takes ``ModelCheckpoint``'s arguments.
+    """
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        found = super()._find_last_checkpoints(trainer)
+        if isinstance(self._fs, filesystem.RedisFileSystem):
+            return {self._fs.unstrip_protocol(path) for path in found}
+        return found
 
 
 class SmartRedisModelPublisher(pl.Callback):
@@ -169,6 +323,7 @@ class SmartRedisModelPublisher(pl.Callback):
 
     Args:
         address: database address (default ``$SSDB``); cluster auto-detected unless ``cluster`` given.
+        config_options: credentials, TLS and deadlines as for ``SmartRedisCheckpointIO``.
         name: the alias clients run.
         every_n_steps: publish every N optimizer steps (None: not by steps).
         on_validation_end: publish at each validation end.
@@ -181,13 +336,15 @@ class SmartRedisModelPublisher(pl.Callback):
                  every_n_steps: int | None = None, on_validation_end: bool = True,
                  example_input: torch.Tensor | None = None, method: str = "trace", keep: int = 2,
                  device: str = "CPU", batch_size: int = 0, min_batch_size: int = 0,
-                 min_batch_timeout: int = 0) -> None:
+                 min_batch_timeout: int = 0, config_options: ConfigOptions | None = None) -> None:
         if method not in ("trace", "script"):
             raise ValueError(f"method must be 'trace' or 'script', got {method!r}")
         if keep < 2:
             raise ValueError("keep must be >= 2 so that a request in flight keeps its model")
         self.name = name
-        self.address = address or os.environ.get("SSDB", "")
+        self.config_options = config_options
+        options = config_options or ConfigOptions.create_from_environment("")
+        self.address = address or options.string_or("SSDB", "")
         if not self.address:
             raise ValueError("SmartRedisModelPublisher needs an address (or $SSDB)")
         self.cluster = cluster
@@ -203,15 +360,21 @@ class SmartRedisModelPublisher(pl.Callback):
 
     @property
     def client(self) -> Client:
+        """The client the models are published with (connected on first use)."""
         if self._client is None:
-            self._client = Client(_is_cluster(self.address, self.cluster), self.address)
+            settings = _settings(self.address, self.cluster, self.config_options)
+            options = (self.config_options or ConfigOptions.create_from_environment("")).derived(
+                SSDB=self.address, SR_DB_TYPE="Clustered" if settings.cluster else "Standalone")
+            self._client = Client(options)
         return self._client
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Publish every ``every_n_steps`` optimizer steps (on global rank 0)."""
         if self.every_n_steps and trainer.global_step % self.every_n_steps == 0 and trainer.is_global_zero:
             self.publish(pl_module, trainer.global_step)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Publish at each validation end, sanity checking aside (on global rank 0)."""
         if self.publish_on_validation_end and not trainer.sanity_checking and trainer.is_global_zero:
             self.publish(pl_module, trainer.global_step)
 
@@ -225,8 +388,7 @@ class SmartRedisModelPublisher(pl.Callback):
         torch.jit.save(exported, buffer)
         version_name = f"{self.name}.v{step}"
         self.client.set_model(version_name, buffer.getvalue(), "TORCH", **self._model_args)
-        db = self.client._db
-        models.alias(db, self.client._put_key("model", self.name), self.client._put_key("model", version_name))
+        self.client._alias_model(self.name, version_name)
         if version_name not in self.published:
             self.published.append(version_name)
         for old in self.published[:-self.keep]:
@@ -249,6 +411,7 @@ class SmartRedisModelPublisher(pl.Callback):
             pl_module.train(was_training)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Close the publishing client."""
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -1,59 +1,139 @@
-"""Embedded redis-server launchers: standalone and a real N-shard Redis Cluster on loopback."""
+"""Embedded redis-server launchers: standalone, a real N-shard Redis Cluster, and an Orchestrator with workers.
+
+Every launcher authenticates where asked to: a password for the default user, and ACL users with
+roles (``client``: data commands, writes only to its key patterns; ``worker``: what execution
+workers need; ``admin``: everything). A server that listens on anything but loopback must have one
+or the other. Secrets go to the server in a configuration file only its owner can read, never on a
+command line; TLS is used when ``tls`` files are given.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
-from smartredis_io.connection import Database
+from smartredis_io.connection import ConnectionSettings, Database, plain_client
+
+__all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
 log = logging.getLogger(__name__)
 
 BINARY_ENV_VAR = "REDIS_SERVER_BIN"
 CLUSTER_READY_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 1.0
+LAUNCHER_TIMEOUT_S = 10.0  # deadlines of the settings() a launcher hands out
 INSTALL_HINT = (
     "Install Redis 7 or newer (Debian/Ubuntu: `apt-get install redis-server`; macOS: `brew install redis`), "
     f"or set ${BINARY_ENV_VAR} to the redis-server binary."
 )
+ROLES = ("client", "worker", "admin")
+# Commands every role needs: data types, key checks, blocking pops, and the cluster topology reads
+# redis-py makes. Nothing that changes the server or reads its configuration (@dangerous).
+_DATA_COMMANDS = (
+    "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous "
+    "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
+)
+_WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
+# Keys of the run_model protocol a client writes: its requests and its replies.
+# Keys of the run_model protocol a client writes: its requests and replies, and the registry it
+# cleans of dead workers while it waits.
+_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight")
 
 
-def _redis_argv(binary: str, host: str, port: int, workdir: Path, persistence: bool) -> list[str]:
-    argv = [
-        binary,
-        "--bind", host,
-        "--port", str(port),
-        "--dir", str(workdir),
-        "--protected-mode", "no",
-        "--daemonize", "no",
-        "--loglevel", "warning",
-    ]
-    if not persistence:
-        argv += ["--save", "", "--appendonly", "no"]
-    return argv
+@dataclass(frozen=True)
+class AclUser:
+    """A Redis ACL user for a launcher.
+
+    Args:
+        name: the user name (clients set ``SR_USERNAME`` to it).
+        password: its password (clients set ``SR_PASSWORD``).
+        role: ``"client"``: reads every key, writes only ``write_keys`` (and the run_model request
+            and reply keys); ``"worker"``: what execution workers need, on every key; ``"admin"``:
+            every command on every key.
+        write_keys: glob patterns of the keys a ``client`` may write, e.g. ``("sim1.*",)`` for a
+            client writing with ``SSKEYOUT=sim1``; the chunk keys of a large value (``{key}...``)
+            are allowed with their key.
+    """
+
+    name: str
+    password: str = field(repr=False)
+    role: str = "client"
+    write_keys: tuple[str, ...] = ("*",)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.name or any(c.isspace() for c in self.name) or self.name == "default":
+            raise ValueError(f"invalid ACL user name {self.name!r}")
+        if not self.password:
+            raise ValueError(f"ACL user {self.name!r} needs a password")
+
+    def rule(self) -> list[str]:
+        """The ACL rule of this user, as ``user`` directive tokens."""
+        head = [self.name, "reset", "on", f">{self.password}", "resetchannels"]
+        if self.role == "admin":
+            return head + ["~*", "&*", "+@all"]
+        if self.role == "worker":
+            return head + ["~*", *_WORKER_COMMANDS.split()]
+        patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
+        keys = ["%R~*", *(f"%W~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
+        return head + keys + _DATA_COMMANDS.split() + ["+eval"]
 
 
-def _answers_as(host: str, port: int, pid: int | None) -> bool:
-    """True when the redis-server answering at ``host:port`` is process ``pid`` (not a squatter)."""
-    client = redis.Redis(host=host, port=port, socket_connect_timeout=1.0, socket_timeout=1.0)
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for a TLS-only server: its certificate and key, and the CA that signed it."""
+
+    cert_file: str
+    key_file: str
+    ca_cert_file: str
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
     try:
-        return client.info("server").get("process_id") == pid
-    except redis.exceptions.RedisError:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
         return False
-    finally:
-        client.close()
+
+
+def _quote(token: str) -> str:
+    """A token of redis.conf, quoted so that any character survives."""
+    escaped = token.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
 
 
 class RedisServer:
-    """One redis-server on loopback at a free port, without persistence unless asked."""
+    """One redis-server at a free port (loopback by default), without persistence unless asked.
+
+    Args:
+        host: the address to listen on; anything but loopback needs ``password`` or ``users``.
+        port: the port (default: a free one).
+        persistence: keep RDB snapshots and the AOF (off: a cache for one job).
+        password: the default user's password (it has every right); with ``users`` and no
+            ``password``, one is generated for the launcher's own use.
+        users: ACL users (see :class:`AclUser`).
+        tls: serve TLS only, with these files.
+        extra_args: more redis-server arguments.
+        startup_timeout_s: how long to wait for the server to answer.
+
+    Raises:
+        ValueError: a non-loopback ``host`` without authentication, or two users of one name.
+    """
 
     def __init__(
         self,
@@ -61,36 +141,120 @@ class RedisServer:
         port: int | None = None,
         *,
         persistence: bool = False,
+        password: str | None = None,
+        users: Sequence[AclUser] = (),
+        tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout_s: float = 15.0,
     ) -> None:
+        if not _is_loopback(host) and not password and not users:
+            raise ValueError(
+                f"refusing to start redis-server on {host}: anyone who can reach it could read, change and run "
+                "everything stored; pass password= or users= (or listen on 127.0.0.1)"
+            )
+        names = [user.name for user in users]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ACL user names must be unique, got {names}")
         self.host = host
-        self.port = port or free_port(host)
-        self._workdir = Path(tempfile.mkdtemp(prefix="redis-"))
-        binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
-        self._process = ManagedProcess(
-            f"redis-server:{self.port}",
-            _redis_argv(binary, host, self.port, self._workdir, persistence) + list(extra_args),
-            ready=lambda: _answers_as(self.host, self.port, self._process.pid),
-            startup_timeout_s=startup_timeout_s,
-        )
+        self.port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
+        self.users = tuple(users)
+        self.tls = tls
+        self._password = password or (secrets.token_urlsafe(24) if users else None)
+        self._persistence = persistence
+        self._extra_args = tuple(extra_args)
+        self._startup_timeout_s = startup_timeout_s
+        self._binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
+        self._workdir: Path | None = None
+        self._process: ManagedProcess | None = None
 
     @property
     def address(self) -> str:
-        """``host:port``, the form SmartRedis' ``SSDB`` takes."""
-        return f"{self.host}:{self.port}"
+        """``host:port``, the form SmartRedis' ``SSDB`` takes (loopback when listening on every interface)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"{host}:{self.port}"
 
     @property
     def pids(self) -> list[int]:
-        return [self._process.pid] if self._process.pid else []
+        """Process id of the running server (empty when stopped)."""
+        return [self._process.pid] if self._process and self._process.pid else []
+
+    def settings(self, user: str | None = None, *, cluster: bool = False) -> ConnectionSettings:
+        """How to connect as ``user`` (default: the default user, with every right)."""
+        if user is None:
+            username, password = None, self._password
+        else:
+            match = [u for u in self.users if u.name == user]
+            if not match:
+                raise KeyError(f"no ACL user {user!r} on this server")
+            username, password = user, match[0].password
+        tls = {"tls": True, "tls_ca_cert": self.tls.ca_cert_file} if self.tls else {}
+        return ConnectionSettings(self.address, cluster, username=username, password=password,
+                                  connect_timeout_s=LAUNCHER_TIMEOUT_S, connect_interval_s=0.1,
+                                  command_timeout_s=LAUNCHER_TIMEOUT_S, **tls)
+
+    def _config(self) -> str:
+        lines = [
+            f"bind {self.host}",
+            "protected-mode yes",
+            "daemonize no",
+            "loglevel warning",
+            f"dir {_quote(str(self._workdir))}",
+        ]
+        if self.tls:
+            lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {_quote(self.tls.cert_file)}",
+                      f"tls-key-file {_quote(self.tls.key_file)}", f"tls-ca-cert-file {_quote(self.tls.ca_cert_file)}",
+                      "tls-auth-clients optional", "tls-replication yes"]
+        else:
+            lines.append(f"port {self.port}")
+        if not self._persistence:
+            lines += ['save ""', "appendonly no"]
+        if self._password:
+            lines.append(f"requirepass {_quote(self._password)}")
+        lines += ["user " + " ".join(_quote(token) for token in user.rule()) for user in self.users]
+        return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
-        self._process.start()
+        """Start the server and wait until it answers (authenticated); clean up if it does not."""
+        self._workdir = Path(tempfile.mkdtemp(prefix="redis-"))
+        try:
+            config = self._workdir / "redis.conf"
+            fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self._config())
+            self._process = ManagedProcess(
+                f"redis-server:{self.port}",
+                [self._binary, str(config), *self._extra_args],
+                ready=self._answers,
+                startup_timeout_s=self._startup_timeout_s,
+            )
+            self._process.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
+    def _answers(self) -> bool:
+        """True when the redis-server answering at our port is our process (not a squatter)."""
+        settings = self.settings()
+        client = plain_client(("127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host, self.port), settings,
+                               PROBE_TIMEOUT_S)
+        try:
+            return client.info("server").get("process_id") == self._process.pid
+        except redis.exceptions.AuthenticationError as exc:
+            raise ServiceStartError(f"redis-server:{self.port} refused the launcher's credentials: {exc}") from None
+        except redis.exceptions.RedisError:
+            return False
+        finally:
+            client.close()
+
     def stop(self) -> None:
-        self._process.stop()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        """Stop the server and remove its directory (idempotent)."""
+        if self._process is not None:
+            self._process.stop()
+            self._process = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
 
     def __enter__(self) -> RedisServer:
         return self.start()
@@ -100,23 +264,27 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A Redis Cluster of ``shards`` primaries (no replicas) on loopback, slots spread evenly."""
+    """A Redis Cluster of ``shards`` primaries (no replicas), slots spread evenly.
 
-    def __init__(self, shards: int = 3, host: str = "127.0.0.1", *, startup_timeout_s: float = 15.0) -> None:
+    Takes ``host``, ``password``, ``users`` and ``tls`` as :class:`RedisServer` does (every node gets
+    them; the cluster bus uses TLS too when ``tls`` is given).
+    """
+
+    def __init__(self, shards: int = 3, host: str = "127.0.0.1", *, password: str | None = None,
+                 users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
+                 startup_timeout_s: float = 15.0) -> None:
         if shards < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 primaries, got shards={shards}")
         self.host = host
+        password = password or (secrets.token_urlsafe(24) if users else None)
+        cluster_args: tuple[str, ...] = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                         "--cluster-node-timeout", "5000")
+        if tls:
+            cluster_args += ("--tls-cluster", "yes")
         self._nodes = [
-            RedisServer(
-                host,
-                extra_args=(
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-port", str(free_port(host)),
-                    "--cluster-node-timeout", "5000",
-                ),
-                startup_timeout_s=startup_timeout_s,
-            )
+            RedisServer(host, password=password, users=users, tls=tls,
+                        extra_args=(*cluster_args, "--cluster-port", str(free_port("127.0.0.1"))),
+                        startup_timeout_s=startup_timeout_s)
             for _ in range(shards)
         ]
 
@@ -127,13 +295,25 @@ class RedisCluster:
 
     @property
     def ports(self) -> list[int]:
+        """Port of every primary."""
         return [node.port for node in self._nodes]
 
     @property
     def pids(self) -> list[int]:
+        """Process id of every running node."""
         return [pid for node in self._nodes for pid in node.pids]
 
+    @property
+    def users(self) -> tuple[AclUser, ...]:
+        """The ACL users every node has."""
+        return self._nodes[0].users
+
+    def settings(self, user: str | None = None) -> ConnectionSettings:
+        """How to connect to the cluster as ``user`` (default: the default user)."""
+        return self._nodes[0].settings(user, cluster=True).with_(address=self.address)
+
     def start(self) -> RedisCluster:
+        """Start every node, create the cluster and wait until it serves every slot; clean up if it does not."""
         try:
             for node in self._nodes:
                 node.start()
@@ -145,12 +325,13 @@ class RedisCluster:
 
     def _create(self) -> None:
         cli = find_binary("redis-cli", "REDIS_CLI_BIN", install_hint=INSTALL_HINT)
+        settings = self._nodes[0].settings()
+        env = {**os.environ, "REDISCLI_AUTH": settings.password} if settings.password else None
+        tls = ["--tls", "--cacert", settings.tls_ca_cert] if settings.tls else []
         result = subprocess.run(
-            [cli, "--cluster", "create", *(n.address for n in self._nodes), "--cluster-replicas", "0",
+            [cli, *tls, "--cluster", "create", *(n.address for n in self._nodes), "--cluster-replicas", "0",
              "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=CLUSTER_READY_TIMEOUT_S,
+            capture_output=True, text=True, timeout=CLUSTER_READY_TIMEOUT_S, env=env,
         )
         if result.returncode != 0:
             raise ServiceStartError(f"redis-cli --cluster create failed:\n{result.stdout}{result.stderr}")
@@ -161,14 +342,17 @@ class RedisCluster:
             time.sleep(0.1)
         log.info("Redis Cluster up: %s", self.address)
 
-    def _node_ok(self, node: RedisServer) -> bool:
-        client = redis.Redis(host=node.host, port=node.port, socket_timeout=1.0)
+    @staticmethod
+    def _node_ok(node: RedisServer) -> bool:
+        client = plain_client(("127.0.0.1" if node.host in ("0.0.0.0", "::") else node.host, node.port),
+                               node.settings(), PROBE_TIMEOUT_S)
         try:
             return client.cluster("info").get("cluster_state") == "ok"
         finally:
             client.close()
 
     def stop(self) -> None:
+        """Stop every node (idempotent)."""
         for node in self._nodes:
             node.stop()
 
@@ -180,14 +364,25 @@ class RedisCluster:
 
 
 WORKER_READY_TIMEOUT_S = 60.0  # a worker imports torch before it registers
+DEFAULT_WORKER_USER = "nobody"
 
 
-def _workers_registered(address: str, cluster: bool, names: list[str]) -> bool:
-    db = Database(address, cluster, connect_timeout_s=1.0)
-    try:
-        return all(db.redis.hexists("{srio}.workers", name) for name in names)
-    finally:
-        db.close()
+def _worker_privileges(user: str | None, allow_root: bool) -> list[str]:
+    """The worker's command-line flags that say which user runs the models."""
+    if user:
+        return ["--user", user]
+    if allow_root:
+        return ["--allow-root"]
+    return ["--user", DEFAULT_WORKER_USER] if os.geteuid() == 0 else []
+
+
+def settings_env(settings: ConnectionSettings) -> dict[str, str]:
+    """The environment variables that give a process these credentials and TLS settings."""
+    env = {"SR_USERNAME": settings.username or "", "SR_PASSWORD": settings.password or ""}
+    if settings.tls:
+        env.update(SR_TLS="1", SR_TLS_CA_CERT=settings.tls_ca_cert or "", SR_TLS_CERT=settings.tls_cert or "",
+                   SR_TLS_KEY=settings.tls_key or "")
+    return env
 
 
 class Orchestrator:
@@ -195,32 +390,54 @@ class Orchestrator:
 
     ``shards=1`` starts a standalone redis-server, ``shards>=3`` a real Redis Cluster; ``workers``
     worker processes (``python -m smartredis_io.worker``) serve run_model / run_script. Everything
-    stops on exit. ``env`` holds the variables a SmartRedis client reads (``SSDB``, ``SR_DB_TYPE``).
+    stops on exit. ``env`` holds the variables a SmartRedis client reads (``SSDB``, ``SR_DB_TYPE``);
+    credentials are not in it (see :meth:`settings`).
+
+    Workers run whatever models the database's writers store. Started by root, they drop to
+    ``worker_user`` (default ``nobody``) once connected, unless ``allow_root_workers`` is set. They
+    connect as the first ACL user of role ``worker`` if there is one, else as the default user.
+
+    ``password``, ``users``, ``tls`` and ``host`` are those of :class:`RedisServer`.
     """
 
     def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
-                 host: str = "127.0.0.1", worker_env: dict[str, str] | None = None) -> None:
+                 host: str = "127.0.0.1", worker_env: dict[str, str] | None = None,
+                 worker_user: str | None = None, allow_root_workers: bool = False,
+                 password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None) -> None:
         if shards not in (1,) and shards < 3:
             raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
         self.cluster = shards > 1
-        self.database: RedisServer | RedisCluster = RedisCluster(shards, host) if self.cluster else RedisServer(host)
+        auth = {"password": password, "users": users, "tls": tls}
+        self.database: RedisServer | RedisCluster = (
+            RedisCluster(shards, host, **auth) if self.cluster else RedisServer(host, **auth)
+        )
         self._device = device
         self._threads = threads
         self._worker_env = worker_env
+        self._worker_privileges = _worker_privileges(worker_user, allow_root_workers)
+        worker_users = [u.name for u in users if u.role == "worker"]
+        self._worker_login = worker_users[0] if worker_users else None
         self._n_workers = workers
         self.workers: list[ManagedProcess] = []
         self._started = 0
 
     @property
     def address(self) -> str:
+        """The database's address, as ``SSDB`` takes it."""
         return self.database.address
 
     @property
     def env(self) -> dict[str, str]:
+        """``SSDB`` and ``SR_DB_TYPE`` for SmartRedis clients (credentials are not in it)."""
         return {"SSDB": self.address, "SR_DB_TYPE": "Clustered" if self.cluster else "Standalone"}
+
+    def settings(self, user: str | None = None) -> ConnectionSettings:
+        """How to connect as ``user`` (default: the default user, with every right)."""
+        return self.database.settings(user)
 
     @property
     def worker_pids(self) -> list[int]:
+        """Process id of every running worker process started here."""
         return [w.pid for w in self.workers if w.pid]
 
     def add_worker(self) -> ManagedProcess:
@@ -234,21 +451,29 @@ class Orchestrator:
         # (see lightning_storage_plugins.services) fires when the *thread* that forked the child exits.
         name = f"orchestrator-{id(self):x}-{self._started}"
         self._started += 1
+        credentials = settings_env(self.settings(self._worker_login))  # in the environment, not on argv
         worker = ManagedProcess(
             f"smartredis-worker:{name}",
             [sys.executable, "-m", "smartredis_io.worker", "--address", self.address, "--device", self._device,
-             "--threads", str(self._threads), "--name", name],
+             "--threads", str(self._threads), "--name", name, *self._worker_privileges],
             ready=lambda: True,  # registration is awaited below, for all workers at once
-            env={**os.environ, **(self._worker_env or {})},
+            env={**os.environ, **(self._worker_env or {}), **credentials},
         )
         worker.start()
         self.workers.append(worker)
         return worker, f"{name}.0"
 
+    def _registered(self, names: list[str]) -> bool:
+        db = Database(self.settings())
+        try:
+            return all(db.redis.hexists("{srio}.workers", name) for name in names)
+        finally:
+            db.close()
+
     def _wait_registered(self, started: list[tuple[ManagedProcess, str]]) -> None:
         deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
         names = [name for _, name in started]
-        while not _workers_registered(self.address, self.cluster, names):
+        while not self._registered(names):
             for worker, _ in started:
                 if not worker.is_running():
                     raise ServiceStartError(f"{worker.name} exited during start-up; log tail:\n{worker.log_tail()}")
@@ -258,6 +483,7 @@ class Orchestrator:
         log.info("%d execution worker(s) up on %s", len(started), self.address)
 
     def start(self) -> Orchestrator:
+        """Start the database and the workers and wait until every worker takes requests."""
         try:
             self.database.start()
             self._wait_registered([self._spawn_worker() for _ in range(self._n_workers)])
@@ -267,6 +493,7 @@ class Orchestrator:
         return self
 
     def stop(self) -> None:
+        """Stop the workers, then the database (idempotent)."""
         for worker in self.workers:
             worker.stop()
         self.workers.clear()

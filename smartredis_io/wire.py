@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-import uuid
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +31,9 @@ _FIXED = struct.Struct("<4sBBBB")  # magic, layout, dtype code, ndim, reserved
 _CHUNKS = struct.Struct("<IIQ16s")  # chunk count, CRC-32 of the payload, payload bytes, version
 HEADER_MAX_BYTES = _FIXED.size + 8 * MAX_NDIM + _CHUNKS.size
 READ_RETRIES = 3
+LEASE_MARGIN_S = 60.0  # how much longer than its operation's deadline an unpublished part lives
+MAX_CHUNKS = 1 << 20
+MAX_ARRAY_BYTES = 1 << 63  # numpy's limit on an array's extent, zero-length dimensions aside  # more chunks than any real value has (512 TB at the bulk limit)
 
 #: numpy has no bfloat16: such tensors travel as their raw 16-bit pattern with this dtype, which is
 #: ``uint16`` tagged with metadata so that the bfloat16 type is kept through put/get.
@@ -52,6 +55,7 @@ def bulk_limit() -> int:
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is a bfloat16 (ours, or a foreign one such as ml_dtypes')."""
     # type.__name__ is what dtype.name gives for a foreign (ml_dtypes) bfloat16, at ~1/30 of the cost
     return dtype.type.__name__ == "bfloat16" or bool(dtype.metadata and dtype.metadata.get("smartredis_io.dtype") == "bfloat16")
 
@@ -88,18 +92,27 @@ class Header:
 
     @property
     def dtype(self) -> np.dtype:
+        """The numpy dtype of the elements."""
         return _DTYPES[self.code]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of data the shape and dtype call for."""
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def written_at(self) -> float | None:
+        """When a chunked value was written (seconds since the epoch); None for an inline value."""
+        return int(self.version[:16], 16) / 1e9 if self.chunks else None
+
     def chunk_keys(self, key: str) -> list[str]:
+        """The keys of the chunks of the value at ``key``, in order."""
         return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]
 
 
 def encode_header(code: int, shape: Sequence[int], chunks: int = 0, crc: int = 0, payload: int = 0,
                   version: str = "") -> bytes:
+    """The header of a value: magic, layout, dtype code, shape, and for a chunked value its chunk count, CRC-32, size and version."""
     if len(shape) > MAX_NDIM:
         raise RedisRuntimeError(f"Tensors of more than {MAX_NDIM} dimensions are not supported")
     head = _FIXED.pack(MAGIC, CHUNKED if chunks else INLINE, code, len(shape), 0) + struct.pack(f"<{len(shape)}Q", *shape)
@@ -116,6 +129,8 @@ def decode_header(buf: bytes | memoryview, key: str) -> Header:
     if magic != MAGIC or code not in _DTYPES or ndim > MAX_NDIM:
         raise RedisRuntimeError(f"The value at key {key!r} is not a tensor")
     shape = struct.unpack_from(f"<{ndim}Q", buf, _FIXED.size)
+    if math.prod(d for d in shape if d) * _DTYPES[code].itemsize >= MAX_ARRAY_BYTES:
+        raise RedisInternalError(f"The value at key {key!r} is corrupt: no array has the shape {shape}")
     size = _FIXED.size + 8 * ndim
     if layout == INLINE:
         return Header(code, shape, size)
@@ -167,17 +182,36 @@ def decode_value(db: Database, key: str, raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=header.dtype, offset=header.size).reshape(header.shape)
 
 
-def put_array(db: Database, key: str, array: np.ndarray) -> None:
-    """Store ``array`` at ``key``: inline up to the bulk limit, else as checksummed chunks."""
+def lease_ms(db: Database) -> int:
+    """How long a part written now lives unless its publisher makes it permanent (milliseconds).
+
+    Parts are written with this expiry and made permanent (PERSIST) when the value they belong to is
+    published; a writer that dies before that leaves parts that Redis removes by itself.
+    """
+    return int((db.time_left() + LEASE_MARGIN_S) * 1000)
+
+
+def persist(db: Database, keys: Sequence[str]) -> None:
+    """Make leased parts permanent (one round trip per node)."""
+    if keys:
+        db.exchange([("PERSIST", key) for key in keys])
+
+
+def put_array(db: Database, key: str, array: np.ndarray, lease: int | None = None) -> None:
+    """Store ``array`` at ``key``: inline up to the bulk limit, else as checksummed chunks.
+
+    With ``lease`` (ms) the value itself expires unless the caller persists it (it is a part of a
+    larger value, e.g. a dataset's tensor); its chunks are persisted here either way.
+    """
     code = dtype_code(array.dtype)
     payload = _as_bytes(array)
     limit = bulk_limit()
     if payload.nbytes + HEADER_MAX_BYTES <= limit:
-        old = db.set_parts(key, [encode_header(code, array.shape), payload], HEADER_MAX_BYTES)
+        old = db.set_parts(key, [encode_header(code, array.shape), payload], HEADER_MAX_BYTES, lease)
         if old:
             delete_replaced_chunks(db, key, old)
         return
-    writer = ChunkedWriter(db, key, limit, code, array.shape)
+    writer = ChunkedWriter(db, key, limit, code, array.shape, header_lease=lease)
     with writer:
         for i in range(0, payload.nbytes, limit):
             writer.put_chunk(payload[i:i + limit])
@@ -188,13 +222,17 @@ class ChunkedWriter:
 
     Used as a context manager: a clean exit publishes and removes the chunks of the value it
     replaces; an exception removes the chunks written so far and leaves the previous value as it was.
+    Chunks are written with an expiry (``lease_ms``) made permanent just before the header is
+    written, so the chunks of a writer killed in the middle disappear by themselves.
     ``write`` (file-like, e.g. for ``torch.save``) gathers small writes in one preallocated chunk buffer.
     """
 
-    def __init__(self, db: Database, key: str, chunk_bytes: int, code: int = 7, shape: Sequence[int] | None = None):
+    def __init__(self, db: Database, key: str, chunk_bytes: int, code: int = 7, shape: Sequence[int] | None = None,
+                 header_lease: int | None = None):
         self._db, self._key, self._chunk_bytes = db, key, chunk_bytes
         self._code, self._shape = code, shape
-        self._version = uuid.uuid4().hex
+        self._header_lease = header_lease
+        self._version = new_version()
         self._written: list[str] = []
         self._crc = 0
         self._nbytes = 0
@@ -205,12 +243,13 @@ class ChunkedWriter:
     def put_chunk(self, part: memoryview) -> None:
         """Store one chunk (at most ``chunk_bytes``) as it is, without copying it."""
         chunk_key = tagged_key(self._key, f".chunk.{self._version}.{len(self._written)}")
-        self._db.set_parts(chunk_key, [part], 1)
+        self._db.set_parts(chunk_key, [part], 1, lease_ms(self._db))  # expires if this writer dies
         self._written.append(chunk_key)
         self._crc = zlib.crc32(part, self._crc)
         self._nbytes += part.nbytes
 
     def write(self, data: bytes | memoryview) -> int:
+        """File-like write (for ``torch.save``): buffered into chunks; a database error is also kept in ``error``."""
         try:
             return self._write(data)
         except BaseException as exc:
@@ -256,7 +295,8 @@ class ChunkedWriter:
         self._flush()
         shape = self._shape if self._shape is not None else (self._nbytes,)
         head = encode_header(self._code, shape, len(self._written), self._crc, self._nbytes, self._version)
-        old = self._db.set_parts(self._key, [head], HEADER_MAX_BYTES)
+        persist(self._db, self._written)
+        old = self._db.set_parts(self._key, [head], HEADER_MAX_BYTES, self._header_lease)
         if old:
             delete_replaced_chunks(self._db, self._key, old)
 
@@ -266,7 +306,13 @@ class ChunkedWriter:
         self._written = []
 
 
+def new_version() -> str:
+    """A fresh chunk-set version: the time it was made (ns, 8 bytes) then 8 random bytes, as hex."""
+    return (time.time_ns().to_bytes(8, "big") + os.urandom(8)).hex()
+
+
 def read_header(db: Database, key: str) -> Header | None:
+    """The header of the value at ``key`` (one GETRANGE); None when there is no value."""
     raw = db.redis.getrange(key, 0, HEADER_MAX_BYTES - 1)
     return decode_header(raw, key) if raw else None
 
@@ -312,21 +358,47 @@ def _try_get(db: Database, key: str, out: np.ndarray | None) -> np.ndarray | Non
 
     def plan(first: memoryview, length: int) -> tuple[int, memoryview]:
         header = decode_header(first, key)
-        target = _target(header, out, key)
-        state["header"], state["target"] = header, target
+        state["header"] = header
         if header.chunks:
             return length, memoryview(bytearray(0))
-        if header.size + header.nbytes != length:
-            raise RedisInternalError(f"The value at key {key!r} is truncated")
+        if header.size + header.nbytes != length:  # checked before anything is allocated for it
+            raise RedisInternalError(_claims(key, header.nbytes, length - header.size))
+        target = _target(header, out, key)
+        state["target"] = target
         return header.size, memoryview(target.reshape(-1).view(np.uint8))
 
     if not db.get_into(key, plan, HEADER_MAX_BYTES):
         raise RedisKeyError(f"The tensor {key!r} does not exist")
     header: Header = state["header"]  # type: ignore[assignment]
-    target: np.ndarray = state["target"]  # type: ignore[assignment]
     if not header.chunks:
-        return target
+        return state["target"]  # type: ignore[return-value]
+    stored = stored_chunk_bytes(db, key, header)
+    if stored is None:
+        if read_header(db, key) == header:
+            raise RedisInternalError(f"The value at key {key!r} is corrupt: its header names "
+                                     f"{header.chunks} chunks and some of them do not exist")
+        return None  # overwritten while reading: the caller reads the new header
+    if stored != header.payload_bytes or header.payload_bytes != header.nbytes:
+        raise RedisInternalError(_claims(key, header.nbytes, stored))
+    target = _target(header, out, key)
     return target if _read_chunks(db, key, header, target) else None
+
+
+def _claims(key: str, claimed: int, stored: int) -> str:
+    return (f"The value at key {key!r} is corrupt or truncated: its header claims {claimed} bytes of data "
+            f"but {stored} are stored")
+
+
+def stored_chunk_bytes(db: Database, key: str, header: Header) -> int | None:
+    """Bytes the chunks of a chunked value hold (one round trip); None when one of them is gone.
+
+    Read before anything is allocated for the value, so a header that claims more than is stored
+    costs nothing.
+    """
+    if header.chunks > MAX_CHUNKS:
+        raise RedisInternalError(f"The value at key {key!r} is corrupt: its header claims {header.chunks} chunks")
+    lengths = db.exchange([("STRLEN", chunk) for chunk in header.chunk_keys(key)])
+    return None if any(n == 0 for n in lengths) else sum(lengths)
 
 
 def _read_chunks(db: Database, key: str, header: Header, target: np.ndarray) -> bool:

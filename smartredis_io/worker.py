@@ -1,6 +1,9 @@
 """Execution workers: run the models and scripts that clients ask for with run_model / run_script.
 
-``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N]``
+``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N] [--user NAME | --allow-root]``
+
+Credentials, TLS and deadlines come from the environment as for a SmartRedis client (``SR_USERNAME``,
+``SR_PASSWORD``, ``SR_TLS``..., ``SR_CMD_TIMEOUT``), or from a ``redis://user:password@`` address.
 
 Each worker process blocks on the request list (BLPOP, no busy polling), loads the model or script
 named by the request (cached, reloaded when its manifest shows a new version), runs it on the input
@@ -8,6 +11,11 @@ tensors, writes the output tensors and pushes the reply the caller is blocked on
 model set with ``batch_size > 0`` are batched as RedisAI does: up to ``batch_size`` rows, waiting at
 most ``min_batch_timeout`` ms for ``min_batch_size``. A request whose deadline has passed is dropped
 (its caller has already raised ``RedisTimeoutError``).
+
+Only TorchScript that passes :mod:`smartredis_io.torchscript_policy` runs. A worker started as root
+refuses to start unless it drops to ``--user`` once connected, or is told ``--allow-root``. Workers
+keep a heartbeat (``models.HEARTBEAT_TTL_MS``); the request of a worker that dies runs once more
+on another one.
 """
 
 from __future__ import annotations
@@ -18,9 +26,11 @@ import json
 import logging
 import multiprocessing
 import os
+import pwd
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -32,21 +42,21 @@ import redis
 import torch
 
 from lightning_storage_plugins.services import die_with_parent
-from smartredis_io import models, wire
-from smartredis_io.connection import Command, Database, detect_cluster
-from smartredis_io.error import RedisKeyError
+from smartredis_io import _torchscript, models, torchscript_policy, wire
+from smartredis_io.connection import Command, ConnectionSettings, Database, detect_cluster
+from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
 from smartredis_io.models import Manifest, Request
 
 log = logging.getLogger(__name__)
 
-WORKERS_KEY = "{srio}.workers"  # hash: worker name -> pid, for launchers waiting until workers are up
 ERROR_BACKOFF_S = 0.1  # pause after a request that could not be handled (e.g. database unreachable)
-POP_TIMEOUT_S = 1.0  # how often an idle worker wakes up to notice a stop request
+POP_TIMEOUT_S = 1.0  # how often an idle worker wakes up (to look for dead workers)
+REAP_INTERVAL_S = 2.0  # how often an idle worker looks for dead workers
+UNREGISTER_TIMEOUT_S = 2.0  # deadline of each step of a stopping worker's unregistration
 BATCH_POLL_INTERVAL_S = 0.001  # while a batch waits (at most min_batch_timeout) for min_batch_size
 BATCH_SCAN_LIMIT = 1024  # queue entries looked at when gathering a batch
 PIPELINED_OUTPUT_MAX_BYTES = 1 << 20  # outputs up to this size are sent with the reply (one round trip)
 BATCH_LOCK_MARGIN_MS = 5_000  # a batching lock outlives min_batch_timeout by this (a dead holder's expires)
-CONNECT_TIMEOUT_S = 10.0
 
 
 def _take_readonly_warning() -> None:
@@ -86,6 +96,68 @@ class RunError(Exception):
     """An error that goes back to the caller as the reply's message."""
 
 
+class _Stopped(BaseException):
+    """Raised by the signal handler to leave a wait (a BaseException: no model error handler takes it)."""
+
+
+class _Heartbeat:
+    """A thread that keeps this worker registered and its alive key from expiring, on its own connection.
+
+    It runs while models run (torch releases the GIL), so a long request does not look like a dead
+    worker; when the process dies, the key expires after ``models.HEARTBEAT_TTL_MS``.
+    """
+
+    def __init__(self, settings: ConnectionSettings, name: str) -> None:
+        self._db = Database(settings)
+        self._db.redis.ping()  # connected now, with the rights the process starts with
+        self._name = name
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True)
+
+    def beat(self) -> None:
+        self._db.exchange([
+            ("SET", models.ALIVE_PREFIX + self._name, os.getpid(), "PX", models.HEARTBEAT_TTL_MS),
+            ("HSET", models.WORKERS_KEY, self._name, os.getpid()),
+        ])
+
+    def start(self) -> None:
+        self.beat()  # registered before the first request is taken
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(models.HEARTBEAT_INTERVAL_S):
+            try:
+                self.beat()
+            except redis.exceptions.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop beating; a beat stuck on an unresponsive server is left behind (a daemon thread)."""
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join(UNREGISTER_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self._db.close()
+
+
+def _output_heads(request: Request) -> list[Command]:
+    """Commands reading the first bytes of every output key (to see what an output would replace)."""
+    return [("GETRANGE", key, 0, len(models.MANIFEST_PREFIX) - 1) for key in request.outputs]
+
+
+def _check_outputs(request: Request, heads: Sequence[Any]) -> None:
+    """Refuse outputs that would overwrite a model, a script, or a protocol or chunk key.
+
+    The worker writes with its own rights; without this, a client allowed to run models but not
+    to write models could have a worker replace one for it.
+    """
+    for key, head in zip(request.outputs, heads, strict=True):
+        if models.is_internal_key(key):
+            raise RunError(f"ERR output key {key!r} is reserved for stored values' parts and the run protocol")
+        if isinstance(head, bytes) and head.startswith(models.MANIFEST_PREFIX):
+            raise RunError(f"ERR output key {key!r} holds a model or script; a run does not replace it")
+
+
 @dataclass
 class _Job:
     request: Request
@@ -95,9 +167,10 @@ class _Job:
 class Worker:
     """One execution worker on one database (standalone or cluster)."""
 
-    def __init__(self, address: str, cluster: bool, device: str = "cpu", name: str = "") -> None:
+    def __init__(self, settings: ConnectionSettings, device: str = "cpu", name: str = "") -> None:
         _take_readonly_warning()
-        self.db = Database(address, cluster, CONNECT_TIMEOUT_S)
+        self.db = Database(settings)
+        self.db.redis.ping()  # the pooled connection is made now, with the rights the process starts with
         self.device = torch.device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._ok_reply = json.dumps({"ok": True, "error": "", "worker": self.name})
@@ -107,23 +180,37 @@ class Worker:
         self._handoff = self.db.redis.register_script(models.HANDOFF_LUA)
         self._release_batch = self.db.redis.register_script(models.RELEASE_BATCH_LUA)
         self._stop = False
+        self._idle = False
+        self._unregistering = False
+        self._heartbeat = _Heartbeat(settings, self.name)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Take requests until SIGTERM / SIGINT (finishing the one in hand)."""
+        """Take requests until SIGTERM / SIGINT.
+
+        A signal while the worker waits for a request stops it at once; one while it runs a request
+        lets that request finish, and a second one stops it anyway (the request is then run again
+        by another worker, as if this one had died).
+        """
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.db.redis.hset(WORKERS_KEY, self.name, os.getpid())
+        self._heartbeat.start()
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
+        next_reap = 0.0
         try:
             while not self._stop:
+                self._idle = True
                 try:
-                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)])[0]
+                    if self._stop:
+                        break
+                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)], block_s=POP_TIMEOUT_S)[0]
                 except redis.exceptions.ConnectionError:
                     if self._stop:
                         break  # the database went first (launcher stopping everything)
                     raise
+                finally:
+                    self._idle = False
                 if popped:
                     try:
                         self.handle(popped[1])
@@ -132,35 +219,70 @@ class Worker:
                         # times out at its deadline; this worker goes on with the next request.
                         log.exception("request could not be handled")
                         time.sleep(ERROR_BACKOFF_S)
+                elif time.monotonic() >= next_reap:
+                    self._idle = True
+                    try:
+                        self._reap()
+                    finally:
+                        self._idle = False
+                    next_reap = time.monotonic() + REAP_INTERVAL_S
+        except _Stopped:
+            log.info("worker %s stopping", self.name)
         finally:
+            self._heartbeat.stop()
             self._unregister()
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        # Only a flag: raising here could cut a Redis command in half (the blocking pop, or the
-        # clean-up below when a second signal arrives); an idle worker sees it within POP_TIMEOUT_S.
+        if self._stop and not self._idle and not self._unregistering:
+            self._unregistering = True
+            raise _Stopped()  # a second signal while a request runs: stop now
         self._stop = True
+        if self._idle:
+            raise _Stopped()  # waiting for a request (or for a stopped database): nothing to finish
+
+    def _reap(self) -> None:
+        try:
+            for name in models.reap_dead_workers(self.db):
+                log.warning("worker %s stopped sending heartbeats: unregistered, its request requeued", name)
+        except redis.exceptions.RedisError:
+            log.exception("could not look for dead workers")
 
     def _unregister(self) -> None:
+        """Leave the registry, handing a request in flight back to the queue; bounded by UNREGISTER_TIMEOUT_S."""
+        self._unregistering = True
+        quick = self.db.settings.with_(connect_timeout_s=UNREGISTER_TIMEOUT_S, connect_interval_s=0.1,
+                                       command_timeout_s=UNREGISTER_TIMEOUT_S)
         try:
-            self.db.redis.hdel(WORKERS_KEY, self.name)
             self.db.close()
-        except redis.exceptions.RedisError:
-            pass  # the database went first (launcher stopping everything)
+            db = Database(quick)
+            try:
+                db.redis.delete(models.ALIVE_PREFIX + self.name)
+                models.reap_dead_workers(db)  # removes this worker; requeues what it was running
+                db.redis.hdel(models.WORKERS_KEY, self.name)
+            finally:
+                db.close()
+        except (redis.exceptions.RedisError, RedisConnectionError):
+            # The database went first (launcher stopping everything), or does not answer: the
+            # workers and callers still connected reap this worker once its heartbeat expires.
+            log.warning("worker %s could not unregister", self.name)
 
     # ---- one request ----------------------------------------------------------------------------
 
     def handle(self, raw: bytes) -> None:
+        """Run one queued request and reply to its caller (errors of the model go back as the reply)."""
         request = Request.decode(raw)
         if request.deadline < time.time():
             log.warning("dropping request %s for %s: its deadline passed", request.id, request.key)
             return
         try:
-            # One round trip for the bookkeeping, the manifest and the inputs.
-            _, first_manifest, *raw_inputs = self.db.exchange(
-                [("HSET", models.INFLIGHT_KEY, self.name, request.id), ("GET", request.key),
-                 *(("GET", key) for key in request.inputs)],
+            # One round trip for the bookkeeping, the manifest, the inputs and what the outputs replace.
+            _, first_manifest, *fetched = self.db.exchange(
+                [("HSET", models.INFLIGHT_KEY, self.name, request.encode()), ("GET", request.key),
+                 *(("GET", key) for key in request.inputs), *_output_heads(request)],
                 raise_on_error=False,
             )
+            raw_inputs = fetched[:len(request.inputs)]
+            _check_outputs(request, fetched[len(request.inputs):])
             manifest, runnable = self._load(request.key, request.kind, first_manifest)
             if request.kind == "model" and manifest.batch_size > 0:
                 batch = self._gather(request, manifest)
@@ -170,7 +292,7 @@ class Worker:
                 self._run_batched(batch, runnable, manifest)
             else:
                 self._finish(request, self._call(runnable, request, self._inputs(request, raw_inputs)))
-        except RunError as exc:
+        except (RunError, RedisReplyError) as exc:
             self._reply(request, str(exc))
         except Exception as exc:  # noqa: BLE001 - any model failure goes back to the caller
             log.exception("request %s on %s failed", request.id, request.key)
@@ -233,18 +355,25 @@ class Worker:
                 blob = models.load_blob(self.db, key, manifest)
             except RedisKeyError:
                 continue  # replaced while loading: read the new manifest
-            runnable = self._compile(blob, kind)
+            runnable = self._compile(blob, kind, key)
             self._cache[key] = (manifest.version, runnable)
             log.info("loaded %s %s version %s", kind, key, manifest.version)
             return manifest, runnable
         raise RunError(f"ERR {kind} {key!r} kept changing while being loaded")
 
-    def _compile(self, blob: bytes, kind: str) -> Any:
+    def _compile(self, blob: bytes, kind: str, key: str) -> Any:
+        """The runnable form of a stored model or script, after the checks of ``torchscript_policy``."""
+        what = f"{kind} {key!r}"
         if kind == "script":
-            return torch.jit.CompilationUnit(blob.decode())
-        module = torch.jit.load(io.BytesIO(blob), map_location=self.device)
-        module.eval()
-        return module
+            source = blob.decode()
+            torchscript_policy.check_source(source, what)
+            runnable = _torchscript.compile_script(source)
+        else:
+            torchscript_policy.check_archive(blob, what)  # before loading: loading runs __setstate__
+            runnable = torch.jit.load(io.BytesIO(blob), map_location=self.device)
+            runnable.eval()
+        torchscript_policy.check_ops(_torchscript.op_kinds(runnable), what)
+        return runnable
 
     def _inputs(self, request: Request, raw: Sequence[bytes | None] | None = None) -> list[torch.Tensor]:
         """The request's input tensors, from values already fetched (``raw``) or read now."""
@@ -288,7 +417,7 @@ class Worker:
         while True:
             wanted = manifest.batch_size - len(taken)
             raw = self._take_batch(keys=[models.QUEUE_KEY],
-                                   args=[first.key + models.SEPARATOR, wanted, BATCH_SCAN_LIMIT])
+                                   args=[models.queue_prefix(first.key), wanted, BATCH_SCAN_LIMIT])
             raw += self.db.redis.lpop(handoff, max(wanted - len(raw), 1)) or []
             taken += [Request.decode(r) for r in raw]
             if len(taken) >= max(manifest.min_batch_size, 1) or len(taken) >= manifest.batch_size:
@@ -304,6 +433,8 @@ class Worker:
             if request.deadline < time.time():
                 continue
             try:
+                heads = _output_heads(request)
+                _check_outputs(request, self.db.exchange(heads, raise_on_error=False) if heads else [])
                 jobs.append(_Job(request, self._inputs(request)))
             except RunError as exc:
                 self._reply(request, str(exc))
@@ -349,36 +480,83 @@ class Worker:
             self._finish(job.request, [parts[i] for parts in split])
 
 
-def _serve(address: str, cluster: bool, device: str, name: str, threads: int, child: bool = False) -> None:
+def _warm_up() -> None:
+    """Load and compile once, so that every module these need is imported while files are readable."""
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Identity()), buffer)
+    torch.jit.load(io.BytesIO(buffer.getvalue()))
+    _torchscript.op_kinds(_torchscript.compile_script("def f(x):\n    return x\n"))
+
+
+def drop_privileges(user: str) -> None:
+    """Become ``user`` (its uid and gid, no supplementary groups) for good.
+
+    Raises:
+        KeyError: no such user.
+        PermissionError: this process may not change its user.
+    """
+    entry = pwd.getpwnam(user)
+    parent = os.getppid()
+    os.setgroups([])
+    os.setgid(entry.pw_gid)
+    os.setuid(entry.pw_uid)
+    die_with_parent()  # the kernel forgets the parent-death signal when credentials change
+    if os.getppid() != parent:
+        raise SystemExit(f"the process that started this worker exited while it became {user}")
+    log.info("running as %s (uid %d)", user, entry.pw_uid)
+
+
+def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, user: str | None,
+           child: bool = False) -> None:
     if child:
         die_with_parent()  # a child worker stops when the worker that started it dies
     logging.basicConfig(level=os.environ.get("SRIO_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(threads)
-    Worker(address, cluster, device, name).serve()
+    dropping = bool(user) and os.geteuid() == 0
+    if dropping and settings.tls_ca_cert:
+        # Connections made after the drop must not need files only root can read.
+        with open(settings.tls_ca_cert) as ca:
+            settings = settings.with_(tls_ca_data=ca.read(), tls_ca_cert=None)
+    worker = Worker(settings, device, name)
+    if dropping:
+        _warm_up()
+        drop_privileges(user)
+    worker.serve()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``python -m smartredis_io.worker`` command line; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m smartredis_io.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default=os.environ.get("SSDB"), help="host:port[,host:port...] (default $SSDB)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda:N")
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the request queue")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--name", default="", help="worker name prefix (default host:pid)")
+    parser.add_argument("--user", default=None,
+                        help="run models as this user: started as root, the worker connects, then drops to it")
+    parser.add_argument("--allow-root", action="store_true",
+                        help="run models as root (refused without this flag or --user when started as root)")
     args = parser.parse_args(argv)
     if not args.address:
         parser.error("--address or $SSDB is required")
-    cluster = detect_cluster(args.address)
+    if os.geteuid() == 0 and not args.user and not args.allow_root:
+        parser.error("refusing to run stored models as root: pass --user NAME (e.g. --user nobody) to drop to "
+                     "an unprivileged user, or --allow-root if the database's writers are trusted with root")
+    if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
+        parser.error(f"--user {args.user}: only a worker started as root can change its user")
+    settings = ConnectionSettings.from_options(address=args.address, cluster=False)
+    settings = settings.with_(cluster=detect_cluster(settings))
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     context = multiprocessing.get_context("spawn")
     children = [
-        context.Process(target=_serve, args=(args.address, cluster, args.device, f"{base}.{i}", args.threads, True),
+        context.Process(target=_serve, args=(settings, args.device, f"{base}.{i}", args.threads, args.user, True),
                         daemon=True)
         for i in range(1, args.workers)
     ]
     for child in children:
         child.start()
-    _serve(args.address, cluster, args.device, f"{base}.0", args.threads)
+    _serve(settings, args.device, f"{base}.0", args.threads, args.user)
     for child in children:
         child.terminate()
         child.join()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def workers_for(address: str, count: int, device: str = "cpu") -> Iterator[None]
         yield
         return
     argv = [sys.executable, "-m", "smartredis_io.worker", "--address", address, "--workers", str(count),
-            "--device", worker_device(device)]
+            "--device", worker_device(device), *(["--user", "nobody"] if os.geteuid() == 0 else [])]
     log.info("starting execution workers: %s", " ".join(argv))
     proc = subprocess.Popen(argv, start_new_session=True)
     try:

@@ -61,15 +61,8 @@ def test_fit_top_k_and_resume_with_identical_state(gcs_emulator, gcs_bucket, wra
     _trainer(make_plugin(), dirpath, max_steps=5).fit(model)
     reader = DatafluxCheckpointIO()
     kept = [f"{dirpath}/epoch=0-step=4.ckpt", f"{dirpath}/epoch=0-step=5.ckpt", f"{dirpath}/last.ckpt"]
-    listed = reader.list_checkpoints(f"{dirpath}/")
-    if wrap_async:
-        # AsyncCheckpointIO removes old top-k files on the training thread while their saves may
-        # still wait in its queue: a save slower than a step outlives its removal.
-        assert set(kept) <= set(listed)
-        for path in listed:
-            assert reader.load_checkpoint(path)["global_step"] >= 1  # every one whole
-    else:
-        assert listed == kept
+    # Behind AsyncCheckpointIO too: a removal that overtakes a still-queued save cancels it.
+    assert reader.list_checkpoints(f"{dirpath}/") == kept
 
     saved = reader.load_checkpoint(f"{dirpath}/last.ckpt")  # torch's default: weights only
     assert saved["global_step"] == 5

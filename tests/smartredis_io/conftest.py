@@ -3,25 +3,24 @@ and an Orchestrator (its own redis-server plus two execution workers) started on
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
+import redis
+from redis.cluster import RedisCluster
 
 from smartredis_io import Client, Orchestrator
 
-CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_MODEL_TIMEOUT",
+CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_CONN_INTERVAL", "SR_CMD_TIMEOUT",
+              "SR_MODEL_TIMEOUT", "SR_USERNAME", "SR_PASSWORD", "SR_TLS", "SR_TLS_CA_CERT", "SR_TLS_CERT", "SR_TLS_KEY",
               "SRIO_BULK_LIMIT_BYTES")
 
 
 @pytest.fixture(autouse=True)
 def _client_env(monkeypatch: pytest.MonkeyPatch):
-    """Each test starts without SmartRedis variables, and what a Client sets (SSDB) is undone."""
+    """Each test starts without SmartRedis variables."""
     for name in CLIENT_ENV:
         monkeypatch.delenv(name, raising=False)
-    yield
-    for name in CLIENT_ENV:
-        os.environ.pop(name, None)
 
 
 @pytest.fixture
@@ -59,3 +58,30 @@ def orchestrator():
 def orch_client(orchestrator: Orchestrator) -> Client:
     with Client(False, orchestrator.address) as client:
         yield client
+
+
+def _plain(server, cluster: bool):
+    settings = server.settings()
+    if cluster:
+        return RedisCluster(host=server.host, port=server.ports[0], password=settings.password)
+    return redis.Redis(host="127.0.0.1", port=int(server.address.rsplit(":", 1)[1]), password=settings.password)
+
+
+@pytest.fixture
+def raw(request: pytest.FixtureRequest, redis_server, redis_cluster):
+    """A plain redis-py client of the database the test's client uses (the cluster for ``clustered``
+    and for the cluster case of a fixture parametrized "standalone"/"cluster"), to look at what is
+    stored as any Redis client would."""
+    callspec = getattr(request.node, "callspec", None)
+    cluster = "clustered" in request.fixturenames or (callspec is not None and "cluster" in callspec.params.values())
+    client = _plain(redis_cluster if cluster else redis_server, cluster)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def orch_raw(orchestrator: Orchestrator):
+    """A plain redis-py client of the shared Orchestrator's database."""
+    client = _plain(orchestrator.database, False)
+    yield client
+    client.close()

@@ -5,14 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis
+from redis.cluster import RedisCluster as PyCluster
+from redis.cluster import key_slot
 
+from smartredis_io import Client
 from smartredis_io.connection import Database
 
 
 @pytest.fixture(params=["standalone", "cluster"])
 def db(request: pytest.FixtureRequest) -> Database:
     server = request.getfixturevalue("redis_server" if request.param == "standalone" else "redis_cluster")
-    database = Database(server.address, request.param == "cluster", 5.0)
+    database = Database(server.settings())
     yield database
     database.close()
 
@@ -30,28 +33,76 @@ def test_exchange_replies_in_order_and_errors_as_pipelines_do(db: Database, uid:
     assert db.exchange([("BLPOP", key, 0.01)]) == [None]
 
 
-def test_exchange_across_cluster_nodes(clustered, uid: str) -> None:
-    db: Database = clustered._db
+def test_exchange_across_cluster_nodes(redis_cluster, uid: str) -> None:
     keys = [f"{uid}.{i}" for i in range(12)]  # no shared hash tag: spread over the 3 shards
-    assert len({db.redis.get_node_from_key(k).name for k in keys}) > 1
+    with PyCluster.from_url(f"redis://{redis_cluster.address.split(',')[0]}") as plain:
+        assert len({plain.get_node_from_key(k).name for k in keys}) > 1
+    db = Database(redis_cluster.settings())
     assert db.exchange([("SET", k, k) for k in keys]) == [True] * len(keys)  # redis-py's pipeline
     assert db.exchange([("GET", k) for k in keys]) == [k.encode() for k in keys]
+    db.close()
 
 
-def test_cluster_redirections_are_run_again_through_redis_py(clustered, uid: str, monkeypatch) -> None:
-    """Every command sent to the wrong shard is answered MOVED and run again, once, where it belongs."""
-    db: Database = clustered._db
-    key = f"{{{uid}}}.k"
-    right = db.redis.get_node_from_key(key)
-    wrong = next(n for n in db.redis.get_primaries() if n.name != right.name).redis_connection.connection_pool
-    monkeypatch.setattr(db, "_pool", lambda _key: wrong)
-    monkeypatch.setattr(db, "_shared_pool", lambda _commands: wrong)
-    assert db.exchange([("RPUSH", key, "a"), ("RPUSH", key, "b"), ("LRANGE", key, 0, -1)]) == [
-        1, 2, [b"a", b"b"]]
+class _Shards:
+    """Plain connections to each primary of the test cluster, to move slots as a resharding does."""
+
+    def __init__(self, cluster) -> None:
+        self.host = cluster.host
+        self.nodes = [redis.Redis(host=cluster.host, port=port) for port in cluster.ports]
+        self.ports = list(cluster.ports)
+        self.ids = [node.execute_command("CLUSTER", "MYID").decode() for node in self.nodes]
+
+    def owner(self, key: str) -> int:
+        slot = key_slot(key.encode())
+        for start, end, *holders in self.nodes[0].execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return self.ports.index(holders[0][1])
+        raise AssertionError(f"slot {slot} has no owner")
+
+    def migrate(self, key: str, dst: int) -> None:
+        """Move the slot of ``key``, with its keys, to primary ``dst``."""
+        slot, src = key_slot(key.encode()), self.owner(key)
+        self.nodes[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.ids[src])
+        self.nodes[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.ids[dst])
+        for name in self.nodes[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+            self.nodes[src].migrate(self.host, self.ports[dst], name, 0, 5000)
+        for node in self.nodes:
+            node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", self.ids[dst])
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid: str) -> None:
+    """Commands sent to a shard that no longer owns the slot are answered MOVED and run again where it lives.
+
+    A client learns the slot map, then slots move to another shard behind its back (as a resharding
+    does): the exchange, the zero-copy put and the zero-copy get each meet a real MOVED.
+    """
+    shards = _Shards(redis_cluster)
+    exchanged, put, got = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}"
+    home = {key: shards.owner(key) for key in (exchanged, put, got)}
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    clustered.put_tensor(key + ".t", array)  # set_parts
-    out = np.empty_like(array)
-    clustered.unpack_tensor(key + ".t", out)  # get_into
-    np.testing.assert_array_equal(out, array)
-    monkeypatch.undo()
-    assert db.redis.lrange(key, 0, -1) == [b"a", b"b"]
+    db = Database(redis_cluster.settings())
+    client = Client(True, redis_cluster.address)
+    try:
+        client.put_tensor(got, array)  # stored before its slot moves
+        db.exchange([("GET", exchanged)])
+        for key in (exchanged, put, got):
+            shards.migrate(key, (home[key] + 1) % len(shards.nodes))
+        assert db.exchange([("RPUSH", exchanged, "a"), ("RPUSH", exchanged, "b"), ("LRANGE", exchanged, 0, -1)]) == [
+            1, 2, [b"a", b"b"]]
+        client.put_tensor(put, array * 2)
+        out = np.empty_like(array)
+        client.unpack_tensor(got, out)
+        np.testing.assert_array_equal(out, array)
+        np.testing.assert_array_equal(client.get_tensor(put), array * 2)
+        assert shards.nodes[shards.owner(put)].exists(put) and shards.owner(put) != home[put]
+    finally:
+        client.close()
+        db.close()
+        for key, owner in home.items():
+            shards.migrate(key, owner)
+            shards.nodes[owner].delete(key)
+        shards.close()

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from redis.cluster import RedisCluster
+from redis.cluster import RedisCluster, key_slot
 
 from smartredis_io import Client, Dataset
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
@@ -28,11 +28,11 @@ def _dataset(name: str, seed: int = 0) -> Dataset:
     return ds
 
 
-def _keys(client: Client, pattern: str) -> list[bytes]:
+def _keys(raw, pattern: str) -> list[bytes]:
     """Keys matching ``pattern`` on every shard."""
-    if client._db.cluster:
-        return client._db.redis.keys(pattern, target_nodes=RedisCluster.ALL_NODES)
-    return client._db.redis.keys(pattern)
+    if isinstance(raw, RedisCluster):
+        return raw.keys(pattern, target_nodes=RedisCluster.ALL_NODES)
+    return raw.keys(pattern)
 
 
 def _assert_same(a: Dataset, b: Dataset) -> None:
@@ -58,14 +58,14 @@ def test_dataset_round_trip_with_metadata(any_client: Client, uid: str) -> None:
     assert back.get_meta_scalars("dt").dtype == np.float32
 
 
-def test_dataset_parts_share_one_shard(clustered: Client, uid: str) -> None:
+def test_dataset_parts_share_one_shard(clustered: Client, raw, uid: str) -> None:
     clustered.put_dataset(_dataset(uid))
-    keys = _keys(clustered, f"{{{uid}}}*")
+    keys = _keys(raw, f"{{{uid}}}*")
     assert len(keys) == 3  # manifest + two tensors
-    assert len({clustered._db.redis.keyslot(k) for k in keys}) == 1
+    assert len({key_slot(k) for k in keys}) == 1
 
 
-def test_dataset_copy_rename_delete(any_client: Client, uid: str) -> None:
+def test_dataset_copy_rename_delete(any_client: Client, raw, uid: str) -> None:
     any_client.put_dataset(_dataset(uid))
     any_client.copy_dataset(uid, uid + "copy")
     any_client.rename_dataset(uid + "copy", uid + "moved")
@@ -75,21 +75,21 @@ def test_dataset_copy_rename_delete(any_client: Client, uid: str) -> None:
     _assert_same(_dataset(uid), moved)
     any_client.delete_dataset(uid)
     assert not any_client.dataset_exists(uid)
-    assert not _keys(any_client, f"{{{uid}}}*"), "no part of the deleted dataset is left"
+    assert not _keys(raw, f"{{{uid}}}*"), "no part of the deleted dataset is left"
     with pytest.raises(RedisKeyError):
         any_client.get_dataset(uid)
     with pytest.raises(RedisKeyError):
         any_client.delete_dataset(uid)
 
 
-def test_overwriting_a_dataset_replaces_it_whole(standalone: Client, uid: str) -> None:
+def test_overwriting_a_dataset_replaces_it_whole(standalone: Client, raw, uid: str) -> None:
     standalone.put_dataset(_dataset(uid, 1))
     smaller = Dataset(uid)
     smaller.add_tensor("only", np.zeros(2))
     standalone.put_dataset(smaller)
     back = standalone.get_dataset(uid)
     assert back.get_tensor_names() == ["only"] and back.get_metadata_field_names() == []
-    assert len(_keys(standalone, f"{{{uid}}}*")) == 2  # the old version's tensors are gone
+    assert len(_keys(raw, f"{{{uid}}}*")) == 2  # the old version's tensors are gone
 
 
 def test_readers_never_see_half_a_dataset(redis_server, uid: str) -> None:
@@ -150,7 +150,7 @@ def test_dataset_bad_input() -> None:
 
 
 def test_list_aggregation_with_concurrent_producers(any_client: Client, redis_server, redis_cluster, uid: str) -> None:
-    cluster = any_client._db.cluster
+    cluster = "Clustered" in str(any_client)
     address = redis_cluster.address if cluster else redis_server.address
     total = PRODUCERS * DATASETS_PER_PRODUCER
     consumed: list[Dataset] = []
@@ -196,7 +196,7 @@ def test_list_aggregation_with_concurrent_producers(any_client: Client, redis_se
         any_client.copy_list(uid, uid + "x")
 
 
-def test_ensemble_prefixes(redis_server, monkeypatch, uid: str) -> None:
+def test_ensemble_prefixes(redis_server, raw, monkeypatch, uid: str) -> None:
     a, b = f"{uid}a", f"{uid}b"
     monkeypatch.setenv("SSDB", redis_server.address)
     monkeypatch.setenv("SSKEYOUT", a)
@@ -208,7 +208,6 @@ def test_ensemble_prefixes(redis_server, monkeypatch, uid: str) -> None:
     producer.append_to_list("l", ds)
     producer.use_model_ensemble_prefix(True)
     producer.set_script("s", "def f(x):\n    return x\n")
-    raw = producer._db.redis
     assert raw.exists(f"{a}.t") and raw.exists(f"{a}.{{d}}.meta") and raw.exists(f"{a}.l") and raw.exists(f"{a}.s")
 
     monkeypatch.setenv("SSKEYOUT", b)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 def foreground_sigint() -> None:
@@ -12,3 +18,42 @@ def foreground_sigint() -> None:
     shell starts background jobs (CI runners among them) with SIGINT ignored.
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process is stopped (SIGSTOP) inside the block: it keeps its sockets but answers nothing."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def call_within(seconds: float, fn: Callable[[], Any]) -> tuple[float, BaseException | None]:
+    """Run ``fn`` with a deadline of its own: (seconds it took, what it raised); fails the test on a hang."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+        outcome["elapsed"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise AssertionError(f"still running after {seconds} s: {fn}")
+    return outcome["elapsed"], outcome.get("error")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -13,6 +13,13 @@ def double(x):
 def add_and_sub(a, b):
     return a + b, a - b
 
+def slow(x):
+    # About a second of work: long enough to kill its worker in the middle.
+    y = x
+    for i in range(50000):
+        y = y + 1
+    return y - 50000
+
 def spin(x):
     # Runs until its worker is killed: the "worker dies mid-request" case.
     y = x
@@ -88,3 +95,47 @@ def _loader():
     x = torch.rand(32, 4, generator=generator)
     y = torch.stack([x.sum(1), x[:, 0] - x[:, 1]], dim=1)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+class MapsAFile(torch.nn.Module):
+    """A malicious model: maps ``path`` into a tensor with ``torch.from_file`` and overwrites its bytes."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        data = torch.from_file(self.path, True, 4, dtype=torch.uint8)
+        data.fill_(88)
+        return x + data.sum()
+
+
+class WritesWhileLoading(torch.nn.Module):
+    """A malicious model whose ``__setstate__`` (run by ``torch.jit.load``) overwrites ``path``."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.mapped = torch.zeros(4, dtype=torch.uint8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, bool]:
+        return (self.path, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.path = state[0]
+        self.training = state[1]
+        self.mapped = torch.from_file(self.path, True, 4, dtype=torch.uint8).fill_(88)
+
+
+#: A malicious script (``.format(path=...)`` first): overwrites the file ``path``.
+MAPS_A_FILE_SCRIPT = '''
+def touch(x):
+    data = torch.from_file("{path}", True, 4, dtype=torch.uint8)
+    data.fill_(88)
+    return x
+'''

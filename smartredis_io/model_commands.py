@@ -1,0 +1,413 @@
+"""Model and script commands of the SmartRedis client, run by ``smartredis_io.worker`` processes."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+
+import redis
+
+from smartredis_io import models, torchscript_policy
+from smartredis_io.client_base import ClientBase, command, names, poll
+from smartredis_io.configoptions import typecheck
+from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
+
+__all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
+
+BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
+EXECUTABLE_BACKENDS = ("TORCH",)
+REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, looking for dead workers between
+
+log = logging.getLogger(__name__)
+
+
+def _check_device(device: str) -> str:
+    typecheck(device, "device", str)
+    device = device.upper()
+    if not device.startswith(("CPU", "GPU")):
+        raise TypeError("Device argument must start with either CPU or GPU")
+    return device
+
+
+def _check_file(path: str) -> str:
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    return path
+
+
+class ModelCommands(ClientBase):
+    """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
+
+    _model_timeout_s: float
+
+    def _store(self, name: str, blob: bytes, manifest: models.Manifest) -> None:
+        models.store(self._db, self._put_key("model", name), blob, manifest)
+
+    @command
+    def set_model(
+        self,
+        name: str,
+        model: bytes,
+        backend: str = "TORCH",
+        device: str = "CPU",
+        batch_size: int = 0,
+        min_batch_size: int = 0,
+        min_batch_timeout: int = 0,
+        tag: str = "",
+        inputs: str | list[str] | None = None,
+        outputs: str | list[str] | None = None,
+    ) -> None:
+        """Put a serialized model to the database
+
+        The model (TorchScript bytes for backend ``TORCH``, e.g. from ``torch.jit.save``) is run by
+        the execution workers with ``run_model()``. With ``batch_size > 0`` the workers batch
+        concurrent requests as RedisAI does: up to ``batch_size`` rows, waiting at most
+        ``min_batch_timeout`` ms for ``min_batch_size`` of them. The key may be formed by applying a
+        prefix to the name; see ``use_model_ensemble_prefix()``. Replacing a model is atomic: a
+        request in flight runs either the old model or the new one.
+
+        :param name: name to store the model under
+        :type name: str
+        :param model: the serialized model
+        :type model: bytes
+        :param backend: name of the backend (TORCH, TF, TFLITE, ONNX); workers run TORCH
+        :type backend: str
+        :param device: device to run the model on: CPU or GPU
+        :type device: str
+        :param batch_size: batch size for model execution (0: no batching)
+        :type batch_size: int
+        :param min_batch_size: minimum batch size for model execution
+        :type min_batch_size: int
+        :param min_batch_timeout: max time (ms) to wait for the minimum batch size
+        :type min_batch_timeout: int
+        :param tag: additional tag for model information
+        :type tag: str
+        :param inputs: names of the model's inputs (informational for TORCH)
+        :type inputs: list[str]
+        :param outputs: names of the model's outputs (informational for TORCH)
+        :type outputs: list[str]
+        :raises TypeError: if an argument has the wrong type, or the backend or device is unknown
+        :raises RedisReplyError: if the batching arguments are inconsistent, no worker runs the
+            backend, the model is not a TorchScript archive, it uses an op that touches files,
+            processes or the network (see ``smartredis_io.torchscript_policy``), or it fails to set
+        """
+        typecheck(name, "name", str)
+        typecheck(model, "model", (bytes, bytearray, memoryview))
+        manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
+                                        inputs, outputs)
+        blob = bytes(model)
+        torchscript_policy.check_archive(blob, f"model {name!r}", "set_model")
+        self._store(name, blob, manifest)
+
+    @staticmethod
+    def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
+                        tag: str, inputs: str | list[str] | None, outputs: str | list[str] | None) -> models.Manifest:
+        typecheck(backend, "backend", str)
+        typecheck(batch_size, "batch_size", int)
+        typecheck(min_batch_size, "min_batch_size", int)
+        typecheck(min_batch_timeout, "min_batch_timeout", int)
+        typecheck(tag, "tag", str)
+        device = _check_device(device)
+        backend = backend.upper()
+        if backend not in BACKENDS:
+            raise TypeError(f"Backend type {backend} unsupported")
+        if backend not in EXECUTABLE_BACKENDS:
+            raise RedisReplyError(f"ERR unsupported backend {backend}: smartredis_io workers run TORCH models",
+                                  "set_model")
+        if min(batch_size, min_batch_size, min_batch_timeout) < 0:
+            raise RedisReplyError("ERR BATCHSIZE, MINBATCHSIZE and MINBATCHTIMEOUT must be non-negative", "set_model")
+        if min_batch_size and not batch_size:
+            raise RedisReplyError("ERR MINBATCHSIZE specified without BATCHSIZE", "set_model")
+        if min_batch_timeout and not min_batch_size:
+            raise RedisReplyError("ERR MINBATCHTIMEOUT specified without MINBATCHSIZE", "set_model")
+        if min_batch_size > batch_size:
+            raise RedisReplyError("ERR MINBATCHSIZE must not exceed BATCHSIZE", "set_model")
+        return models.Manifest(
+            "model", models.new_version(), backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
+            names(inputs, "inputs"), names(outputs, "outputs"),
+        )
+
+    def set_model_from_file(
+        self,
+        name: str,
+        model_file: str,
+        backend: str = "TORCH",
+        device: str = "CPU",
+        batch_size: int = 0,
+        min_batch_size: int = 0,
+        min_batch_timeout: int = 0,
+        tag: str = "",
+        inputs: str | list[str] | None = None,
+        outputs: str | list[str] | None = None,
+    ) -> None:
+        """Put a serialized model from a file to the database
+
+        As ``set_model()``, with the model read from ``model_file``.
+
+        :param name: name to store the model under
+        :type name: str
+        :param model_file: path to the serialized model
+        :type model_file: str
+        :param backend: name of the backend (TORCH, TF, TFLITE, ONNX); workers run TORCH
+        :type backend: str
+        :param device: device to run the model on: CPU or GPU
+        :type device: str
+        :param batch_size: batch size for model execution (0: no batching)
+        :type batch_size: int
+        :param min_batch_size: minimum batch size for model execution
+        :type min_batch_size: int
+        :param min_batch_timeout: max time (ms) to wait for the minimum batch size
+        :type min_batch_timeout: int
+        :param tag: additional tag for model information
+        :type tag: str
+        :param inputs: names of the model's inputs (informational for TORCH)
+        :type inputs: list[str]
+        :param outputs: names of the model's outputs (informational for TORCH)
+        :type outputs: list[str]
+        :raises TypeError: if an argument has the wrong type
+        :raises FileNotFoundError: if ``model_file`` does not exist
+        :raises RedisReplyError: if the model fails to set
+        """
+        typecheck(model_file, "model_file", str)
+        with open(_check_file(model_file), "rb") as f:
+            blob = f.read()
+        self.set_model(name, blob, backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs,
+                       outputs)
+
+    def _manifest_of(self, name: str, kind: str) -> tuple[str, models.Manifest]:
+        key = self._get_key("model", name)
+        manifest = models.load_manifest(self._db, key)
+        if manifest is None or manifest.kind != kind:
+            raise RedisKeyError(f"No {kind} stored at key {key!r}")
+        return key, manifest
+
+    @command
+    def get_model(self, name: str) -> bytes:
+        """Get a stored model
+
+        :param name: name the model is stored under
+        :type name: str
+        :return: the serialized model
+        :rtype: bytes
+        :raises RedisKeyError: if there is no model at that name
+        :raises RedisReplyError: if the retrieval fails
+        """
+        typecheck(name, "name", str)
+        key, manifest = self._manifest_of(name, "model")
+        return models.load_blob(self._db, key, manifest)
+
+    @command
+    def model_exists(self, name: str) -> bool:
+        """Check whether a model or script exists in the database
+
+        :param name: name the model or script would be stored under
+        :type name: str
+        :return: whether it exists
+        :rtype: bool
+        :raises RedisReplyError: if the check fails
+        """
+        typecheck(name, "name", str)
+        return models.load_manifest(self._db, self._get_key("model", name)) is not None
+
+    def poll_model(self, name: str, poll_frequency_ms: int, num_tries: int) -> bool:
+        """Wait for a model or script to exist in the database
+
+        :param name: name the model or script would be stored under
+        :type name: str
+        :param poll_frequency_ms: milliseconds between checks
+        :type poll_frequency_ms: int
+        :param num_tries: how many times to check
+        :type num_tries: int
+        :return: whether it was found
+        :rtype: bool
+        :raises RedisReplyError: if a check fails
+        """
+        return poll(lambda: self.model_exists(name), poll_frequency_ms, num_tries)
+
+    @command
+    def delete_model(self, name: str) -> None:
+        """Delete a stored model
+
+        :param name: name the model is stored under
+        :type name: str
+        :raises RedisKeyError: if there is no model at that name
+        :raises RedisReplyError: if the deletion fails
+        """
+        typecheck(name, "name", str)
+        self._manifest_of(name, "model")
+        models.delete(self._db, self._get_key("model", name))
+
+    def _alias_model(self, alias: str, target: str) -> None:
+        """Point the model name ``alias`` at the model stored under ``target`` (one write)."""
+        models.alias(self._db, self._put_key("model", alias), self._put_key("model", target))
+
+    @command
+    def set_script(self, name: str, script: str, device: str = "CPU") -> None:
+        """Put a TorchScript script to the database
+
+        The functions of the script run with ``run_script()``.
+
+        :param name: name to store the script under
+        :type name: str
+        :param script: TorchScript source code
+        :type script: str
+        :param device: device to run the script on: CPU or GPU
+        :type device: str
+        :raises TypeError: if an argument has the wrong type or the device is unknown
+        :raises RedisReplyError: if the script uses an op that touches files, processes or the
+            network (see ``smartredis_io.torchscript_policy``), or it fails to set
+        """
+        typecheck(name, "name", str)
+        typecheck(script, "script", str)
+        torchscript_policy.check_source(script, f"script {name!r}", "set_script")
+        self._store(name, script.encode(), models.Manifest("script", models.new_version(), device=_check_device(device)))
+
+    def set_function(self, name: str, function: Callable, device: str = "CPU") -> None:
+        """Put a TorchScript-compatible Python function to the database as a script
+
+        The function's source is stored; run it with ``run_script(name, function.__name__, ...)``.
+
+        :param name: name to store the script under
+        :type name: str
+        :param function: a TorchScript-compatible function
+        :type function: callable
+        :param device: device to run the function on: CPU or GPU
+        :type device: str
+        :raises TypeError: if the argument is not a callable function
+        :raises RedisReplyError: if the function fails to set
+        """
+        typecheck(name, "name", str)
+        if not callable(function):
+            raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
+        self.set_script(name, textwrap.dedent(inspect.getsource(function)), device)
+
+    def set_script_from_file(self, name: str, file: str, device: str = "CPU") -> None:
+        """Put a TorchScript script from a file to the database
+
+        :param name: name to store the script under
+        :type name: str
+        :param file: path to the TorchScript source file
+        :type file: str
+        :param device: device to run the script on: CPU or GPU
+        :type device: str
+        :raises TypeError: if an argument has the wrong type
+        :raises FileNotFoundError: if ``file`` does not exist
+        :raises RedisReplyError: if the script fails to set
+        """
+        typecheck(file, "file", str)
+        with open(_check_file(file)) as f:
+            self.set_script(name, f.read(), device)
+
+    @command
+    def get_script(self, name: str) -> str:
+        """Get a stored script
+
+        :param name: name the script is stored under
+        :type name: str
+        :return: the script's source
+        :rtype: str
+        :raises RedisKeyError: if there is no script at that name
+        :raises RedisReplyError: if the retrieval fails
+        """
+        typecheck(name, "name", str)
+        key, manifest = self._manifest_of(name, "script")
+        return models.load_blob(self._db, key, manifest).decode()
+
+    @command
+    def delete_script(self, name: str) -> None:
+        """Delete a stored script
+
+        :param name: name the script is stored under
+        :type name: str
+        :raises RedisKeyError: if there is no script at that name
+        :raises RedisReplyError: if the deletion fails
+        """
+        typecheck(name, "name", str)
+        self._manifest_of(name, "script")
+        models.delete(self._db, self._get_key("model", name))
+
+    @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
+    def run_model(self, name: str, inputs: str | list[str] | None = None, outputs: str | list[str] | None = None) -> None:
+        """Execute a stored model
+
+        An execution worker runs the model on the input tensors and stores the outputs; the call
+        returns when they are stored. Input keys are formed with the read prefix, output keys with
+        the write prefix (see ``use_tensor_ensemble_prefix()``).
+
+        :param name: name the model is stored under
+        :type name: str
+        :param inputs: names of the input tensors
+        :type inputs: str | list[str]
+        :param outputs: names to store the output tensors at
+        :type outputs: str | list[str]
+        :raises TypeError: if an argument has the wrong type
+        :raises RedisReplyError: if the worker reports an error (unknown model or tensor, a
+            failure of the model)
+        :raises RedisTimeoutError: if no worker finished it within ``SR_MODEL_TIMEOUT`` ms
+        """
+        typecheck(name, "name", str)
+        self._run("model", name, "", names(inputs, "inputs"), names(outputs, "outputs"), "run_model")
+
+    @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
+    def run_script(self, name: str, fn_name: str, inputs: str | list[str], outputs: str | list[str]) -> None:
+        """Execute a function of a stored script
+
+        :param name: name the script is stored under
+        :type name: str
+        :param fn_name: name of the function in the script
+        :type fn_name: str
+        :param inputs: names of the input tensors
+        :type inputs: str | list[str]
+        :param outputs: names to store the output tensors at
+        :type outputs: str | list[str]
+        :raises TypeError: if an argument has the wrong type
+        :raises RedisReplyError: if the worker reports an error (unknown script, function or
+            tensor, a failure of the function)
+        :raises RedisTimeoutError: if no worker finished it within ``SR_MODEL_TIMEOUT`` ms
+        """
+        typecheck(name, "name", str)
+        typecheck(fn_name, "fn_name", str)
+        self._run("script", name, fn_name, names(inputs, "inputs"), names(outputs, "outputs"), "run_script")
+
+    def _run(self, kind: str, name: str, fn_name: str, inputs: list[str], outputs: list[str], method: str) -> None:
+        timeout_s = self._model_timeout_s
+        deadline = time.monotonic() + timeout_s
+        request = models.Request(
+            uuid.uuid4().hex, kind, self._get_key("model", name),
+            [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
+            time.time() + timeout_s, fn_name,
+        )
+        # One round trip: both keys share the {srio} tag, and the pop blocks until the reply. The
+        # wait is cut in slices: between them, workers whose heartbeat stopped are reaped (their
+        # requests run again elsewhere, or are answered with an error), so a dead worker costs
+        # seconds, not the whole timeout.
+        wait = min(REPLY_SLICE_S, timeout_s)
+        popped = self._db.exchange(
+            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, wait)], block_s=wait
+        )[1]
+        while popped is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RedisTimeoutError(
+                    f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms (SR_MODEL_TIMEOUT; "
+                    "no execution worker answered: is one running on this database?)", method,
+                )
+            self._reap_dead_workers()
+            wait = min(REPLY_SLICE_S, remaining)
+            popped = self._db.exchange([("BLPOP", request.reply_key, wait)], block_s=wait)[0]
+        reply = json.loads(popped[1])
+        if not reply["ok"]:
+            raise RedisReplyError(reply["error"], method)
+
+    def _reap_dead_workers(self) -> None:
+        try:
+            models.reap_dead_workers(self._db)
+        except redis.exceptions.RedisError as exc:  # e.g. an ACL user without the right: workers reap too
+            log.debug("could not look for dead workers: %s", exc)

@@ -1,0 +1,231 @@
+"""One CheckpointIO contract, checked against all three plugins.
+
+Each plugin is a drop-in for Lightning's ``TorchCheckpointIO``: the same signatures (with
+``@override``), ``weights_only`` following torch's default unless the caller chooses, missing
+checkpoints reported as ``FileNotFoundError`` naming the path, paths of another storage refused,
+copies made by pickling (as spawn-based strategies do) that work, and real ``Trainer`` runs whose
+top-k removal leaves only the newest checkpoints, also behind ``AsyncCheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+
+@dataclass
+class Storage:
+    """A plugin under test and where it keeps checkpoints."""
+
+    make: Callable[[], CheckpointIO]
+    base: str  # a "directory" of this storage (a path, or a URL with a scheme)
+    foreign_path: str  # a path of another storage, which the plugin must refuse
+
+    def path(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+    def listing(self) -> list[str]:
+        """Names of the checkpoint files under ``base``, through fsspec as Lightning sees them."""
+        fs, root = fsspec.core.url_to_fs(self.base)
+        fs.invalidate_cache()
+        if not fs.exists(root):
+            return []
+        return sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False) if p.endswith(".ckpt"))
+
+
+def _o_direct_dir(tmp_path: Path) -> Path:
+    probe = tmp_path / ".probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
+    probe.unlink()
+    return tmp_path
+
+
+@pytest.fixture(params=["dataflux_ckpt", "fastpersist", "smartredis_io"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
+    run = uuid.uuid4().hex[:10]
+    if request.param == "dataflux_ckpt":
+        from dataflux_ckpt import DatafluxCheckpointIO
+
+        bucket = request.getfixturevalue("gcs_bucket")
+        yield Storage(lambda: DatafluxCheckpointIO(), f"gs://{bucket}/{run}", str(tmp_path / "local.ckpt"))
+    elif request.param == "fastpersist":
+        from fastpersist import FastPersistCheckpointIO
+
+        root = _o_direct_dir(tmp_path) / run
+        root.mkdir()
+        yield Storage(lambda: FastPersistCheckpointIO(io_buffer_mb=1), str(root), f"gs://bucket/{run}/x.ckpt")
+    else:
+        from smartredis_io import SmartRedisCheckpointIO
+
+        address = request.getfixturevalue("redis_server").address
+        # Lightning lists and removes redis:// checkpoints through fsspec, which connects where a
+        # SmartRedis client would: $SSDB.
+        request.getfixturevalue("monkeypatch").setenv("SSDB", address)
+        yield Storage(lambda: SmartRedisCheckpointIO(address=address), f"redis://{run}", f"gs://bucket/{run}/x.ckpt")
+
+
+def _state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(7)
+    return {
+        "state_dict": {
+            "weight": torch.randn(64, 33, generator=generator),
+            "bias": torch.randn(33, generator=generator).to(torch.bfloat16),
+            "steps": torch.arange(5, dtype=torch.int64),
+        },
+        "global_step": 12,
+        "epoch": 1,
+        "nested": {"lr": [0.1, 0.01], "name": "adam", "flags": (True, None)},
+    }
+
+
+def _assert_same(loaded: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(loaded, torch.Tensor) and loaded.dtype == expected.dtype
+        assert torch.equal(loaded, expected)
+    elif isinstance(expected, dict):
+        assert loaded.keys() == expected.keys()
+        for key in expected:
+            _assert_same(loaded[key], expected[key])
+    elif isinstance(expected, list | tuple):
+        assert type(loaded) is type(expected) and len(loaded) == len(expected)
+        for a, b in zip(loaded, expected, strict=True):
+            _assert_same(a, b)
+    else:
+        assert loaded == expected
+
+
+class _RunsCode:
+    """A pickle payload that creates a file when unpickled: what a malicious writer would store."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint", "remove_checkpoint"])
+def test_signatures_are_lightnings_with_override(storage: Storage, method: str) -> None:
+    plugin = storage.make()
+    ours = inspect.signature(getattr(type(plugin), method))
+    lightning = inspect.signature(getattr(CheckpointIO, method))
+    expected = list(lightning.parameters)
+    if method == "load_checkpoint" and "weights_only" not in expected:
+        expected.append("weights_only")  # Lightning before 2.6 has no weights_only; we take it on every version
+    assert list(ours.parameters) == expected
+    for name, parameter in lightning.parameters.items():
+        assert ours.parameters[name].default == parameter.default, f"{method}({name}=...)"
+    if method == "load_checkpoint":
+        assert ours.parameters["weights_only"].default is None
+    assert getattr(getattr(type(plugin), method), "__override__", False), f"{method} lacks @override"
+
+
+def test_round_trip_is_exact(storage: Storage) -> None:
+    plugin = storage.make()
+    path = storage.path("round-trip.ckpt")
+    plugin.save_checkpoint(_state(), path)
+    _assert_same(plugin.load_checkpoint(path, map_location="cpu"), _state())
+    _assert_same(plugin.load_checkpoint(path, weights_only=True), _state())
+    plugin.teardown()
+
+
+def test_loading_runs_no_code_unless_the_caller_asks(storage: Storage, tmp_path: Path) -> None:
+    plugin = storage.make()
+    path = storage.path("payload.ckpt")
+    marker = tmp_path / "code-ran"
+    plugin.save_checkpoint({"state_dict": {}, "payload": _RunsCode(str(marker))}, path)
+
+    with pytest.raises(Exception) as refused:  # torch's UnpicklingError, or the plugin's error naming the path
+        plugin.load_checkpoint(path)
+    assert not marker.exists(), "loading with the default weights_only ran code from the checkpoint"
+    assert "weights_only" in str(refused.value)
+
+    plugin.load_checkpoint(path, weights_only=False)  # the caller's explicit choice is passed through
+    assert marker.exists()
+    plugin.teardown()
+
+
+def test_missing_checkpoint_is_file_not_found_naming_it(storage: Storage) -> None:
+    plugin = storage.make()
+    path = storage.path("never-saved.ckpt")
+    with pytest.raises(FileNotFoundError, match="never-saved.ckpt"):
+        plugin.load_checkpoint(path)
+    plugin.remove_checkpoint(path)  # removing what is not there is not an error, as in TorchCheckpointIO
+
+
+def test_remove_then_load_is_file_not_found(storage: Storage) -> None:
+    plugin = storage.make()
+    path = storage.path("removed.ckpt")
+    plugin.save_checkpoint(_state(), path)
+    plugin.remove_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        plugin.load_checkpoint(path)
+
+
+def test_path_of_another_storage_is_refused(storage: Storage, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a plugin that took a URL for a relative local path writes here, not in the checkout
+    plugin = storage.make()
+    with pytest.raises(ValueError, match=r"gs://|local|path|URL|scheme"):
+        plugin.save_checkpoint(_state(), storage.foreign_path)
+
+
+def test_a_pickled_copy_works(storage: Storage) -> None:
+    plugin = storage.make()
+    path = storage.path("before-pickling.ckpt")
+    plugin.save_checkpoint(_state(), path)  # the original has opened its connections or handles
+    copy = pickle.loads(pickle.dumps(plugin))
+    _assert_same(copy.load_checkpoint(path), _state())
+    copy.save_checkpoint(_state(), storage.path("from-the-copy.ckpt"))
+    _assert_same(plugin.load_checkpoint(storage.path("from-the-copy.ckpt")), _state())
+    copy.teardown()
+    plugin.teardown()
+
+
+class _ScoredModel(BoringModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        self.log("score", float(self.global_step))
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap_async", [False, True], ids=["sync", "async"])
+def test_trainer_top_k_keeps_only_the_newest(storage: Storage, tmp_path: Path, wrap_async: bool) -> None:
+    plugin: CheckpointIO = storage.make()
+    if wrap_async:
+        plugin = AsyncCheckpointIO(plugin)
+    trainer = Trainer(
+        default_root_dir=tmp_path, max_steps=8, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1, plugins=[plugin],
+        callbacks=[ModelCheckpoint(dirpath=storage.base, monitor="score", mode="max", save_top_k=1,
+                                   every_n_train_steps=1, save_last=True)],
+    )
+    trainer.fit(_ScoredModel())
+    assert storage.listing() == ["epoch=0-step=8.ckpt", "last.ckpt"]
+
+    resumed = Trainer(
+        default_root_dir=tmp_path, max_steps=10, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1,
+        plugins=[storage.make()], enable_checkpointing=False,
+    )
+    resumed.fit(_ScoredModel(), ckpt_path=storage.path("last.ckpt"))
+    assert resumed.global_step == 10
