@@ -13,7 +13,6 @@ first use and stops everything on exit:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import tempfile
 import uuid
@@ -164,12 +163,6 @@ def _xml_server(upstream: str, public_url: str | None) -> Any:
     """The XML multipart server in front of ``upstream``, handing out ``public_url`` where given."""
     from dataflux_ckpt.xml_server import XmlMultipartServer
 
-    if public_url is None:
-        return XmlMultipartServer(upstream)
-    if "public_url" not in inspect.signature(XmlMultipartServer).parameters:
-        log.warning("this XmlMultipartServer cannot hand out the network model's URL: resumable-upload "
-                    "sessions (gcsfs saves, saves without the transfer manager) bypass the model")
-        return XmlMultipartServer(upstream)
     return XmlMultipartServer(upstream, public_url=public_url)
 
 

@@ -17,11 +17,11 @@ from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
-# The checkout's set-up (`make setup`) builds fake-gcs-server here; the installed package never looks
-# in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
-_CHECKOUT_FAKE_GCS = ROOT / ".tools" / "bin" / "fake-gcs-server"
-if _CHECKOUT_FAKE_GCS.exists():
-    os.environ.setdefault("FAKE_GCS_SERVER_BIN", str(_CHECKOUT_FAKE_GCS))
+# The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
+# looks in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
+for _binary, _env_var in (("fake-gcs-server", "FAKE_GCS_SERVER_BIN"), ("toxiproxy-server", "TOXIPROXY_SERVER_BIN")):
+    if (ROOT / ".tools" / "bin" / _binary).exists():
+        os.environ.setdefault(_env_var, str(ROOT / ".tools" / "bin" / _binary))
 # Child processes (workers, fresh-process readers) import the test-support package too.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
