@@ -1,16 +1,20 @@
 """FastPersist checkpoint benchmark: the DeepNVMe FastPersist micro-benchmarks, no-patch, offline.
 
-``python -m benchmarks.fastpersist tensor|model|deepspeed --folder DIR --io_buffer_mb 256 [--json PATH]``
+``python -m benchmarks.fastpersist tensor|model|deepspeed --folder DIR [--device cuda] [--json PATH]``
 
-Each row is the median of ``--repeat`` runs, printed in the seed's form
-(``test_save -- 14.23 GB, 11.40 secs, 1.25 GB/s``), then as a table with ratios to the baseline
-(torch.save / torch.load) and to the ceiling (raw sequential O_DIRECT transfers of the same byte count
-through the same aio handle, measured in the same run).
+Rows run interleaved in rounds (A B C A B C ...), ``--repeat`` rounds; each row reports the median
+(and min/max) of its rounds, printed as ``test_save -- 14.23 GB, 11.40 secs, 1.25 GB/s`` lines and a
+table with ratios to the baseline (torch.save / torch.load, durable with durable) and to the ceiling
+(raw sequential O_DIRECT transfers of the same byte count, through the same aio handle, in the same
+run). With ``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned
+device-to-host / host-to-device copy rates are measured as further ceilings.
 
 - ``tensor``: a state dict of ``--num_tensors`` float32 tensors totalling ``--size_mb`` MiB.
-- ``model``: a GPT-style model built in code with random weights, about ``--params`` parameters.
-- ``deepspeed``: that model under a DeepSpeed engine (CPU, one process), ``engine.save_checkpoint``
-  with DeepSpeed's torch.save engine against the FastPersist checkpoint engine.
+- ``model``: a GPT-style model built in code with random weights, about ``--params`` parameters
+  (bf16 on the GPU).
+- ``deepspeed``: that model under a DeepSpeed engine (one process), ``engine.save_checkpoint`` with
+  DeepSpeed's torch.save engine (as is, and made durable by fsyncing every file it wrote) against
+  the FastPersist checkpoint engine (durable: every file is fsynced before it is renamed into place).
 """
 
 from __future__ import annotations
@@ -22,27 +26,29 @@ import math
 import os
 import shutil
 import socket
+import statistics
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, timed, write_json
-from fastpersist import fastpersist_load, fastpersist_save, get_aio_handle, get_pinned_buffer
-from fastpersist.handles import ALIGNMENT_BYTES, MiB, aio_op
+from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, write_json
+from fastpersist import FastPersistContext, _deepspeed_compat, fastpersist_load, fastpersist_save
+from fastpersist.aio import aio_unavailable_reason
+from fastpersist.memory import ALIGNMENT_BYTES, MiB
 
 log = logging.getLogger("benchmarks.fastpersist")
 
-GB = 1024**3  # the seed's "GB" (2**30 bytes)
-RSS_ALLOWANCE_MB = 64  # issue 3: extra RSS during a save <= pinned buffer + 64 MiB
+GB = 1024**3  # DeepNVMe's "GB" (2**30 bytes)
+RSS_ALLOWANCE_MB = 64  # extra RSS during a save stays within pinned buffer + 64 MiB
 VOCAB_SIZE = 50257
 CONTEXT = 1024
 MODEL_WIDTHS = ((2e8, 768), (6e8, 1024), (2e9, 2048), (math.inf, 4096))  # (params below, d_model)
-SAVE_ROWS = ("test_save", "test_fastpersist_aio_nopatch", "test_fastpersist_py_nopatch")
 LOAD_ROWS = ("test_fastpersist_load", "test_torch_load")
 
 
@@ -50,16 +56,48 @@ LOAD_ROWS = ("test_fastpersist_load", "test_torch_load")
 class Row:
     name: str
     bytes: int
-    seconds: float
+    times: list[float]
     engine: str
     rss_extra_mb: float | None = None
+    note: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
 
     @property
     def gbps(self) -> float:
         return self.bytes / GB / self.seconds if self.seconds > 0 else 0.0
 
-    def seed_line(self) -> str:
+    def summary_line(self) -> str:
         return f"{self.name:<30} -- {self.bytes / GB:.2f} GB, {self.seconds:.2f} secs, {self.gbps:.2f} GB/s"
+
+
+@dataclass
+class Case:
+    """One row: ``run`` timed once per round, ``before`` untimed ahead of it."""
+
+    name: str
+    engine: str
+    run: Callable[[], Any]
+    size: Callable[[], int]
+    before: Callable[[], None] = lambda: None
+    note: str = ""
+    times: list[float] = field(default_factory=list)
+    rss_extra_mb: float = 0.0
+
+
+def run_rounds(cases: list[Case], rounds: int) -> list[Row]:
+    """Each case once per round, in order, ``rounds`` times (A B C A B C ...)."""
+    for _ in range(rounds):
+        for case in cases:
+            case.before()
+            with PeakRSS() as rss:
+                start = time.perf_counter()
+                case.run()
+                case.times.append(time.perf_counter() - start)
+            case.rss_extra_mb = max(case.rss_extra_mb, rss.peak_mb - rss.start_mb)
+    return [Row(c.name, c.size(), c.times, c.engine, c.rss_extra_mb, c.note) for c in cases]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,13 +108,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--folder", required=True, type=Path, help="directory on the NVMe device to write to")
     parser.add_argument("--io_buffer_mb", type=int, default=256, help="pinned staging buffer size (MiB)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; each row reports its median")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the state dict lives")
     parser.add_argument("--size_mb", type=int, default=1024, help="tensor workload: total MiB")
     parser.add_argument("--num_tensors", type=int, default=64, help="tensor workload: number of tensors")
     parser.add_argument(
         "--params", default="125M", help="model/deepspeed workloads: parameter count, e.g. 125M, 1.3B"
     )
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available on this machine")
     if not args.folder.is_dir():
         parser.error(f"--folder {args.folder} is not a directory")
     return args
@@ -120,7 +161,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         return self.lm_head(self.ln_f(self.blocks(x)))
 
 
@@ -151,8 +192,12 @@ def raw_odirect(path: Path, num_bytes: int, handle: Any, buffer: torch.Tensor, w
             )  # as fastpersist_save does: in-file O_DIRECT writes run async
         for offset in range(0, num_bytes, buffer.numel()):
             chunk = buffer.narrow(0, 0, min(buffer.numel(), num_bytes - offset))
+            if not write and not _deepspeed_compat.reads_at_offset(handle):
+                if os.preadv(fd, [memoryview(chunk.numpy())], offset) != chunk.numel():
+                    raise OSError(f"raw O_DIRECT read failed at offset {offset} of {path}")
+                continue
             status = (
-                handle.async_pwrite(chunk, fd, offset)
+                _deepspeed_compat.async_pwrite(handle, chunk, fd, str(path), offset)
                 if write
                 else handle.async_pread(chunk, str(path), offset)
             )
@@ -166,54 +211,133 @@ def raw_odirect(path: Path, num_bytes: int, handle: Any, buffer: torch.Tensor, w
         os.close(fd)
 
 
-def bench_state(
-    obj: Any, folder: Path, args: argparse.Namespace, handle: Any, buffer: torch.Tensor
-) -> list[Row]:
-    """Every row for one object: saves, loads and the raw O_DIRECT ceiling."""
-    rows = []
+def bench_state(obj: Any, folder: Path, args: argparse.Namespace, context: FastPersistContext) -> list[Row]:
+    """Every row for one object, interleaved in rounds: saves, loads, raw O_DIRECT and copy ceilings."""
+    handle, buffer = context.aio_handle(), context.staging_buffer()
     torch_file, fast_file, raw_file = (
         folder / "torch_save.pt",
         folder / "fastpersist.pt",
         folder / "raw_odirect.bin",
     )
+    location = args.device
     # Every write goes to a fresh file: freeing the previous one's blocks is not what is measured.
-    seconds, _ = timed(
-        lambda: torch_save_fsync(obj, torch_file), args.repeat, lambda: torch_file.unlink(missing_ok=True)
-    )
-    rows.append(Row("test_save", torch_file.stat().st_size, seconds, "torch.save"))
-    for name, engine in (("test_fastpersist_aio_nopatch", "aio"), ("test_fastpersist_py_nopatch", "python")):
-        with PeakRSS() as rss:
-            seconds, stats = timed(
-                lambda e=engine: fastpersist_save(obj, fast_file, handle, buffer, engine=e),
-                args.repeat,
-                lambda: fast_file.unlink(missing_ok=True),
+    fresh = {path: (lambda p=path: p.unlink(missing_ok=True)) for path in (torch_file, fast_file, raw_file)}
+    save_engines = [("test_fastpersist_aio_nopatch", "aio")]
+    if args.device == "cuda" and context.gds_unusable_reason(str(folder)) is None:
+        save_engines.append(("test_fastpersist_gds_nopatch", "gds"))
+    save_engines.append(("test_fastpersist_py_nopatch", "python"))
+    cases = [
+        Case(
+            "test_save",
+            "torch.save",
+            lambda: torch_save_fsync(obj, torch_file),
+            lambda: torch_file.stat().st_size,
+            fresh[torch_file],
+            "durable (fsync)",
+        )
+    ]
+    for name, engine in save_engines:
+        with_engine = (
+            FastPersistContext(engine=engine, io_buffer_mb=args.io_buffer_mb, aio_handle=handle)
+            if engine == "gds"
+            else context
+        )
+        cases.append(
+            Case(
+                name,
+                engine,
+                lambda e=engine, c=with_engine: fastpersist_save(obj, fast_file, context=c, engine=e),
+                lambda: fast_file.stat().st_size,
+                fresh[fast_file],
+                "durable (fsync)",
             )
-        rows.append(Row(name, stats.bytes, seconds, stats.engine, rss.peak_mb - rss.start_mb))
-    seconds, _ = timed(lambda: fastpersist_load(fast_file, None, True, handle, buffer), args.repeat)
-    rows.append(
-        Row("test_fastpersist_load", fast_file.stat().st_size, seconds, "aio" if aio_op() else "python")
-    )
-    seconds, _ = timed(
-        lambda: torch.load(torch_file, weights_only=True), args.repeat, lambda: drop_file_cache(torch_file)
-    )
-    rows.append(Row("test_torch_load", torch_file.stat().st_size, seconds, "torch.load"))
-    num_bytes = fast_file.stat().st_size
-    seconds, _ = timed(
-        lambda: raw_odirect(raw_file, num_bytes, handle, buffer, write=True),
-        args.repeat,
-        lambda: raw_file.unlink(missing_ok=True),
-    )
-    rows.append(Row("raw_odirect_write", num_bytes, seconds, "aio"))
-    seconds, _ = timed(lambda: raw_odirect(raw_file, num_bytes, handle, buffer, write=False), args.repeat)
-    rows.append(Row("raw_odirect_read", num_bytes, seconds, "aio"))
-    for path in (torch_file, fast_file, raw_file):
-        path.unlink(missing_ok=True)
-    return rows
+        )
+    cases += [
+        Case(
+            "test_torch_load",
+            "torch.load",
+            lambda: torch.load(torch_file, map_location=location, weights_only=True),
+            lambda: torch_file.stat().st_size,
+            lambda: drop_file_cache(torch_file),
+        ),
+        Case(
+            "test_fastpersist_load",
+            "python",
+            lambda: fastpersist_load(fast_file, map_location=location, context=context),
+            lambda: fast_file.stat().st_size,
+        ),
+        Case(
+            "raw_odirect_write",
+            "aio",
+            lambda: raw_odirect(raw_file, fast_file.stat().st_size, handle, buffer, write=True),
+            lambda: fast_file.stat().st_size,
+            fresh[raw_file],
+            "ceiling",
+        ),
+        Case(
+            "raw_odirect_read",
+            "aio",
+            lambda: raw_odirect(raw_file, fast_file.stat().st_size, handle, buffer, write=False),
+            lambda: fast_file.stat().st_size,
+            note="ceiling",
+        ),
+    ]
+    if args.device == "cuda":
+        device_bytes = torch.empty(buffer.numel(), dtype=torch.uint8, device="cuda")
+        pinned = buffer if buffer.is_pinned() else buffer.pin_memory()
+        copies = max(1, state_bytes(obj) // pinned.numel())
+        cases += [
+            Case(
+                "pinned_d2h_copy",
+                "cuda",
+                lambda: copy_rounds(pinned, device_bytes, copies),
+                lambda: copies * pinned.numel(),
+                note="ceiling",
+            ),
+            Case(
+                "pinned_h2d_copy",
+                "cuda",
+                lambda: copy_rounds(device_bytes, pinned, copies),
+                lambda: copies * pinned.numel(),
+                note="ceiling",
+            ),
+        ]
+    # The files the loads and the read ceiling need exist before the first round.
+    torch_save_fsync(obj, torch_file)
+    fastpersist_save(obj, fast_file, context=context)
+    raw_odirect(raw_file, fast_file.stat().st_size, handle, buffer, write=True)
+    try:
+        return run_rounds(cases, args.repeat)
+    finally:
+        for path in (torch_file, fast_file, raw_file):
+            path.unlink(missing_ok=True)
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the distinct storages in a (nested) state dict."""
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            seen[item.untyped_storage().data_ptr()] = item.untyped_storage().nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(seen.values())
+
+
+def copy_rounds(target: torch.Tensor, source: torch.Tensor, count: int) -> None:
+    """``count`` whole-buffer copies between pinned host and device memory, then a sync."""
+    for _ in range(count):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
-def single_process_group() -> Iterator[None]:
-    """torch.distributed over gloo for one local process, as DeepSpeed needs; torn down after."""
+def single_process_group(device: str) -> Iterator[None]:
+    """torch.distributed (gloo on CPU, nccl on CUDA) for one local process, as DeepSpeed needs."""
     import importlib
 
     import deepspeed
@@ -226,40 +350,96 @@ def single_process_group() -> Iterator[None]:
     )
     # One process needs no shared-memory allreduce op (a minutes-long JIT build on CPU).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
     try:
         yield
     finally:
         torch.distributed.destroy_process_group()
 
 
-def bench_deepspeed(model: nn.Module, folder: Path, args: argparse.Namespace, handle: Any) -> list[Row]:
-    """``engine.save_checkpoint`` with DeepSpeed's torch.save engine, then with FastPersist."""
+def bench_deepspeed(
+    model: nn.Module, folder: Path, args: argparse.Namespace, context: FastPersistContext
+) -> list[Row]:
+    """``engine.save_checkpoint`` with DeepSpeed's torch.save engine (as is, and durable) and FastPersist."""
     import deepspeed
 
-    from fastpersist import enable_fastpersist
+    from fastpersist import FastPersistCheckpointEngine
 
     config = {"train_batch_size": 1, "zero_optimization": {"stage": 0}}
-    with single_process_group():
+    if args.device == "cuda":
+        config["bf16"] = {"enabled": True}
+    with single_process_group(args.device):
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config
         )
-        engine.backward(engine(torch.randint(0, VOCAB_SIZE, (1, 8))).float().mean())
+        tokens = torch.randint(0, VOCAB_SIZE, (1, 8), device=args.device)
+        engine.backward(engine(tokens).float().mean())
         engine.step()  # optimizer state exists from here on
-        rows = []
-        for name in ("test_deepspeed_save", "test_deepspeed_fastpersist"):
-            target = folder / name
-            if name == "test_deepspeed_fastpersist":
-                enable_fastpersist(engine, io_buffer_mb=args.io_buffer_mb, aio_handle=handle)
-            seconds, _ = timed(lambda t=target: engine.save_checkpoint(t, tag="bench"), args.repeat)
-            num_bytes = sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
-            rows.append(Row(name, num_bytes, seconds, engine.checkpoint_engine.name))
-            shutil.rmtree(target)
-    return rows
+        default_engine = engine.checkpoint_engine
+        fast_engine = FastPersistCheckpointEngine(context=context)
+        targets = {
+            name: folder / name
+            for name in ("deepspeed_save", "deepspeed_save_durable", "deepspeed_fastpersist")
+        }
+
+        def save(name: str, checkpoint_engine: Any, durable: bool = False) -> None:
+            engine.checkpoint_engine = checkpoint_engine
+            engine.save_checkpoint(targets[name], tag="bench")
+            if durable:  # what FastPersist guarantees: every file and directory entry on disk
+                fsync_tree(targets[name])
+
+        def size(name: str) -> Callable[[], int]:
+            return lambda: sum(p.stat().st_size for p in targets[name].rglob("*") if p.is_file())
+
+        def fresh(name: str) -> Callable[[], None]:
+            return lambda: shutil.rmtree(targets[name], ignore_errors=True)
+
+        cases = [
+            Case(
+                "test_deepspeed_save",
+                getattr(default_engine, "name", None) or "torch",
+                lambda: save("deepspeed_save", default_engine),
+                size("deepspeed_save"),
+                fresh("deepspeed_save"),
+                "not durable (no fsync)",
+            ),
+            Case(
+                "test_deepspeed_save_durable",
+                getattr(default_engine, "name", None) or "torch",
+                lambda: save("deepspeed_save_durable", default_engine, durable=True),
+                size("deepspeed_save_durable"),
+                fresh("deepspeed_save_durable"),
+                "baseline: + fsync of every file",
+            ),
+            Case(
+                "test_deepspeed_fastpersist",
+                fast_engine.name,
+                lambda: save("deepspeed_fastpersist", fast_engine),
+                size("deepspeed_fastpersist"),
+                fresh("deepspeed_fastpersist"),
+                "durable (fsync)",
+            ),
+        ]
+        try:
+            return run_rounds(cases, args.repeat)
+        finally:
+            engine.checkpoint_engine = default_engine
+            for target in targets.values():
+                shutil.rmtree(target, ignore_errors=True)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself)."""
+    for path in [*root.rglob("*"), root]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def summarize(rows: list[Row]) -> list[dict[str, Any]]:
-    """JSON rows with ratios to the baseline (torch) and the ceiling (raw O_DIRECT) of the same kind."""
+    """JSON rows with ratios to the baseline and the ceiling of the same kind (save/load)."""
     by_name = {row.name: row for row in rows}
 
     def gbps(name: str) -> float | None:
@@ -268,18 +448,24 @@ def summarize(rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     for row in rows:
         is_load = row.name in LOAD_ROWS or row.name == "raw_odirect_read"
-        baseline = gbps("test_torch_load" if is_load else "test_save") or gbps("test_deepspeed_save")
+        baseline = gbps("test_torch_load" if is_load else "test_save") or gbps("test_deepspeed_save_durable")
         ceiling = gbps("raw_odirect_read" if is_load else "raw_odirect_write")
+        is_ceiling = row.note == "ceiling"
         out.append(
             {
                 "name": row.name,
                 "bytes": row.bytes,
                 "seconds": row.seconds,
+                "seconds_min": min(row.times),
+                "seconds_max": max(row.times),
                 "gbps": row.gbps,
                 "engine": row.engine,
-                "vs_baseline": ratio(row.gbps, baseline),
-                "vs_ceiling": ratio(row.gbps, ceiling),
+                "vs_baseline": None if is_ceiling else ratio(row.gbps, baseline),
+                "vs_ceiling": None
+                if is_ceiling or row.name.startswith("test_deepspeed")
+                else ratio(row.gbps, ceiling),
                 "rss_extra_mb": row.rss_extra_mb,
+                "note": row.note,
             }
         )
     return out
@@ -288,38 +474,31 @@ def summarize(rows: list[Row]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(logging.WARNING)
-    if aio_op() is None:
-        log.warning("DeepSpeed async_io op unavailable: aio rows run on the Python engine, no ceiling rows")
+    if aio_unavailable_reason() is not None:
+        log.error("DeepSpeed async_io op unavailable (%s): no aio rows or ceilings", aio_unavailable_reason())
         return 1
-    handle = get_aio_handle()
-    buffer = get_pinned_buffer(args.io_buffer_mb, handle)
-    if args.workload == "tensor":
-        rows = bench_state(tensor_state(args.size_mb, args.num_tensors), args.folder, args, handle, buffer)
-    else:
-        torch.manual_seed(0)
-        model = GPT(parse_count(args.params))
-        if args.workload == "model":
-            rows = bench_state(model.state_dict(), args.folder, args, handle, buffer)
+    with FastPersistContext(io_buffer_mb=args.io_buffer_mb) as context:
+        if args.workload == "tensor":
+            state = {k: v.to(args.device) for k, v in tensor_state(args.size_mb, args.num_tensors).items()}
+            rows = bench_state(state, args.folder, args, context)
         else:
-            rows = bench_deepspeed(model, args.folder, args, handle)
+            torch.manual_seed(0)
+            model = GPT(parse_count(args.params))
+            if args.device == "cuda":
+                model = model.to(device="cuda", dtype=torch.bfloat16)
+            if args.workload == "model":
+                rows = bench_state(model.state_dict(), args.folder, args, context)
+            else:
+                rows = bench_deepspeed(model, args.folder, args, context)
     for row in rows:
-        print(row.seed_line())
+        print(row.summary_line())
     summary = summarize(rows)
     print()
+    columns = {"name": "row", "gbps": "GB/s", "seconds": "s (median)", "seconds_min": "min", "seconds_max": "max",
+               "vs_baseline": "x baseline", "vs_ceiling": "x ceiling", "rss_extra_mb": "extra RSS MB", "note": "note"}  # fmt: skip
+    print(format_table(summary, columns))
     print(
-        format_table(
-            summary,
-            {
-                "name": "row",
-                "gbps": "GB/s",
-                "vs_baseline": "x baseline",
-                "vs_ceiling": "x ceiling",
-                "rss_extra_mb": "extra RSS MB",
-            },
-        )
-    )
-    print(
-        f"\n(median of {args.repeat}; extra RSS allowance = {args.io_buffer_mb} MiB buffer + {RSS_ALLOWANCE_MB} MiB)"
+        f"\n({args.repeat} interleaved rounds on {args.device}; extra RSS allowance = {args.io_buffer_mb} MiB buffer + {RSS_ALLOWANCE_MB} MiB)"
     )
     if args.json:
         write_json(args.json, summary)

@@ -1,492 +1,605 @@
 """Lightning checkpoint save/load benchmark: the Dataflux Lightning checkpoint benchmark, offline.
 
-Trains Lightning's demo Transformer (``num_encoder_layers = num_decoder_layers = LAYERS``) for one
-step, then times ``trainer.save_checkpoint`` STEPS times and the plugin's ``load_checkpoint`` STEPS
-times for each checkpoint type, and prints the averages in the seed's words plus a table.
+Trains Lightning's demo Transformer (``num_encoder_layers = num_decoder_layers = LAYERS``) for one step,
+then, for every row, times STEPS ``trainer.save_checkpoint`` calls and STEPS ``load_checkpoint`` calls of
+the row's plugin. All rows checkpoint the same Trainer. The rows run interleaved, one save of each per
+round (then one load of each), in an order that rotates every round, so a slow spell of the machine is
+shared among them. Results are medians with their min-max spread, and ratios of medians from this run:
+to TorchCheckpointIO through gcsfs (the baseline), to the published Dataflux package (the peer), and
+to the ceiling of the row's upload path, measured in the same rounds with raw HTTP and the same bytes.
 
-Configuration follows the seed's environment variables (``CKPT_DIR_PATH``, ``STEPS``, ``LAYERS``,
-``PROJECT``, ``DATAFLUX_CKPT``, ``USE_TRANSFER_MANAGER``); command-line flags win over them. With no
-``CKPT_DIR_PATH`` a local GCS emulator is started, a bucket created, and everything torn down after.
+With no ``CKPT_DIR_PATH`` the GCS rows run against a local fake-gcs-server, behind the XML multipart
+server (GCS's parallel-upload API) and, with ``--network cloud``, behind a toxiproxy model of a cloud
+network; everything is torn down at the end. Configuration follows the reference benchmark's
+environment variables (``CKPT_DIR_PATH``, ``STEPS``, ``LAYERS``, ``PROJECT``, ``DATAFLUX_CKPT``,
+``USE_TRANSFER_MANAGER``); flags win over them. Without ``DATAFLUX_CKPT`` the run compares the
+reference's three rows; ``DATAFLUX_CKPT=1`` (or 0) runs its single row. MB is 10^6 bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import io
-import json
+import gc
 import logging
+import mmap
 import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# gcsfs reads this once, at import: its bucket-type probe over gRPC stalls against an emulator.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+configure_gcsfs_for_emulator()  # before anything imports gcsfs
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, write_json  # noqa: E402
+from benchmarks.lightning_model import fitted_trainer, quiet_lightning, save  # noqa: E402
+from benchmarks.lightning_peer import (  # noqa: E402
+    PEER_INSTALL_HINT,
+    PEER_PATH_ENV,
+    PEER_VARIANTS,
+    PeerProcess,
+    PeerUnavailableError,
+)
+from benchmarks.network import NetworkModel, parse_network  # noqa: E402
+from benchmarks.plugins import (  # noqa: E402
+    BASELINE_KEY,
+    EMULATOR_BACKENDS,
+    PLUGINS,
+    UPLOAD_MODES,
+    Plugin,
+    ServiceOptions,
+    Services,
+    fsspec_size,
+    is_gcs,
+)
+from benchmarks.raw_gcs import MemoryReader, RawGcs  # noqa: E402
+from benchmarks.report import (  # noqa: E402
+    MB,
+    CpuMeter,
+    PeakRSS,
+    bar_chart,
+    format_markdown_table,
+    format_table,
+    per_second,
+    ratio,
+    spread,
+    write_json,
+)
 
 log = logging.getLogger("benchmarks.lightning_ckpt")
 
-MB = 1e6
-VOCAB_SIZE = 33278  # WikiText2's vocabulary, as in Lightning's demo
-BLOCK_SIZE = 35
-SYNTHETIC_TOKENS = 64 * BLOCK_SIZE
-BASELINE_TYPE = "TorchCheckpointIO (gcsfs)"
-HTTP_TIMEOUT_S = 300.0
+PEER_KEY = "peer"
+DEFAULT_JSON = "results/lightning_ckpt.json"
+DEFAULT_ROWS = ("torch-gcsfs", "dataflux-no-tm", "dataflux-tm")
+ASYNC_SUFFIX = "-async"
 
 
-class SyntheticTokens(Dataset):
-    """Random token blocks shaped like ``lightning.pytorch.demos.WikiText2`` items (offline stand-in)."""
-
-    def __init__(self, vocab_size: int = VOCAB_SIZE, block_size: int = BLOCK_SIZE, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, vocab_size, (SYNTHETIC_TOKENS + 1,), generator=generator)
-        self.block_size = block_size
-        self.vocab_size = vocab_size
-
-    def __len__(self) -> int:
-        return len(self.data) // self.block_size - 1
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.block_size
-        return self.data[start : start + self.block_size], self.data[start + 1 : start + 1 + self.block_size]
-
-
-def make_dataset(wikitext2_dir: str | None) -> Dataset:
-    """WikiText2 from a local copy when given (the seed's data), synthetic tokens otherwise."""
-    if wikitext2_dir:
-        from lightning.pytorch.demos import WikiText2
-
-        return WikiText2(data_dir=Path(wikitext2_dir), download=False)
-    return SyntheticTokens()
-
-
-def make_model(layers: int, vocab_size: int):
-    """Lightning's demo Transformer with ``layers`` encoder and decoder layers, as the seed builds it."""
-    from lightning.pytorch.demos import LightningTransformer, Transformer
-
-    class BenchmarkLightningTransformer(LightningTransformer):
-        def __init__(self) -> None:
-            super().__init__(vocab_size=vocab_size)
-            self.model = Transformer(vocab_size=vocab_size, nlayers=layers)
-
-        def prepare_data(self) -> None:
-            """Data comes from the DataLoader passed to ``fit``; the demo's download is skipped."""
-
-    return BenchmarkLightningTransformer()
-
-
-@dataclass
-class Services:
-    """Services and locations shared by every row of one run, started on first use."""
-
-    args: argparse.Namespace
-    stack: ExitStack
-    _local_dir: str | None = None
-    _gcs_dir: str | None = None
-    _redis_address: str | None = None
-    emulator: Any = None
-    redis_prefix: str = field(default_factory=lambda: f"ckpts-{uuid.uuid4().hex[:8]}")
-
-    def local_dir(self) -> str:
-        if self._local_dir is None:
-            if self.args.local_dir:
-                Path(self.args.local_dir).mkdir(parents=True, exist_ok=True)
-                self._local_dir = self.args.local_dir
-            else:
-                self._local_dir = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-bench-"))
-        return self._local_dir
-
-    def gcs_dir(self) -> str:
-        if self._gcs_dir is None:
-            if self.args.ckpt_dir and is_gcs(self.args.ckpt_dir):
-                self._gcs_dir = self.args.ckpt_dir.rstrip("/")
-                if self.args.project:
-                    import fsspec.config
-
-                    fsspec.config.conf.setdefault("gcs", {})["project"] = self.args.project
-            else:
-                from dataflux_ckpt.emulator import FakeGcsServer
-
-                root = None
-                if self.args.gcs_emulator_backend == "filesystem":
-                    root = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="fake-gcs-"))
-                self.emulator = self.stack.enter_context(FakeGcsServer(root=root))
-                self.stack.enter_context(self.emulator.activated())
-                bucket = f"bench-{uuid.uuid4().hex[:8]}"
-                self.emulator.create_bucket(bucket)
-                self._gcs_dir = f"gs://{bucket}/ckpts"
-                log.info("started GCS emulator (%s backend) at %s, bucket %s",
-                         self.args.gcs_emulator_backend, self.emulator.url, bucket)
-        return self._gcs_dir
-
-    def redis_address(self) -> str:
-        if self._redis_address is None:
-            from smartredis_io.server import RedisServer
-
-            self._redis_address = self.stack.enter_context(RedisServer()).address
-        return self._redis_address
-
-    def directory(self, storage: str) -> str:
-        if storage == "local":
-            if self.args.ckpt_dir and not is_gcs(self.args.ckpt_dir):
-                return self.args.ckpt_dir
-            return self.local_dir()
-        if storage == "gcs":
-            return self.gcs_dir()
-        if storage == "redis":
-            self.redis_address()
-            return self.redis_prefix
-        raise ValueError(f"unknown storage {storage!r}")
-
-
-def is_gcs(path: str) -> bool:
-    return path.startswith(("gs://", "gcs://"))
-
-
-def fsspec_size(path: str, checkpoint_io: Any) -> int:
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-
-    return get_filesystem(path).size(path)
-
-
+# Rows: what a run can measure ----------------------------------------------------------------------
 @dataclass(frozen=True)
-class CheckpointType:
-    """One row of the table: a CheckpointIO factory and where its checkpoints go."""
+class RowSpec:
+    """A row a run can ask for: an in-process plugin of :data:`PLUGINS` (possibly wrapped in
+    Lightning's ``AsyncCheckpointIO``), or a variant of the peer package run by its worker."""
 
     key: str
     name: str
-    storage: str  # "local" | "gcs" | "redis"
-    make_io: Callable[[Services], Any]
-    requires: str | None = None  # module whose absence makes the row unavailable
-    size_bytes: Callable[[str, Any], int] = field(default=fsspec_size)
+    plugin: Plugin | None = None
+    asynchronous: bool = False
+    peer_variant: str | None = None
+
+    @property
+    def storage(self) -> str:
+        return self.plugin.storage if self.plugin else "gcs"
 
     def unavailable_reason(self) -> str | None:
-        if self.requires is None:
-            return None
-        try:
-            __import__(self.requires)
-        except ImportError as err:
-            return str(err)
-        return None
+        return self.plugin.unavailable_reason() if self.plugin else None
 
 
-def _torch_io(services: Services):
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-    return TorchCheckpointIO()
-
-
-def _dataflux_io(use_transfer_manager: bool) -> Callable[[Services], Any]:
-    def make(services: Services):
-        from dataflux_ckpt import DatafluxCheckpointIO
-
-        return DatafluxCheckpointIO(
-            project_name=services.args.project, use_transfer_manager=use_transfer_manager
-        )
-
-    return make
+def _row_specs() -> dict[str, RowSpec]:
+    specs = [RowSpec(p.key, p.name, plugin=p) for p in PLUGINS.values()]
+    tm = PLUGINS["dataflux-tm"]
+    specs.insert(specs.index(RowSpec(tm.key, tm.name, plugin=tm)) + 1,
+                 RowSpec(tm.key + ASYNC_SUFFIX, "Dataflux async (Transfer Manager Enabled)", plugin=tm,
+                         asynchronous=True))
+    specs += [RowSpec(v.key, v.name, peer_variant=v.key) for v in PEER_VARIANTS.values()]
+    return {s.key: s for s in specs}
 
 
-def _fastpersist_io(services: Services):
-    from fastpersist import FastPersistCheckpointIO
-
-    return FastPersistCheckpointIO()
-
-
-def _smartredis_io(services: Services):
-    from smartredis_io import SmartRedisCheckpointIO
-
-    return SmartRedisCheckpointIO(address=services.redis_address())
+ROW_SPECS = _row_specs()
+# --compare runs these; the peer without multipart is there on request (--types peer-no-mpu).
+COMPARE_ROWS = tuple(k for k in ROW_SPECS if k != "peer-no-mpu")
 
 
-def _smartredis_size(path: str, checkpoint_io: Any) -> int:
-    return checkpoint_io.checkpoint_size(path)
+@dataclass
+class Op:
+    """One timed operation: seconds, the resident memory it added, (async saves) how long the caller
+    was blocked before the save went on in the background, and the CPU seconds each process used."""
+
+    seconds: float
+    extra_rss_mb: float
+    blocked_s: float | None = None
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
-CHECKPOINT_TYPES: dict[str, CheckpointType] = {
-    t.key: t
-    for t in [
-        CheckpointType("torch-local", "TorchCheckpointIO (local)", "local", _torch_io),
-        CheckpointType("torch-gcsfs", BASELINE_TYPE, "gcs", _torch_io, requires="gcsfs"),
-        CheckpointType(
-            "dataflux-tm", "Dataflux (Transfer Manager Enabled)", "gcs", _dataflux_io(True),
-            requires="dataflux_ckpt.checkpoint_io",
-        ),
-        CheckpointType(
-            "dataflux-no-tm", "Dataflux (Transfer Manager Disabled)", "gcs", _dataflux_io(False),
-            requires="dataflux_ckpt.checkpoint_io",
-        ),
-        CheckpointType(
-            "fastpersist", "FastPersistCheckpointIO (local)", "local", _fastpersist_io,
-            requires="fastpersist.checkpoint_io",
-        ),
-        CheckpointType(
-            "smartredis", "SmartRedisCheckpointIO (redis)", "redis", _smartredis_io,
-            requires="smartredis_io.lightning", size_bytes=_smartredis_size,
-        ),
-    ]
+@dataclass
+class Subject:
+    """Something timed in the rounds: a row (save and load) or a ceiling (save or load)."""
+
+    key: str
+    name: str
+    kind: str  # "row" | "ceiling"
+    meter: CpuMeter
+    upload: str | None = None  # rows: "single" | "xml" | "composite" | None; ceilings: what they bound
+    saves: list[Op] = field(default_factory=list)
+    loads: list[Op] = field(default_factory=list)
+    size_bytes: int | None = None
+    does_save: bool = True
+    does_load: bool = True
+
+    def save(self, step: int) -> Op:
+        raise NotImplementedError
+
+    def load(self, step: int) -> Op:
+        raise NotImplementedError
+
+    def remove(self, step: int) -> None:
+        """Delete what ``step`` stored (untimed, between rounds)."""
+
+    def close(self) -> None:
+        """Release connections and workers."""
+
+
+def _timed(fn: Callable[[], Any], meter: CpuMeter) -> Op:
+    gc.collect()
+    cpu = meter.snapshot()
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return Op(seconds, rss.peak_mb - rss.start_mb, cpu_s=meter.since(cpu))
+
+
+class PluginRow(Subject):
+    """A plugin of :data:`PLUGINS` in this process, saving through the shared Trainer."""
+
+    def __init__(self, spec: RowSpec, upload_mode: str | None, services: Services, trainer: Any,
+                 run_id: str, keep: bool, meter: CpuMeter) -> None:
+        plugin = spec.plugin
+        assert plugin is not None
+        suffix = f" [{upload_mode}]" if upload_mode and plugin.follows_upload_mode else ""
+        upload = upload_mode if plugin.follows_upload_mode else plugin.upload
+        super().__init__(spec.key + (f"[{upload_mode}]" if suffix else ""), spec.name + suffix, "row", meter, upload)
+        self.spec, self.plugin, self.trainer, self.keep = spec, plugin, trainer, keep
+        self.inner = plugin.make(services, upload_mode if plugin.follows_upload_mode else "auto")
+        self.io = self.inner
+        if spec.asynchronous:
+            from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+            self.io = AsyncCheckpointIO(self.inner)
+        self.directory = f"{services.directory(plugin.storage)}/{run_id}/{self.key.replace('[', '-').strip(']')}"
+        if plugin.storage == "local":
+            Path(self.directory).mkdir(parents=True, exist_ok=True)
+
+    def path(self, step: int) -> str:
+        return f"{self.directory}/ckpt_{step}.ckpt"
+
+    def save(self, step: int) -> Op:
+        blocked: list[float] = []
+
+        def run() -> None:
+            start = time.perf_counter()
+            save(self.trainer, self.io, self.path(step))
+            blocked.append(time.perf_counter() - start)
+            if self.spec.asynchronous:
+                self.io.teardown()  # waits until the checkpoint is stored
+
+        op = _timed(run, self.meter)
+        op.blocked_s = blocked[0] if self.spec.asynchronous else None
+        if self.plugin.settle is not None:
+            self.plugin.settle(self.inner)  # its background housekeeping must not slow the next row
+        if self.size_bytes is None:
+            self.size_bytes = self.plugin.size(self.path(step), self.inner)
+        return op
+
+    def load(self, step: int) -> Op:
+        return _timed(lambda: self.io.load_checkpoint(self.path(step)), self.meter)
+
+    def remove(self, step: int) -> None:
+        if not self.keep:
+            self.inner.remove_checkpoint(self.path(step))
+
+    def close(self) -> None:
+        self.io.teardown()
+        if self.io is not self.inner:
+            self.inner.teardown()
+
+
+class PeerRow(Subject):
+    """A variant of the peer package, run by its worker process on the same endpoint and data."""
+
+    def __init__(self, spec: RowSpec, worker: PeerProcess, directory: str, run_id: str, keep: bool,
+                 meter: CpuMeter) -> None:
+        variant = PEER_VARIANTS[spec.peer_variant]
+        super().__init__(spec.key, spec.name, "row", meter, "xml" if variant.multipart else "single")
+        self.variant, self.worker, self.keep = variant, worker, keep
+        self.directory = f"{directory}/{run_id}/{spec.key}"
+
+    def path(self, step: int) -> str:
+        return f"{self.directory}/ckpt_{step}.ckpt"
+
+    def _call(self, op: str, step: int) -> Op:
+        gc.collect()
+        cpu = self.meter.snapshot()
+        reply = self.worker.call(op, self.variant.key, self.path(step))
+        blocked = reply["blocked_s"] if op == "save" and self.variant.asynchronous else None
+        return Op(reply["seconds"], reply["extra_rss_mb"], blocked, self.meter.since(cpu))
+
+    def save(self, step: int) -> Op:
+        op = self._call("save", step)
+        if self.size_bytes is None:
+            self.size_bytes = fsspec_size(self.path(step), None)
+        return op
+
+    def load(self, step: int) -> Op:
+        return self._call("load", step)
+
+    def remove(self, step: int) -> None:
+        if not self.keep:
+            self.worker.call("remove", self.variant.key, self.path(step))
+
+
+# Ceilings --------------------------------------------------------------------------------------------
+CEILING_NAMES = {
+    "single": "raw single-request upload",
+    "xml": "raw parallel XML multipart upload",
+    "composite": "raw parallel composite upload",
+    "load": "raw parallel download + torch.load",
 }
 
 
-def select_types(args: argparse.Namespace) -> list[CheckpointType]:
-    """The rows to run: ``--types``, else ``--compare`` (all available), else the seed's selection."""
+class UploadCeiling(Subject):
+    """The bytes of the checkpoint uploaded with raw HTTP: one request, XML multipart or composite."""
+
+    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
+        super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", meter, mode,
+                         does_load=False)
+        self.raw, self.bucket, self.data, self.mode = raw, bucket, data, mode
+        self.size_bytes = len(data)
+        self.prefix = f"{run_id}/ceiling-{mode}"
+
+    def save(self, step: int) -> Op:
+        name = f"{self.prefix}/ckpt_{step}"
+        parts: list[str] = []
+        if self.mode == "single":
+            op = _timed(lambda: self.raw.single_upload(self.bucket, name, self.data), self.meter)
+        elif self.mode == "xml":
+            op = _timed(lambda: self.raw.xml_multipart_upload(self.bucket, name, self.data), self.meter)
+        else:
+            op = _timed(lambda: parts.extend(self.raw.composite_upload(self.bucket, name, self.data)), self.meter)
+        # As the plugin's composite uploads, the part objects are deleted after the upload is complete.
+        self.raw.delete(self.bucket, parts)
+        return op
+
+    def remove(self, step: int) -> None:
+        self.raw.delete(self.bucket, f"{self.prefix}/ckpt_{step}")
+
+
+class LoadCeiling(Subject):
+    """The serial bound of a load: the object fetched with raw parallel ranged GETs (the plugin's part
+    size and connection count) into memory, then ``torch.load`` from there with its defaults."""
+
+    def __init__(self, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
+        super().__init__("ceiling-load", f"ceiling: {CEILING_NAMES['load']}", "ceiling", meter, "load",
+                         does_save=False)
+        self.raw, self.bucket = raw, bucket
+        self.size_bytes = len(data)
+        self.name_ = f"{run_id}/ceiling-load/ckpt"
+        raw.single_upload(bucket, self.name_, data)
+
+    def load(self, step: int) -> Op:
+        def run() -> None:
+            buffer = self.raw.download(self.bucket, self.name_, self.size_bytes)
+            try:
+                with MemoryReader(buffer) as reader:
+                    torch.load(reader)
+            finally:
+                buffer.close()
+
+        return _timed(run, self.meter)
+
+    def close(self) -> None:
+        self.raw.delete(self.bucket, self.name_)
+
+
+def checkpoint_bytes(trainer: Any, directory: str, stack: ExitStack) -> mmap.mmap:
+    """The bytes a TorchCheckpointIO save of the Trainer writes (the ceilings move the same bytes),
+    mapped from a local file: the page cache, not this process, holds them between uses."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    path = Path(directory) / f"ceiling-{uuid.uuid4().hex[:8]}.ckpt"
+    save(trainer, TorchCheckpointIO(), str(path))
+    stack.callback(path.unlink, missing_ok=True)
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    stack.callback(data.close)
+    return data
+
+
+# Selection -------------------------------------------------------------------------------------------
+def _env_flag(name: str, default: bool | None) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def select_rows(args: argparse.Namespace) -> list[RowSpec]:
+    """The rows to run: ``--types``; else ``--compare`` (all available); else ``DATAFLUX_CKPT``'s
+    single row, as in the reference; else the reference's three GCS rows."""
     if args.types:
         keys = [k.strip() for k in args.types.split(",") if k.strip()]
-        unknown = [k for k in keys if k not in CHECKPOINT_TYPES]
-        if unknown:
-            raise SystemExit(f"unknown --types {unknown}; choose from {', '.join(CHECKPOINT_TYPES)}")
-        return [CHECKPOINT_TYPES[k] for k in keys]
+        unknown = [k for k in keys if k not in ROW_SPECS]
+        if unknown or not keys:
+            raise SystemExit(f"unknown --types {unknown}; choose from {', '.join(ROW_SPECS)}")
+        return [ROW_SPECS[k] for k in keys]
     if args.compare:
-        selected = []
-        for ctype in CHECKPOINT_TYPES.values():
-            reason = ctype.unavailable_reason()
-            if reason:
-                log.warning("skipping %s: %s", ctype.name, reason)
-            else:
-                selected.append(ctype)
-        return selected
-    if args.dataflux:
-        return [CHECKPOINT_TYPES["dataflux-tm" if args.use_transfer_manager else "dataflux-no-tm"]]
-    if args.ckpt_dir:
-        return [CHECKPOINT_TYPES["torch-gcsfs" if is_gcs(args.ckpt_dir) else "torch-local"]]
-    return [CHECKPOINT_TYPES["torch-local"], CHECKPOINT_TYPES["torch-gcsfs"]]
+        return [ROW_SPECS[k] for k in COMPARE_ROWS]
+    local = bool(args.ckpt_dir) and not is_gcs(args.ckpt_dir)
+    if args.dataflux is True:
+        return [ROW_SPECS["dataflux-tm" if args.use_transfer_manager else "dataflux-no-tm"]]
+    if args.dataflux is False or local:
+        return [ROW_SPECS["torch-local" if local else "torch-gcsfs"]]
+    return [ROW_SPECS[k] for k in DEFAULT_ROWS]
 
 
-def _progress(iterable: Sequence[str], desc: str) -> Iterator[str]:
-    from tqdm import tqdm
-
-    return iter(tqdm(iterable, desc=desc, unit="ckpt", leave=False, file=sys.stderr))
+def upload_modes(args: argparse.Namespace) -> list[str]:
+    return list(UPLOAD_MODES) if args.upload_mode == "both" else [args.upload_mode]
 
 
-def run_type(ctype: CheckpointType, services: Services, model, dataloader, args) -> dict[str, Any]:
-    """Fit one step with ``ctype``'s plugin, then time STEPS saves and STEPS loads."""
-    from lightning.pytorch import Trainer
-
-    checkpoint_io = ctype.make_io(services)
-    directory = services.directory(ctype.storage)
-    trainer = Trainer(
-        plugins=[checkpoint_io],
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=services.local_dir(),
-    )
-    trainer.fit(model, dataloader)
-    paths = [f"{directory}/ckpt_{i}.ckpt" for i in range(args.steps)]
-    save_times, load_times = [], []
-    with PeakRSS() as save_rss:
-        for path in _progress(paths, f"save {ctype.name}"):
-            start = time.perf_counter()
-            trainer.save_checkpoint(path)
-            save_times.append(time.perf_counter() - start)
-    with PeakRSS() as load_rss:
-        for path in _progress(paths, f"load {ctype.name}"):
-            start = time.perf_counter()
-            checkpoint_io.load_checkpoint(path)
-            load_times.append(time.perf_counter() - start)
-    size_bytes = ctype.size_bytes(paths[0], checkpoint_io)
-    if not args.keep:
-        for path in paths:
-            checkpoint_io.remove_checkpoint(path)
-    checkpoint_io.teardown()
-
-    save_s, load_s = statistics.fmean(save_times), statistics.fmean(load_times)
-    print(f"== {ctype.name}, {args.layers} layers ==")
-    print(f"Average time to save one checkpoint: {save_s} seconds")
-    print(f"Average time to load one checkpoint: {load_s} seconds", flush=True)
-    size_mb = size_bytes / MB
-    return {
-        "type": ctype.name,
-        "layers": args.layers,
-        "size_mb": size_mb,
-        "save_s": save_s,
-        "save_mbps": size_mb / save_s,
-        "load_s": load_s,
-        "load_mbps": size_mb / load_s,
-        "save_median_s": statistics.median(save_times),
-        "load_median_s": statistics.median(load_times),
-        "save_times_s": save_times,
-        "load_times_s": load_times,
-        "peak_rss_mb": max(save_rss.peak_mb, load_rss.peak_mb),
-        # What the saves added on top of the process, which already holds the model and optimizer.
-        "save_extra_rss_mb": save_rss.peak_mb - save_rss.start_mb,
-        "load_extra_rss_mb": load_rss.peak_mb - load_rss.start_mb,
-        "steps": args.steps,
-        "location": directory if ctype.storage != "redis" else services.redis_address(),
-    }
+# Results ---------------------------------------------------------------------------------------------
+def _rates(size_bytes: int, ops: list[Op]) -> dict[str, float | None]:
+    if not ops:
+        return {"median_mbps": None, "min_mbps": None, "max_mbps": None, "mean_mbps": None,
+                "median_s": None, "mean_s": None}
+    seconds = spread([op.seconds for op in ops])
+    mean_s = statistics.fmean(op.seconds for op in ops)
+    return {"median_mbps": per_second(size_bytes, seconds["median"]), "min_mbps": per_second(size_bytes, seconds["max"]),
+            "max_mbps": per_second(size_bytes, seconds["min"]), "mean_mbps": per_second(size_bytes, mean_s),
+            "median_s": seconds["median"], "mean_s": mean_s}
 
 
-def _emulator_request(url: str, method: str, target: str, body: bytes | memoryview | None = None,
-                      content_type: str = "application/octet-stream") -> bytes:
-    parsed = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=HTTP_TIMEOUT_S)
-    try:
-        headers = {"Content-Type": content_type} if body is not None else {}
-        conn.request(method, target, body=body, headers=headers)
-        response = conn.getresponse()
-        data = response.read()
-        if response.status >= 300:
-            raise RuntimeError(f"{method} {url}{target} -> {response.status}: {data[:200]!r}")
-        return data
-    finally:
-        conn.close()
+def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
+    """The JSON row of one subject: sizes, per-step times, medians, spread, extra memory, and the CPU
+    seconds of each process taking part (this one, the emulator, the XML server, toxiproxy, the peer's
+    worker; medians over the steps, ``*_cpu_total_s`` their sum).
 
-
-def _upload_target(bucket: str, name: str) -> str:
-    return f"/upload/storage/v1/b/{bucket}/o?" + urllib.parse.urlencode({"uploadType": "media", "name": name})
-
-
-def _object_target(bucket: str, name: str) -> str:
-    return f"/storage/v1/b/{bucket}/o/{urllib.parse.quote(name, safe='')}"
-
-
-def _raw_composite_upload(emulator_url: str, bucket: str, name: str, data: bytes) -> list[str]:
-    """A parallel composite upload with no GCS client library in the way: parts of the plugin's
-    default size (at most 32 of them, so that one compose suffices) sent on parallel connections,
-    then one compose. Returns the part objects, left for the caller to delete: like the plugin,
-    which deletes them in the background, the upload is complete once the compose is."""
-    from dataflux_ckpt import CHUNK_SIZE_BYTES, MAX_WORKERS
-    from dataflux_ckpt.upload import MAX_COMPOSE_SOURCES
-
-    part_bytes = max(CHUNK_SIZE_BYTES, -(-len(data) // MAX_COMPOSE_SOURCES))
-    view = memoryview(data)
-    parts = {f"{name}.part{i:03d}": view[start : start + part_bytes]
-             for i, start in enumerate(range(0, len(data), part_bytes))}
-
-    def upload(part: str) -> None:
-        _emulator_request(emulator_url, "POST", _upload_target(bucket, part), parts[part])
-
-    with ThreadPoolExecutor(MAX_WORKERS) as executor:
-        list(executor.map(upload, parts))
-    body = json.dumps({"sourceObjects": [{"name": part} for part in parts],
-                       "destination": {"contentType": "application/octet-stream"}})
-    target = f"{_object_target(bucket, name)}/compose"
-    _emulator_request(emulator_url, "POST", target, body.encode(), content_type="application/json")
-    return list(parts)
-
-
-def _delete_objects(emulator_url: str, bucket: str, names: Sequence[str]) -> None:
-    for stored in names:
-        _emulator_request(emulator_url, "DELETE", _object_target(bucket, stored))
-
-
-def measure_gcs_ceilings(emulator_url: str, bucket: str, data: bytes, repeats: int) -> dict[str, float]:
-    """The emulator's ceilings for ``data``, with no GCS client library in the way.
-
-    ``ceiling_save_mbps``: one raw single-request HTTP upload. ``ceiling_composite_save_mbps``: a
-    raw parallel composite upload (parts and compose; the parts are deleted after the clock
-    stops), the best any composite upload can do on this server. ``ceiling_load_mbps``: the serial
-    bound of one raw HTTP download followed by ``torch.load`` of those bytes from memory.
+    ``save_s``/``load_s`` and ``save_mbps``/``load_mbps`` are means (the reference reports averages);
+    the ``*_median_*`` values are what the ratios use.
     """
-    name = f"ceiling-{uuid.uuid4().hex[:8]}"
-    upload = _upload_target(bucket, name)
-    download = f"{_object_target(bucket, name)}?alt=media"
-    save_times, composite_times, load_times = [], [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _emulator_request(emulator_url, "POST", upload, data)
-        save_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        parts = _raw_composite_upload(emulator_url, bucket, f"{name}-composite", data)
-        composite_times.append(time.perf_counter() - start)
-        _delete_objects(emulator_url, bucket, parts)
-        start = time.perf_counter()
-        fetched = _emulator_request(emulator_url, "GET", download)
-        # torch.load's own defaults, as every row's load_checkpoint(path) gets them.
-        torch.load(io.BytesIO(fetched))
-        load_times.append(time.perf_counter() - start)
-        del fetched
-    _delete_objects(emulator_url, bucket, [name, f"{name}-composite"])
-    size_mb = len(data) / MB
-    return {
-        "ceiling_save_mbps": size_mb / statistics.median(save_times),
-        "ceiling_composite_save_mbps": size_mb / statistics.median(composite_times),
-        "ceiling_load_mbps": size_mb / statistics.median(load_times),
-    }
+    size = subject.size_bytes or 0
+    row: dict[str, Any] = {"type": subject.name, "key": subject.key, "kind": subject.kind,
+                           "upload": subject.upload, "size_mb": size / MB, **context}
+    for prefix, ops in (("save", subject.saves), ("load", subject.loads)):
+        rates = _rates(size, ops)
+        row.update({
+            f"{prefix}_median_mbps": rates["median_mbps"], f"{prefix}_min_mbps": rates["min_mbps"],
+            f"{prefix}_max_mbps": rates["max_mbps"], f"{prefix}_median_s": rates["median_s"],
+            f"{prefix}_s": rates["mean_s"], f"{prefix}_mbps": rates["mean_mbps"],
+            f"{prefix}_times_s": [op.seconds for op in ops],
+            f"{prefix}_extra_rss_mb": max(op.extra_rss_mb for op in ops) if ops else None,
+        })
+        row[f"{prefix}_cpu_s"] = {name: statistics.median(op.cpu_s.get(name, 0.0) for op in ops)
+                                  for name in sorted({n for op in ops for n in op.cpu_s})}
+        row[f"{prefix}_cpu_total_s"] = statistics.median(sum(op.cpu_s.values()) for op in ops) if ops else None
+    blocked = [op.blocked_s for op in subject.saves if op.blocked_s is not None]
+    row["save_blocked_median_s"] = statistics.median(blocked) if blocked else None
+    return row
 
 
-def checkpoint_bytes(trainer_model, dataloader, services: Services) -> bytes:
-    """The bytes a TorchCheckpointIO save of this model writes (the ceilings move the same bytes)."""
-    path = Path(services.local_dir()) / f"ceiling-{uuid.uuid4().hex[:8]}.ckpt"
-    from lightning.pytorch import Trainer
+def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> None:
+    """Ratios of medians: to the baseline (gcsfs), to the peer, and to the ceiling of each row's path.
 
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=services.local_dir(),
-    )
-    trainer.fit(trainer_model, dataloader)
-    trainer.save_checkpoint(path)
-    try:
-        return path.read_bytes()
-    finally:
-        path.unlink()
-
-
-def add_ratios(rows: list[dict[str, Any]], ceilings: dict[str, float] | None) -> None:
-    """Ratios of median rates (the ceilings are medians too), so one slow step does not skew them."""
-    baseline = next((r for r in rows if r["type"] == BASELINE_TYPE), None)
+    Ceilings get their ratios to the baseline and the peer too: the most any row on that path could
+    show against them in this run.
+    """
+    baseline = next((r for r in rows if r["key"] == BASELINE_KEY), None)
+    peer = next((r for r in rows if r["key"] == PEER_KEY), None)
+    ceilings = {r["upload"]: r for r in ceiling_rows}
+    load_ceiling = ceilings.get("load")
+    for row in rows + ceiling_rows:
+        for op in ("save", "load"):
+            value = row[f"{op}_median_mbps"]
+            row[f"{op}_vs_baseline"] = ratio(value, baseline and baseline[f"{op}_median_mbps"])
+            row[f"{op}_vs_peer"] = ratio(value, peer and peer[f"{op}_median_mbps"])
     for row in rows:
-        row["save_median_mbps"] = row["size_mb"] / row["save_median_s"]
-        row["load_median_mbps"] = row["size_mb"] / row["load_median_s"]
-    for row in rows:
-        row["save_vs_baseline"] = ratio(row["save_median_mbps"], baseline and baseline["save_median_mbps"])
-        row["load_vs_baseline"] = ratio(row["load_median_mbps"], baseline and baseline["load_median_mbps"])
-        gcs_row = ceilings is not None and row["location"].startswith(("gs://", "gcs://"))
-        for key in ("ceiling_save_mbps", "ceiling_composite_save_mbps", "ceiling_load_mbps"):
-            row[key] = ceilings[key] if gcs_row else None
-        row["save_vs_ceiling"] = ratio(row["save_median_mbps"], row["ceiling_save_mbps"])
-        row["save_vs_composite_ceiling"] = ratio(row["save_median_mbps"], row["ceiling_composite_save_mbps"])
-        row["load_vs_ceiling"] = ratio(row["load_median_mbps"], row["ceiling_load_mbps"])
+        row["save_rss_vs_peer"] = ratio(row["save_extra_rss_mb"], peer and peer["save_extra_rss_mb"])
+        save_ceiling = ceilings.get(row["upload"]) if row["upload"] else None
+        row["save_ceiling"] = save_ceiling and save_ceiling["type"]
+        row["save_ceiling_mbps"] = save_ceiling and save_ceiling["save_median_mbps"]
+        row["save_vs_ceiling"] = ratio(row["save_median_mbps"], row["save_ceiling_mbps"])
+        gcs_row = row["upload"] is not None
+        row["load_ceiling_mbps"] = load_ceiling["load_median_mbps"] if load_ceiling and gcs_row else None
+        row["load_vs_ceiling"] = ratio(row["load_median_mbps"], row["load_ceiling_mbps"])
+
+
+def _range(row: dict[str, Any], op: str) -> str | None:
+    low, high = row.get(f"{op}_min_mbps"), row.get(f"{op}_max_mbps")
+    return f"{low:.0f}-{high:.0f}" if low is not None and high is not None else None
 
 
 TABLE_COLUMNS = {
     "type": "Checkpoint Type",
-    "layers": "Layers",
     "size_mb": "Size (MB)",
-    "save_s": "Avg Save (s)",
-    "save_mbps": "Write MB/s",
-    "load_s": "Avg Load (s)",
-    "load_mbps": "Read MB/s",
-    "peak_rss_mb": "Peak RSS MB",
+    "save_median_mbps": "Save MB/s",
+    "save_range": "(min-max)",
+    "load_median_mbps": "Load MB/s",
+    "load_range": "(min-max)",
     "save_extra_rss_mb": "Save +RSS MB",
+    "load_extra_rss_mb": "Load +RSS MB",
+    "save_cpu_total_s": "Save CPU s",
+    "load_cpu_total_s": "Load CPU s",
+    "save_blocked_median_s": "Blocked (s)",
 }
 RATIO_COLUMNS = {
     "type": "Checkpoint Type",
-    "save_median_mbps": "Med. save MB/s",
-    "load_median_mbps": "Med. load MB/s",
     "save_vs_baseline": "Save x gcsfs",
     "load_vs_baseline": "Load x gcsfs",
-    "ceiling_save_mbps": "Ceil. save MB/s",
+    "save_vs_peer": "Save x peer",
+    "load_vs_peer": "Load x peer",
+    "save_rss_vs_peer": "+RSS x peer",
     "save_vs_ceiling": "Save x ceil.",
-    "ceiling_composite_save_mbps": "Comp. ceil. MB/s",
-    "save_vs_composite_ceiling": "Save x comp.",
-    "ceiling_load_mbps": "Ceil. load MB/s",
     "load_vs_ceiling": "Load x ceil.",
+    "upload": "Save ceiling",
+}
+CEILING_COLUMNS = {
+    "type": "Ceiling",
+    "save_median_mbps": "Save MB/s",
+    "save_range": "(min-max)",
+    "load_median_mbps": "Load MB/s",
+    "load_range": "(min-max)",
+    "save_cpu_total_s": "Save CPU s",
+    "load_cpu_total_s": "Load CPU s",
+    "save_vs_baseline": "Save x gcsfs",
+    "load_vs_baseline": "Load x gcsfs",
+    "save_vs_peer": "Save x peer",
+    "load_vs_peer": "Load x peer",
 }
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]],
+                  table: Callable[[Sequence[dict[str, Any]], dict[str, str]], str] = format_table) -> str:
+    """The results, ratios and ceilings tables (``table`` formats one: plain text or Markdown)."""
+
+    def ranged(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in items]
+
+    def shown(items: list[dict[str, Any]], columns: dict[str, str]) -> str:
+        # A column with no value in any row (no peer in this run, no async row...) is left out.
+        kept = {key: title for key, title in columns.items() if any(r.get(key) is not None for r in items)}
+        return table(items, kept)
+
+    parts = [shown(ranged(rows), TABLE_COLUMNS)]
+    if len(rows) > 1 or ceiling_rows:
+        parts.append(shown(rows, RATIO_COLUMNS))
+    if ceiling_rows:
+        parts.append(shown(ranged(ceiling_rows), CEILING_COLUMNS))
+    return "\n\n".join(parts)
+
+
+def write_chart(path: str | os.PathLike[str], rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]],
+                title: str) -> Path:
+    """Save and load median MB/s per row (min-max whiskers), the ceilings as lines."""
+    lines = [(r["type"].removeprefix("ceiling: "), r["save_median_mbps"], "save")
+             for r in ceiling_rows if r["save_median_mbps"]]
+    lines += [(r["type"].removeprefix("ceiling: "), r["load_median_mbps"], "load")
+              for r in ceiling_rows if r["load_median_mbps"]]
+    return bar_chart(
+        path, [r["type"] for r in rows],
+        {"save": [r["save_median_mbps"] for r in rows], "load": [r["load_median_mbps"] for r in rows]},
+        spreads={op: [(r[f"{op}_min_mbps"], r[f"{op}_max_mbps"]) for r in rows] for op in ("save", "load")},
+        lines=lines, title=title, xlabel="MB/s (median of the steps; whiskers: min-max)",
+    )
+
+
+# The run ---------------------------------------------------------------------------------------------
+def _progress(subjects: Sequence[Subject]) -> list[Any]:
+    from tqdm import tqdm
+
+    width = max(len(s.name) for s in subjects)
+    return [tqdm(total=0, desc=s.name.ljust(width), unit="op", position=i, leave=True, file=sys.stderr,
+                 dynamic_ncols=True) for i, s in enumerate(subjects)]
+
+
+def run_rounds(subjects: Sequence[Subject], steps: int) -> None:
+    """``steps`` rounds: one save of every subject, then one load of every subject, then clean-up;
+    the order rotates by one each round."""
+    bars = _progress(subjects)
+    for bar, subject in zip(bars, subjects, strict=True):
+        bar.total = steps * (int(subject.does_save) + int(subject.does_load))
+        bar.refresh()
+    try:
+        for step in range(steps):
+            order = list(range(len(subjects)))
+            order = order[step % len(order):] + order[: step % len(order)]
+            for i in order:
+                if subjects[i].does_save:
+                    subjects[i].saves.append(subjects[i].save(step))
+                    bars[i].update()
+            for i in order:
+                if subjects[i].does_load:
+                    subjects[i].loads.append(subjects[i].load(step))
+                    bars[i].update()
+            for i in order:
+                subjects[i].remove(step)
+    finally:
+        for bar in bars:
+            bar.close()
+
+
+def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services: Services, trainer: Any,
+                   stack: ExitStack, run_id: str) -> list[Subject]:
+    """The rows (peer rows share one worker) and, on the local emulator, the ceilings of their paths."""
+    subjects: list[Subject] = []
+    worker: PeerProcess | None = None
+    peer_missing: str | None = None
+    meter = CpuMeter()
+    meter.watch("benchmark", os.getpid())
+    for name, pid in (services.endpoint.pids.items() if services.endpoint else ()):
+        meter.watch(name, pid)
+    for spec in specs:
+        reason = spec.unavailable_reason() or (peer_missing if spec.peer_variant else None)
+        if reason:
+            if args.types:
+                raise SystemExit(f"{spec.name} is not available: {reason}")
+            log.warning("skipping %s: %s", spec.name, reason)
+            continue
+        if spec.plugin is not None:
+            modes = upload_modes(args) if spec.plugin.follows_upload_mode else [None]
+            subjects += [PluginRow(spec, mode, services, trainer, run_id, args.keep, meter) for mode in modes]
+            continue
+        if worker is None:
+            try:
+                worker = stack.enter_context(PeerProcess(
+                    endpoint=services.endpoint.url if services.endpoint else None, layers=args.layers,
+                    peer_path=args.peer_path, project=args.project, wikitext2_dir=args.wikitext2_dir))
+                meter.watch("peer worker", worker.pid)
+            except PeerUnavailableError as err:
+                peer_missing = f"{err}; {PEER_INSTALL_HINT}"
+                if args.types:
+                    raise SystemExit(f"{spec.name} is not available: {peer_missing}") from err
+                log.warning("skipping %s: %s", spec.name, peer_missing)
+                continue
+        subjects.append(PeerRow(spec, worker, services.gcs_dir(), run_id, args.keep, meter))
+    endpoint = services.endpoint
+    if endpoint is not None and any(s.upload for s in subjects):
+        bucket = services.gcs_dir().split("/")[2]
+        data = checkpoint_bytes(trainer, services.local_dir(), stack)
+        from dataflux_ckpt import CHUNK_SIZE_BYTES, MAX_WORKERS
+
+        raw = RawGcs(endpoint.url, workers=MAX_WORKERS, part_bytes=CHUNK_SIZE_BYTES)
+        stack.callback(raw.close)
+        needed = {s.upload for s in subjects if s.upload}
+        for mode in ("single", "xml", "composite"):
+            if mode in needed:
+                subjects.append(UploadCeiling(mode, raw, bucket, data, run_id, meter))
+        subjects.append(LoadCeiling(raw, bucket, data, run_id, meter))
+    return subjects
+
+
+def describe(args: argparse.Namespace, services: Services, network: NetworkModel) -> str:
+    if services.endpoint is None:
+        where = f"GCS at {args.ckpt_dir}" if args.ckpt_dir and is_gcs(args.ckpt_dir) else "no GCS"
+    else:
+        where = (f"fake-gcs-server ({args.gcs_emulator_backend} backend) behind the XML multipart server; "
+                 f"network: {network.describe()}")
+    return f"Lightning checkpoints, LAYERS={args.layers}, STEPS={args.steps}; {where}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -494,38 +607,84 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.lightning_ckpt",
         description=__doc__.split("\n\n")[0],
-        epilog="Checkpoint types for --types: " + ", ".join(
-            f"{t.key} = {t.name}" for t in CHECKPOINT_TYPES.values()
-        ),
+        epilog="Checkpoint types for --types: " + ", ".join(f"{s.key} = {s.name}" for s in ROW_SPECS.values()),
     )
     parser.add_argument("--ckpt-dir", default=env.get("CKPT_DIR_PATH"),
                         help="where checkpoints go: gs://bucket/prefix or a local directory "
                              "(env CKPT_DIR_PATH; default: a local emulator bucket and a temp dir)")
-    parser.add_argument("--steps", type=int, default=int(env.get("STEPS", 5)),
-                        help="saves and loads per checkpoint type (env STEPS, default 5)")
-    parser.add_argument("--layers", type=int, default=int(env.get("LAYERS", 100)),
+    parser.add_argument("--steps", type=int, default=int(env.get("STEPS") or 5),
+                        help="saves and loads per row (env STEPS, default 5)")
+    parser.add_argument("--layers", type=int, default=int(env.get("LAYERS") or 100),
                         help="encoder and decoder layers of the demo Transformer (env LAYERS, default 100)")
     parser.add_argument("--project", default=env.get("PROJECT"), help="GCP project (env PROJECT)")
-    parser.add_argument("--dataflux", action=argparse.BooleanOptionalAction,
-                        default=_env_flag("DATAFLUX_CKPT", False),
-                        help="benchmark DatafluxCheckpointIO instead of TorchCheckpointIO (env DATAFLUX_CKPT=1)")
+    parser.add_argument("--dataflux", action=argparse.BooleanOptionalAction, default=_env_flag("DATAFLUX_CKPT", None),
+                        help="run only DatafluxCheckpointIO (env DATAFLUX_CKPT=1) or only TorchCheckpointIO "
+                             "(DATAFLUX_CKPT=0); default: compare the reference's three GCS rows")
     parser.add_argument("--use-transfer-manager", action=argparse.BooleanOptionalAction,
                         default=_env_flag("USE_TRANSFER_MANAGER", True),
-                        help="Dataflux parallel multipart upload/download (env USE_TRANSFER_MANAGER, default on)")
+                        help="with DATAFLUX_CKPT=1: parallel part uploads and ranged downloads "
+                             "(env USE_TRANSFER_MANAGER, default on)")
     parser.add_argument("--compare", action="store_true",
-                        help="run every available checkpoint type in one run, with the GCS ceilings")
-    parser.add_argument("--types", help="comma-separated checkpoint types to run (see below)")
-    parser.add_argument("--gcs-emulator-backend", choices=("filesystem", "memory"), default="filesystem",
-                        help="storage of the embedded fake-gcs-server: objects on disk in a temporary directory, "
-                             "like a real object store (default), or all in the emulator's memory")
+                        help="run every available row: local, GCS, Redis, and the peer package")
+    parser.add_argument("--types", help="comma-separated rows to run (see below)")
+    parser.add_argument("--upload-mode", choices=(*UPLOAD_MODES, "both"), default="xml",
+                        help="parallel uploads by XML multipart (GCS's API; default), by composite objects, or "
+                             "a row of each; each mode's raw ceiling is measured in the same run")
+    parser.add_argument("--network", type=_network_arg, default=parse_network("loopback"),
+                        metavar="loopback|cloud[:MBPS,RTT_MS]",
+                        help="loopback (default), or every GCS client connection through a toxiproxy model: "
+                             "MBPS per connection in each direction and a round trip of RTT_MS "
+                             "(cloud alone: 100 MB/s, 4 ms)")
+    parser.add_argument("--peer-path", default=env.get(PEER_PATH_ENV) or None,
+                        help=f"directory holding gcs-torch-dataflux 1.4.0 and its google-cloud-storage 2.x "
+                             f"for the peer rows (env {PEER_PATH_ENV}; default: this environment)")
+    parser.add_argument("--gcs-emulator-backend", choices=EMULATOR_BACKENDS, default="filesystem",
+                        help="storage of the embedded fake-gcs-server: objects on disk in a temporary "
+                             "directory, like a real object store (default), or in the emulator's memory")
     parser.add_argument("--local-dir", help="directory for local rows (default: a temporary directory)")
     parser.add_argument("--wikitext2-dir", help="train on WikiText2 from this directory instead of synthetic tokens")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints instead of removing them")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    parser.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
+                        help="write the rows as a JSON list here, the tables as Markdown (.md) and the chart "
+                             "(.png) next to it (default %(default)s)")
+    parser.add_argument("--chart", metavar="PATH",
+                        help="write the PNG chart here (default: the JSON path with .png)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the services and plugins do")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.layers < 1:
         parser.error("--steps and --layers must be positive")
+    if not args.network.is_loopback and args.ckpt_dir and is_gcs(args.ckpt_dir):
+        parser.error("--network models the network to the local emulator; it does not apply to real GCS")
     return args
+
+
+def _network_arg(text: str) -> NetworkModel:
+    try:
+        return parse_network(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# Libraries that print through handlers of their own, which the root logger's level does not reach.
+SELF_PRINTING_LOGGERS = ("DeepSpeed",)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def configure_console(verbose: bool) -> None:
+    """Warnings only, unless ``verbose``: the console shows the progress bars and the tables (and
+    DeepSpeed, which the FastPersist row loads, only its errors)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    quiet_lightning()
+    if not verbose:
+        for name in SELF_PRINTING_LOGGERS:
+            logging.getLogger(name).addFilter(_errors_only)  # kept when the library sets its level
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
@@ -533,41 +692,43 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    configure_logging()
     args = parse_args(argv)
+    configure_console(args.verbose)
     # SIGTERM unwinds like Ctrl-C, so the services started below are stopped in order.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    types = select_types(args)
-    dataset = make_dataset(args.wikitext2_dir)
-    dataloader = DataLoader(dataset, batch_size=1)
-    model = make_model(args.layers, dataset.vocab_size)
-    rows: list[dict[str, Any]] = []
+    specs = select_rows(args)
+    options = ServiceOptions(ckpt_dir=args.ckpt_dir, local_dir=args.local_dir, project=args.project,
+                             emulator_backend=args.gcs_emulator_backend, network=args.network)
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
     try:
-        with ExitStack() as stack:
-            services = Services(args, stack)
-            for ctype in types:
-                reason = ctype.unavailable_reason()
-                if reason:
-                    raise SystemExit(f"{ctype.name} is not available: {reason}")
-                services.directory(ctype.storage)  # start every service up front
-            for ctype in types:
-                rows.append(run_type(ctype, services, model, dataloader, args))
-            ceilings = None
-            if services.emulator is not None and args.compare:
-                bucket = services.gcs_dir().split("/")[2]
-                data = checkpoint_bytes(model, dataloader, services)
-                ceilings = measure_gcs_ceilings(services.emulator.url, bucket, data, args.steps)
-            add_ratios(rows, ceilings)
+        with Services(options) as services, ExitStack() as stack:
+            for spec in specs:
+                if not spec.unavailable_reason():
+                    services.directory(spec.storage)  # start every service up front
+            trainer = fitted_trainer(args.layers, args.wikitext2_dir, services.local_dir())
+            subjects = build_subjects(specs, args, services, trainer, stack, run_id)
+            for subject in subjects:
+                stack.callback(subject.close)
+            if not subjects:
+                raise SystemExit("no row can run here")
+            header = describe(args, services, args.network)
+            print(header, flush=True)
+            run_rounds(subjects, args.steps)
+            context = {"layers": args.layers, "steps": args.steps, "network": args.network.name,
+                       "network_mbps": args.network.mbps, "network_rtt_ms": args.network.rtt_ms}
+            rows = [subject_row(s, context) for s in subjects if s.kind == "row"]
+            ceiling_rows = [subject_row(s, context) for s in subjects if s.kind == "ceiling"]
     except KeyboardInterrupt:
         print("interrupted; services stopped", file=sys.stderr)
         return 130
+    add_ratios(rows, ceiling_rows)
     print()
-    print(format_table(rows, TABLE_COLUMNS))
-    if len(rows) > 1 or any(r["ceiling_save_mbps"] for r in rows):
-        print()
-        print(format_table(rows, RATIO_COLUMNS))
-    if args.json:
-        write_json(args.json, rows)
+    print(format_report(rows, ceiling_rows))
+    write_json(args.json, rows + ceiling_rows)
+    markdown = Path(args.json).with_suffix(".md")
+    markdown.write_text(f"{header}\n\n{format_report(rows, ceiling_rows, format_markdown_table)}\n")
+    chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), rows, ceiling_rows, header)
+    print(f"\nrows: {args.json} (tables as Markdown: {markdown}); chart: {chart}")
     return 0
 
 

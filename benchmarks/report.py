@@ -1,4 +1,9 @@
-"""Timing and reporting helpers shared by every benchmark runner: medians, peak RSS, tables, JSON."""
+"""Timing and reporting helpers shared by every benchmark runner: medians, peak RSS, tables, JSON, charts.
+
+Units, the same in every runner, its tables, JSON keys and charts: ``KB``, ``MB`` and ``GB`` are
+decimal (10^3, 10^6, 10^9 bytes; "MB/s" and "GB/s" too), ``KiB``, ``MiB`` and ``GiB`` binary (2^10,
+2^20, 2^30). Use :func:`per_second` for rates.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 import logging
 import os
 import statistics
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,7 +21,12 @@ from typing import Any
 import psutil
 
 RSS_SAMPLE_INTERVAL_S = 0.01
-MB = 1e6
+KB = 10**3
+MB = 10**6
+GB = 10**9
+KiB = 2**10
+MiB = 2**20
+GiB = 2**30
 PROJECT_LOGGERS = ("benchmarks", "lightning_storage_plugins", "dataflux_ckpt", "fastpersist", "smartredis_io")
 
 
@@ -49,6 +60,16 @@ def timed(
 def median_seconds(fn: Callable[[], object], repeat: int = 3) -> float:
     """Median wall-clock seconds of ``repeat`` calls of ``fn``."""
     return timed(fn, repeat)[0]
+
+
+def per_second(nbytes: float, seconds: float, unit: int = MB) -> float:
+    """``nbytes`` moved in ``seconds`` as ``unit``/s (``MB`` by default: decimal MB/s); 0 for no time."""
+    return nbytes / unit / seconds if seconds > 0 else 0.0
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, minimum and maximum of ``values`` (at least one), for a table's "median (min-max)"."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def ratio(value: float | None, reference: float | None) -> float | None:
@@ -87,6 +108,35 @@ class PeakRSS:
         if self._thread:
             self._thread.join()
         self.peak_mb = max(self.peak_mb, self._process.memory_info().rss / MB)
+
+
+class CpuMeter:
+    """CPU seconds (user + system) used by a set of processes: a benchmark and the services it drives.
+
+    ``watch`` adds a process by name; ``snapshot`` reads them all; ``since(snapshot)`` is what each
+    used from then on. A process that has exited counts as having used nothing more.
+    """
+
+    def __init__(self) -> None:
+        self._processes: dict[str, psutil.Process] = {}
+
+    def watch(self, name: str, pid: int | None) -> None:
+        if pid is not None:
+            self._processes[name] = psutil.Process(pid)
+
+    def snapshot(self) -> dict[str, float]:
+        seen = {}
+        for name, process in self._processes.items():
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            seen[name] = times.user + times.system
+        return seen
+
+    def since(self, before: Mapping[str, float]) -> dict[str, float]:
+        now = self.snapshot()
+        return {name: now[name] - before[name] for name in before if name in now}
 
 
 def _cell(value: Any) -> str:
@@ -135,3 +185,68 @@ def latencies_seconds(fn: Callable[[], object], calls: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - start)
     return times
+
+
+def bar_chart(
+    path: str | os.PathLike[str],
+    labels: Sequence[str],
+    series: Mapping[str, Sequence[float | None]],
+    *,
+    spreads: Mapping[str, Sequence[tuple[float, float] | None]] | None = None,
+    lines: Sequence[tuple[str, float, str]] = (),
+    title: str = "",
+    xlabel: str = "",
+) -> Path:
+    """Write a horizontal grouped bar chart as PNG: one group per label, one bar per series.
+
+    Args:
+        path: the PNG to write (parent directories are created).
+        labels: one group per label, top to bottom.
+        series: bar values per series name, one per label (None: no bar).
+        spreads: per series, ``(low, high)`` whiskers per label (None: none).
+        lines: ``(name, value, series)`` reference lines (ceilings), drawn across the chart in the
+            colour of ``series``.
+        title: chart title.
+        xlabel: value axis label.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = list(series)
+    height = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(10, 2.2 + 0.45 * len(labels) * max(len(names), 1)), layout="constrained")
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    for i, name in enumerate(names):
+        positions = [g + (i - (len(names) - 1) / 2) * height for g in range(len(labels))]
+        values = [v if v is not None else 0.0 for v in series[name]]
+        xerr = None
+        whiskers = (spreads or {}).get(name)
+        if whiskers:
+            xerr = [[max(v - (w[0] if w else v), 0.0) for v, w in zip(values, whiskers, strict=True)],
+                    [max((w[1] if w else v) - v, 0.0) for v, w in zip(values, whiskers, strict=True)]]
+        ax.barh(positions, values, height=height * 0.95, color=colors[name], label=name, xerr=xerr,
+                error_kw={"elinewidth": 0.8, "capsize": 2})
+        ends = [max(v, w[1]) if w else v for v, w in zip(values, whiskers or [None] * len(values), strict=True)]
+        for y, value, end in zip(positions, series[name], ends, strict=True):
+            if value is not None:
+                ax.text(end, y, f" {value:.0f}", va="center", fontsize=7)
+    styles = ["--", ":", "-.", (0, (5, 1)), (0, (1, 1))]
+    for j, (name, value, of_series) in enumerate(lines):
+        ax.axvline(value, color=colors.get(of_series, "grey"), linestyle=styles[j % len(styles)], linewidth=1.2,
+                   label=f"{name}: {value:.0f}")
+    ax.set_yticks(range(len(labels)), labels=labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=9)
+    fig.legend(fontsize=7, loc="outside lower center", ncols=2)
+    ax.grid(axis="x", alpha=0.3)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

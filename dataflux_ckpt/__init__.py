@@ -1,34 +1,110 @@
-"""Google Cloud Storage checkpointing for PyTorch Lightning (``gs://`` paths)."""
+"""Google Cloud Storage checkpointing for PyTorch Lightning (``gs://`` paths).
 
-from dataflux_ckpt.checkpoint_io import (
-    CHUNK_SIZE_BYTES,
-    MAX_WORKERS,
-    STREAM_CHUNK_SIZE_BYTES,
-    DatafluxCheckpointIO,
-    reader,
-    writer,
-)
-from dataflux_ckpt.download import ObjectReader
-from dataflux_ckpt.emulator import FakeGcsServer
-from dataflux_ckpt.errors import DataCorruptionError, TransferError
-from dataflux_ckpt.paths import GcsPath, parse_gcs_path
-from dataflux_ckpt.retry import RetryPolicy
-from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
+Names are imported on first use, so that ``import dataflux_ckpt`` (and the emulator and XML
+multipart server processes) need neither torch nor Lightning until a checkpoint class is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
+    "MAX_WORKERS": "dataflux_ckpt.checkpoint_io",
+    "STREAM_CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
+    "DatafluxCheckpointIO": "dataflux_ckpt.checkpoint_io",
+    "reader": "dataflux_ckpt.checkpoint_io",
+    "writer": "dataflux_ckpt.checkpoint_io",
+    "DatafluxFSDPStrategy": "dataflux_ckpt.strategies",
+    "DatafluxModelParallelStrategy": "dataflux_ckpt.strategies",
+    "DatafluxStorageReader": "dataflux_ckpt.dcp",
+    "DatafluxStorageWriter": "dataflux_ckpt.dcp",
+    "ObjectReader": "dataflux_ckpt.download",
+    "FakeGcsServer": "dataflux_ckpt.emulator",
+    "BucketNotFoundError": "dataflux_ckpt.errors",
+    "ConcurrentWriteError": "dataflux_ckpt.errors",
+    "DataCorruptionError": "dataflux_ckpt.errors",
+    "DeadlineExceededError": "dataflux_ckpt.errors",
+    "InvalidCheckpointError": "dataflux_ckpt.errors",
+    "TransferError": "dataflux_ckpt.errors",
+    "Gcs": "dataflux_ckpt.gcs",
+    "parse_gcs_prefix": "dataflux_ckpt.paths",
+    "GcsPath": "dataflux_ckpt.paths",
+    "parse_gcs_path": "dataflux_ckpt.paths",
+    "Deadline": "dataflux_ckpt.retry",
+    "RetryPolicy": "dataflux_ckpt.retry",
+    "ObjectWriter": "dataflux_ckpt.upload",
+    "StreamingWriter": "dataflux_ckpt.upload",
+    "XmlMultipartServer": "dataflux_ckpt.xml_server",
+}
 
 __all__ = [
     "CHUNK_SIZE_BYTES",
     "MAX_WORKERS",
     "STREAM_CHUNK_SIZE_BYTES",
+    "BucketNotFoundError",
+    "ConcurrentWriteError",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
+    "DatafluxFSDPStrategy",
+    "DatafluxModelParallelStrategy",
+    "DatafluxStorageReader",
+    "DatafluxStorageWriter",
+    "Deadline",
+    "DeadlineExceededError",
     "FakeGcsServer",
+    "Gcs",
     "GcsPath",
+    "InvalidCheckpointError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
     "StreamingWriter",
     "TransferError",
+    "XmlMultipartServer",
     "parse_gcs_path",
+    "parse_gcs_prefix",
     "reader",
     "writer",
 ]
+
+if TYPE_CHECKING:
+    from dataflux_ckpt.checkpoint_io import (
+        CHUNK_SIZE_BYTES,
+        MAX_WORKERS,
+        STREAM_CHUNK_SIZE_BYTES,
+        DatafluxCheckpointIO,
+        reader,
+        writer,
+    )
+    from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
+    from dataflux_ckpt.download import ObjectReader
+    from dataflux_ckpt.emulator import FakeGcsServer
+    from dataflux_ckpt.errors import (
+        BucketNotFoundError,
+        ConcurrentWriteError,
+        DataCorruptionError,
+        DeadlineExceededError,
+        InvalidCheckpointError,
+        TransferError,
+    )
+    from dataflux_ckpt.gcs import Gcs
+    from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
+    from dataflux_ckpt.retry import Deadline, RetryPolicy
+    from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
+    from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
+    from dataflux_ckpt.xml_server import XmlMultipartServer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

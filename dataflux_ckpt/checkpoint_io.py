@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
+import zipfile
 from typing import Any
 
 import torch
 from google.cloud import storage
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from typing_extensions import override
 
 from dataflux_ckpt.download import ObjectReader
-from dataflux_ckpt.gcs import Gcs, make_client
-from dataflux_ckpt.paths import parse_gcs_path
-from dataflux_ckpt.retry import RetryPolicy
-from dataflux_ckpt.upload import UPLOAD_MODES, ObjectWriter, StreamingWriter, parts_prefix
+from dataflux_ckpt.errors import InvalidCheckpointError
+from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, Gcs, make_client
+from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
+from dataflux_ckpt.retry import Deadline, RetryPolicy
+from dataflux_ckpt.upload import (
+    CLEANUP_TIMEOUT_S,
+    DEADLINE_S,
+    PARTS_SUFFIX,
+    UPLOAD_MODES,
+    ObjectWriter,
+    StreamingWriter,
+    sweep_stale_parts,
+)
+from lightning_storage_plugins.ordering import SaveOrder
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CHUNK_SIZE_BYTES", "MAX_WORKERS", "STREAM_CHUNK_SIZE_BYTES", "DatafluxCheckpointIO", "reader", "writer"]
 
 CHUNK_SIZE_BYTES = 32 * 2**20
 MAX_WORKERS = 8
@@ -25,6 +40,35 @@ MAX_WORKERS = 8
 # mean fewer round trips; fake-gcs-server also re-hashes the whole object on every request.
 STREAM_CHUNK_SIZE_BYTES = 128 * 2**20
 RESUMABLE_CHUNK_MULTIPLE_BYTES = 256 * 2**10
+ZIP_MAGIC = b"PK\x03\x04"
+# torch.save's format before zip files (``_use_new_zipfile_serialization=False``) starts with this pickle.
+LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+ZIP_END_RECORD = b"PK\x05\x06"
+ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive comment after it
+
+
+def _check_torch_format(stream: ObjectReader) -> None:
+    """Refuse, naming the object, what ``torch.load`` could only fail on with a misleading message.
+
+    Raises:
+        InvalidCheckpointError: the object is empty, truncated (a zip archive without its central
+            directory), or neither torch's zip format nor its legacy format.
+    """
+    uri = stream.path.uri
+    if stream.size == 0:
+        raise InvalidCheckpointError(f"{uri} is an empty object (0 bytes), not a torch checkpoint")
+    head = stream.read(len(LEGACY_TORCH_MAGIC))
+    if head.startswith(ZIP_MAGIC):
+        stream.seek(max(0, stream.size - ZIP_END_SEARCH_BYTES))
+        if stream.read().rfind(ZIP_END_RECORD) < 0:
+            raise InvalidCheckpointError(
+                f"{uri} is a truncated torch checkpoint: its {stream.size} bytes end before the zip "
+                f"archive's central directory (an interrupted copy or upload?)")
+    elif head != LEGACY_TORCH_MAGIC:
+        raise InvalidCheckpointError(
+            f"{uri} is not a torch checkpoint: it starts with {head[:8]!r}, neither a zip archive "
+            f"(torch.save's format) nor torch's legacy format")
+    stream.seek(0)
 
 
 class DatafluxCheckpointIO(CheckpointIO):
@@ -38,12 +82,19 @@ class DatafluxCheckpointIO(CheckpointIO):
             checkpoint through one resumable upload / one GET.
         chunk_size: bytes per part and per ranged read (transfer manager).
         stream_chunk_size: bytes per request of the resumable upload (no transfer manager); a
-            multiple of 256 KiB. Up to four such buffers are alive during a save: two being filled
-            and sent, the resumable upload's own buffer, and the request body it cuts from it.
+            multiple of 256 KiB. Up to two such buffers are alive during a save.
         max_workers: concurrent part uploads / ranged reads.
-        upload_mode: ``"auto"`` (probe XML multipart once per bucket, else composite uploads),
-            ``"xml"`` or ``"composite"``.
+        upload_mode: ``"auto"`` (probe XML multipart once per bucket, else composite uploads;
+            composite when ``chunk_size`` is under GCS's 5 MiB minimum part), ``"xml"`` or ``"composite"``.
         retry: retry policy for each request (part, range, compose, ...).
+        deadline_s: every save, load, remove and listing must finish within this many seconds, or
+            fails with :class:`~dataflux_ckpt.errors.DeadlineExceededError`.
+        request_timeout_s: how long one request may wait for the server (per socket operation).
+        cleanup_timeout_s: how long clean-up after a failed save may take (aborting its upload,
+            deleting its part objects).
+
+    Raises:
+        ValueError: an option is out of range.
     """
 
     def __init__(
@@ -56,6 +107,10 @@ class DatafluxCheckpointIO(CheckpointIO):
         stream_chunk_size: int = STREAM_CHUNK_SIZE_BYTES,
         upload_mode: str = "auto",
         retry: RetryPolicy | None = None,
+        *,
+        deadline_s: float = DEADLINE_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
     ) -> None:
         if upload_mode not in UPLOAD_MODES:
             raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
@@ -64,6 +119,10 @@ class DatafluxCheckpointIO(CheckpointIO):
         if stream_chunk_size <= 0 or stream_chunk_size % RESUMABLE_CHUNK_MULTIPLE_BYTES:
             raise ValueError(f"stream_chunk_size must be a positive multiple of "
                              f"{RESUMABLE_CHUNK_MULTIPLE_BYTES} bytes, not {stream_chunk_size}")
+        for name, value in (("deadline_s", deadline_s), ("request_timeout_s", request_timeout_s),
+                            ("cleanup_timeout_s", cleanup_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, not {value!r}")
         self.project_name = project_name
         self.use_transfer_manager = use_transfer_manager
         self.chunk_size = chunk_size
@@ -71,108 +130,215 @@ class DatafluxCheckpointIO(CheckpointIO):
         self.stream_chunk_size = stream_chunk_size
         self.upload_mode = upload_mode
         self.retry = retry or RetryPolicy()
+        self.deadline_s = deadline_s
+        self.request_timeout_s = request_timeout_s
+        self.cleanup_timeout_s = cleanup_timeout_s
         self._client = storage_client
         self._gcs: Gcs | None = None
         self._lock = threading.Lock()
+        self._order = SaveOrder(self._exists)
 
     # Pickling: the client (sockets, credentials) stays behind and is made again where needed.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_client=None, _gcs=None, _lock=None)
+        state.update(_client=None, _gcs=None, _lock=None, _order=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
 
     @property
     def gcs(self) -> Gcs:
-        """The GCS helper of this process, created on first use."""
+        """The GCS helper of this process (client, connections, per-bucket upload modes), created on
+        first use; :meth:`teardown` closes it."""
         with self._lock:
             if self._gcs is None:
                 client = self._client or make_client(self.project_name)
-                self._gcs = Gcs(client, self.retry, self.max_workers)
+                self._gcs = Gcs(client, retry=self.retry, connections=self.max_workers,
+                                request_timeout_s=self.request_timeout_s,
+                                connect_timeout_s=min(CONNECT_TIMEOUT_S, self.request_timeout_s))
             return self._gcs
+
+    def _deadline(self, operation: str, target: str) -> Deadline:
+        return Deadline(self.deadline_s, operation, target)
 
     # File-likes ------------------------------------------------------------------------------
     def writer(self, path: str | os.PathLike[str]) -> ObjectWriter | StreamingWriter:
         """A writable file-like for ``path``: ``with io.writer(p) as w: torch.save(obj, w)``.
 
         The object is published when the ``with`` block ends normally and discarded otherwise.
+
+        Raises:
+            ValueError: ``path`` is not ``gs://bucket/key``.
+            BucketNotFoundError: the bucket does not exist.
+            DeadlineExceededError: the server did not answer within ``deadline_s``.
         """
         target = parse_gcs_path(path)
+        options = {"deadline_s": self.deadline_s, "cleanup_timeout_s": self.cleanup_timeout_s}
         if self.use_transfer_manager:
-            return ObjectWriter(self.gcs, target, chunk_size=self.chunk_size,
-                                max_workers=self.max_workers, mode=self.upload_mode)
-        return StreamingWriter(self.gcs, target, chunk_size=self.stream_chunk_size)
+            return ObjectWriter(self.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
+                                mode=self.upload_mode, **options)
+        return StreamingWriter(self.gcs, target, chunk_size=self.stream_chunk_size, **options)
 
     def reader(self, path: str | os.PathLike[str]) -> ObjectReader:
         """A seekable readable file-like for ``path``: ``with io.reader(p) as r: torch.load(r)``.
 
         Raises:
+            ValueError: ``path`` is not ``gs://bucket/key``.
             FileNotFoundError: no object at ``path``.
+            BucketNotFoundError: the bucket does not exist.
             DataCorruptionError: on close (or ``verify()``), when the bytes do not match their crc32c.
+            DeadlineExceededError: the download did not finish within ``deadline_s``.
         """
         target = parse_gcs_path(path)
-        return ObjectReader(self.gcs, target, chunk_size=self.chunk_size,
-                            max_workers=self.max_workers, parallel=self.use_transfer_manager)
+        return ObjectReader(self.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
+                            parallel=self.use_transfer_manager, deadline_s=self.deadline_s)
 
     # CheckpointIO ----------------------------------------------------------------------------
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
         """Serialize ``checkpoint`` with ``torch.save`` straight into ``path``.
 
+        Nothing appears at ``path`` unless the whole checkpoint was uploaded and its crc32c checked;
+        a failed save leaves the previous object there.
+
+        Args:
+            checkpoint: the state to save.
+            path: ``gs://bucket/key``.
+            storage_options: not supported; must be ``None``.
+
         Raises:
-            TypeError: if ``storage_options`` is given.
-            ValueError: if ``path`` is not ``gs://bucket/key``.
+            TypeError: ``storage_options`` is given.
+            ValueError: ``path`` is not ``gs://bucket/key``.
+            BucketNotFoundError: the bucket does not exist.
+            ConcurrentWriteError: another writer replaced ``path`` while this save ran.
+            DeadlineExceededError: the save did not finish within ``deadline_s``.
+            TransferError: an upload failed for good.
         """
         if storage_options is not None:
             raise TypeError(f"`storage_options` are not supported by {type(self).__name__}")
-        with self.writer(path) as stream:
-            torch.save(checkpoint, stream)
+        key = parse_gcs_path(path).uri
+        if not self._order.begin_save(key):
+            log.debug("not saving %s: it was removed before its save ran", key)
+            return
+        try:
+            with self.writer(path) as stream:
+                torch.save(checkpoint, stream)
+        finally:
+            remove = self._order.end_save(key)
+        if remove:
+            self._delete(parse_gcs_path(path))
 
+    @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint at ``path``; nothing is returned unless its crc32c checks out.
 
+        Args:
+            path: ``gs://bucket/key``.
+            map_location: as for ``torch.load``.
+            weights_only: as for ``torch.load``; ``None`` lets torch decide (``True`` since torch
+                2.6: no code in the checkpoint runs). Pass ``False`` only for checkpoints you trust.
+
         Raises:
+            ValueError: ``path`` is not ``gs://bucket/key``.
             FileNotFoundError: no object at ``path``.
+            BucketNotFoundError: the bucket does not exist.
+            InvalidCheckpointError: the object is empty, truncated, or not a torch checkpoint.
+            pickle.UnpicklingError: ``weights_only`` loading refused the checkpoint's contents.
             DataCorruptionError: the downloaded bytes do not match the object's crc32c.
+            DeadlineExceededError: the download did not finish within ``deadline_s``.
         """
         with self.reader(path) as stream:
+            uri = stream.path.uri
+            try:
+                _check_torch_format(stream)
+            except InvalidCheckpointError:
+                stream.verify()  # damaged bytes in transit explain it better
+                raise
             try:
                 checkpoint = torch.load(stream, map_location=map_location, weights_only=weights_only)
-            except Exception:
+            except pickle.UnpicklingError as exc:
+                stream.raise_if_failed()
                 stream.verify()  # damaged bytes explain a failed unpickling better than its own error
+                raise pickle.UnpicklingError(f"{uri}: {exc}") from exc
+            except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
+                stream.raise_if_failed()
+                stream.verify()
+                raise InvalidCheckpointError(f"{uri} could not be loaded as a torch checkpoint: {exc}") from exc
+            except Exception:
+                stream.raise_if_failed()  # the download's own error, not what torch made of it
                 raise
             stream.verify()
         return checkpoint
 
+    @override
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the object at ``path`` (and parts left by failed uploads to it); missing is fine."""
+        """Delete the object at ``path``, and part objects that dead uploads to it left; missing is fine.
+
+        Raises:
+            ValueError: ``path`` is not ``gs://bucket/key``.
+            DeadlineExceededError: the removal did not finish within ``deadline_s``.
+        """
         target = parse_gcs_path(path)
+        self._order.removing(target.uri)
+        self._delete(target)
+
+    def _delete(self, target: GcsPath) -> None:
+        deadline = self._deadline("remove", target.uri)
         gcs = self.gcs
-        for name in gcs.list_names(target.bucket, parts_prefix(target)):
-            gcs.delete(target.bucket, name)
-        gcs.delete(*target)
+        sweep_stale_parts(gcs, target, deadline)
+        gcs.delete(target.bucket, target.key, deadline)
         log.debug("removed %s", target)
 
+    def _exists(self, uri: str) -> bool:
+        try:
+            self.gcs.stat(parse_gcs_path(uri), self._deadline("stat", uri))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list_checkpoints(self, prefix: str | os.PathLike[str]) -> list[str]:
+        """The ``gs://`` paths of the objects under ``prefix`` (``gs://bucket/dir/``), sorted; part
+        objects of uploads in progress are left out.
+
+        Raises:
+            ValueError: ``prefix`` is not ``gs://bucket`` or ``gs://bucket/...``.
+            BucketNotFoundError: the bucket does not exist.
+            DeadlineExceededError: the listing did not finish within ``deadline_s``.
+        """
+        target = parse_gcs_prefix(prefix)
+        names = self.gcs.list_names(target.bucket, target.key, self._deadline("listing", target.uri))
+        return sorted(GcsPath(target.bucket, name).uri for name in names if PARTS_SUFFIX not in name)
+
+    @override
     def teardown(self) -> None:
-        """Wait for the background deletion of part objects, then close this process' connections;
-        the next use opens new ones."""
+        """Wait (up to ``cleanup_timeout_s``) for the background deletion of part objects, then
+        close this process' connections; the next use opens new ones."""
+        self._order.reset()
         with self._lock:
-            if self._gcs is not None:
-                self._gcs.wait_background()
-            if self._gcs is not None and self._client is None:
-                self._gcs.session.close()
-                self._gcs = None
+            gcs, self._gcs = self._gcs, None
+        if gcs is not None and not gcs.close(self.cleanup_timeout_s, close_session=self._client is None):
+            log.warning("background deletion of part objects did not finish within %g s; what is left is "
+                        "removed by later saves", self.cleanup_timeout_s)
 
 
 def writer(path: str | os.PathLike[str], **options: Any) -> ObjectWriter | StreamingWriter:
-    """A writable file-like for ``path`` outside Lightning; ``options`` as for :class:`DatafluxCheckpointIO`."""
+    """A writable file-like for ``path`` outside Lightning; ``options`` as for :class:`DatafluxCheckpointIO`.
+
+    Raises:
+        As :meth:`DatafluxCheckpointIO.writer`.
+    """
     return DatafluxCheckpointIO(**options).writer(path)
 
 
 def reader(path: str | os.PathLike[str], **options: Any) -> ObjectReader:
-    """A readable file-like for ``path`` outside Lightning; ``options`` as for :class:`DatafluxCheckpointIO`."""
+    """A readable file-like for ``path`` outside Lightning; ``options`` as for :class:`DatafluxCheckpointIO`.
+
+    Raises:
+        As :meth:`DatafluxCheckpointIO.reader`.
+    """
     return DatafluxCheckpointIO(**options).reader(path)

@@ -14,46 +14,44 @@ import logging
 import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import requests
-
+from dataflux_ckpt import _gcs_compat
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
+from dataflux_ckpt.errors import DataCorruptionError, DeadlineExceededError, TransferError
 from dataflux_ckpt.gcs import Gcs
 from dataflux_ckpt.paths import GcsPath
+from dataflux_ckpt.retry import Deadline
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_BYTES = 4 * 2**20
-
-
-def _body_reader(response: requests.Response) -> Any:
-    """What to ``readinto`` the body from: the ``http.client`` response under urllib3 when the body
-    is not encoded (it receives straight into our buffer; urllib3's ``readinto`` reads into a
-    temporary and copies), else urllib3's decoding reader."""
-    raw = response.raw
-    inner = getattr(raw, "_fp", None)
-    encoding = response.headers.get("Content-Encoding", "identity").lower()
-    if encoding == "identity" and hasattr(inner, "readinto"):
-        return inner
-    return raw
+DEADLINE_S = 1800.0
 
 
 class ObjectReader(io.RawIOBase):
     """A seekable, read-only file-like over one GCS object generation.
 
-    ``parallel=False`` fetches the object with one streaming GET. A missing object raises
-    ``FileNotFoundError`` naming the path; a crc32c mismatch raises :class:`DataCorruptionError`
-    from :meth:`verify` and from ``close()``.
+    Args:
+        gcs: the GCS helper to talk through.
+        path: the object to read.
+        chunk_size: bytes per ranged GET.
+        max_workers: concurrent ranged GETs; ``parallel=False`` fetches the object with one GET.
+        deadline_s: waiting for the bytes (the whole download) ends by this many seconds from now.
+
+    Raises:
+        FileNotFoundError: no object at ``path`` (the message names it).
+        BucketNotFoundError: the bucket does not exist.
+        DeadlineExceededError: the download did not finish in time (from reads and :meth:`verify`).
+        DataCorruptionError: from :meth:`verify` and ``close()``, when the bytes do not match their crc32c.
     """
 
-    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, parallel: bool = True) -> None:
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, parallel: bool = True,
+                 deadline_s: float = DEADLINE_S) -> None:
         super().__init__()
         self._gcs, self.path = gcs, path
-        info = gcs.stat(path)
-        self.size, self._expected_crc = info.size, info.crc32c
-        self._url = f"{gcs.media_url(*path)}&generation={info.generation}" if info.generation else gcs.media_url(*path)
+        self._deadline = Deadline(deadline_s, "load", path.uri)
+        info = gcs.stat(path, self._deadline)
+        self.size, self._expected_crc, self.generation = info.size, info.crc32c, info.generation
         # The one copy of the object in memory; torch.load copies from it into tensor storages.
         # Anonymous mmap pages are zeroed lazily by the kernel, as the download threads first touch
         # them, not all up front by this thread as bytearray(size) would.
@@ -70,6 +68,7 @@ class ObjectReader(io.RawIOBase):
         self._pending = len(self._ranges)
         self._pending_lock = threading.Lock()
         self._error: BaseException | None = None
+        self._read_error: BaseException | None = None
         self._verified = False
         self._executor = ThreadPoolExecutor(max_workers if parallel else 1, thread_name_prefix="dataflux-download")
         order = list(range(len(self._ranges)))
@@ -85,10 +84,13 @@ class ObjectReader(io.RawIOBase):
         what = f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
         try:
             if self._error is None and not self._abandoned:
-                self._gcs.retry.call(lambda: self._fetch_once(index, what), what)
+                self._gcs.retry.call(lambda: self._fetch_once(index, what), what, self._deadline)
         except BaseException as exc:
-            self._error = TransferError(f"{what} failed: {exc}")
-            self._error.__cause__ = exc
+            if isinstance(exc, DeadlineExceededError):
+                self._error = exc
+            else:
+                self._error = TransferError(f"{what} failed: {exc}")
+                self._error.__cause__ = exc
             for event in self._arrived:
                 event.set()
         finally:
@@ -99,14 +101,12 @@ class ObjectReader(io.RawIOBase):
 
     def _fetch_once(self, index: int, what: str) -> None:
         start, end = self._ranges[index]
-        headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        with self._gcs.request("GET", self._url, what, ok=(200, 206), headers=headers, stream=True) as response:
-            if response.status_code == 200 and (start, end) != (0, self.size):
-                raise HttpStatusError(200, f"{what}: the server ignored the Range header")
-            source = _body_reader(response)
+        with self._gcs.open_range(self.path, self.generation, start, end, self._deadline) as response:
+            source = _gcs_compat.raw_body_reader(response)
             target = self._view[start:end]
             got = 0
             while got < end - start:
+                self._deadline.check(what)
                 n = source.readinto(target[got : got + READ_BLOCK_BYTES])
                 if not n:
                     raise ConnectionError(f"{what}: connection closed after {got} of {end - start} bytes")
@@ -118,9 +118,21 @@ class ObjectReader(io.RawIOBase):
             return
         step = self._ranges[0][1] - self._ranges[0][0]
         for index in range(start // step, (end - 1) // step + 1):
-            self._arrived[index].wait()
+            # Requests end by the deadline on their own; the grace covers a last backoff.
+            if not self._arrived[index].wait(max(self._deadline.remaining(), 0) + 1.0):
+                raise self._deadline.exceeded(f"waiting for bytes {start}-{end - 1}")
         if self._error is not None:
             raise self._error
+
+    def raise_if_failed(self) -> None:
+        """Raise the error a read met (a failed download, the deadline), if any.
+
+        A reader's errors reach a caller that reads through ``torch.load`` disguised (torch's zip
+        reader reports a failed read as a missing ``read`` attribute); this gives the real one.
+        """
+        error = self._read_error or self._error
+        if error is not None:
+            raise error
 
     def wait_all(self) -> None:
         """Block until the whole object has arrived."""
@@ -172,11 +184,16 @@ class ObjectReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
+        """Copy the next bytes into ``target`` once they have arrived; the count (0 at the end)."""
         if self.closed:
             raise ValueError(f"read from a closed reader for {self.path}")
         start = min(self._pos, self.size)
         end = min(start + memoryview(target).nbytes, self.size)
-        self._wait(start, end)
+        try:
+            self._wait(start, end)
+        except BaseException as exc:
+            self._read_error = exc
+            raise
         memoryview(target).cast("B")[: end - start] = self._view[start:end]
         self._pos = end
         return end - start
@@ -186,7 +203,7 @@ class ObjectReader(io.RawIOBase):
         if self.closed:
             return
         try:
-            if not self._abandoned:
+            if not self._abandoned and self._error is None:  # a failed download was reported already
                 self.verify()
         finally:
             self._abandoned = True

@@ -3,6 +3,12 @@
     with FakeGcsServer() as gcs, gcs.activated():
         gcs.create_bucket("ckpts")
         trainer = Trainer(plugins=[DatafluxCheckpointIO()], default_root_dir="gs://ckpts/run1")
+
+fake-gcs-server has no XML API multipart uploads, GCS's path for parallel parts; put an
+:class:`dataflux_ckpt.XmlMultipartServer` in front of it to have them:
+
+    with FakeGcsServer() as gcs, XmlMultipartServer(gcs) as front, front.activated():
+        ...
 """
 
 from __future__ import annotations
@@ -13,19 +19,34 @@ import json
 import logging
 import os
 import platform
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from lightning_storage_plugins.services import ManagedProcess, find_binary, free_port
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "EMULATOR_PROJECT",
+    "FakeGcsServer",
+    "LocalGcsService",
+    "activated",
+    "configure_gcsfs_for_emulator",
+    "create_bucket",
+    "emulator_environ",
+    "find_fake_gcs_server",
+]
+
 FAKE_GCS_SERVER_VERSION = "v1.52.2"
 BINARY_ENV_VAR = "FAKE_GCS_SERVER_BIN"
 EMULATOR_PROJECT = "test-project"
+EMULATOR_HOST_ENV = "STORAGE_EMULATOR_HOST"
+GCSFS_PROBE_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 HTTP_TIMEOUT_S = 10.0
 INSTALL_HINT = (
     f"Get it one of these ways: `go install github.com/fsouza/fake-gcs-server@{FAKE_GCS_SERVER_VERSION}` "
@@ -56,7 +77,74 @@ def find_fake_gcs_server() -> str:
     return find_binary("fake-gcs-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT, providers=[_bundled_binary])
 
 
-class FakeGcsServer:
+_Service = TypeVar("_Service", bound="LocalGcsService")
+
+
+class LocalGcsService:
+    """What :class:`FakeGcsServer` and :class:`~dataflux_ckpt.XmlMultipartServer` share: a process on
+    a loopback port that serves the GCS JSON API at :attr:`url`, started and stopped with it.
+
+    Subclasses set :attr:`host`, :attr:`port`, :attr:`url` and ``_process`` (a ``ManagedProcess``
+    whose readiness check is :meth:`_answers`).
+    """
+
+    host: str
+    port: int
+    url: str
+    _process: ManagedProcess
+
+    def _answers(self) -> bool:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
+        try:
+            conn.request("GET", "/storage/v1/b")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+
+    def start(self: _Service) -> _Service:
+        """Start the process and wait until it answers.
+
+        Raises:
+            ServiceStartError: it did not come up; the message has its log.
+        """
+        self._process.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the process; what it held in memory is lost. Idempotent."""
+        self._process.stop()
+
+    @property
+    def pid(self) -> int | None:
+        """The process id while it runs."""
+        return self._process.pid
+
+    def __enter__(self: _Service) -> _Service:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name``; an existing bucket of that name is kept.
+
+        Raises:
+            RuntimeError: the server refused; the message carries its answer.
+        """
+        create_bucket(self.url, name)
+
+    def environ(self) -> dict[str, str]:
+        """Environment that points google-cloud-storage and gcsfs at this server."""
+        return emulator_environ(self.url)
+
+    @contextmanager
+    def activated(self: _Service) -> Iterator[_Service]:
+        """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at this server."""
+        with activated(self.url):
+            yield self
+
+
+class FakeGcsServer(LocalGcsService):
     """fake-gcs-server on loopback over plain HTTP, on a free port.
 
     The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
@@ -97,92 +185,86 @@ class FakeGcsServer:
             startup_timeout_s=startup_timeout_s,
         )
 
-    def _answers(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
-        try:
-            conn.request("GET", "/storage/v1/b")
-            return conn.getresponse().status == 200
-        finally:
-            conn.close()
 
-    def start(self) -> FakeGcsServer:
-        self._process.start()
-        return self
+def create_bucket(url: str, name: str) -> None:
+    """Create bucket ``name`` on the emulator at ``url``; an existing bucket of that name is kept.
 
-    def stop(self) -> None:
-        self._process.stop()
+    Raises:
+        RuntimeError: the emulator refused; the message carries its answer.
+    """
+    body = json.dumps({"name": name}).encode()
+    request = urllib.request.Request(
+        f"{url}/storage/v1/b?project={EMULATOR_PROJECT}",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).close()
+    except urllib.error.HTTPError as err:
+        if err.code != 409:
+            detail = err.read().decode(errors="replace").strip()
+            raise RuntimeError(f"creating bucket {name!r} on {url} failed: {err} {detail}") from err
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
 
-    def __enter__(self) -> FakeGcsServer:
-        return self.start()
+def emulator_environ(url: str) -> dict[str, str]:
+    """Environment that points google-cloud-storage and gcsfs at the emulator at ``url``.
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    It includes :data:`GCSFS_PROBE_ENV` (see :func:`configure_gcsfs_for_emulator`).
+    """
+    return {EMULATOR_HOST_ENV: url, GCSFS_PROBE_ENV: "false"}
 
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name``; an existing bucket of that name is kept."""
-        body = json.dumps({"name": name}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/storage/v1/b?project={EMULATOR_PROJECT}",
-            data=body,
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
-        try:
-            urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).close()
-        except urllib.error.HTTPError as err:
-            if err.code != 409:
-                detail = err.read().decode(errors="replace").strip()
-                raise RuntimeError(
-                    f"creating bucket {name!r} on {self.url} failed: {err} {detail}"
-                ) from err
 
-    def environ(self) -> dict[str, str]:
-        """Environment that points google-cloud-storage and gcsfs at this emulator.
+def configure_gcsfs_for_emulator() -> bool:
+    """Turn off gcsfs' bucket-type probe, which an emulator does not serve; call before importing gcsfs.
 
-        ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` is gcsfs' own switch for its bucket-type probe
-        over gRPC, which an emulator does not serve (each probe stalls for about a minute).
-        """
-        return {
-            "STORAGE_EMULATOR_HOST": self.url,
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        }
+    gcsfs reads ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` once, at import: while it is on, every new
+    bucket costs a gRPC probe that stalls for about a minute against an emulator. This sets it to
+    ``false`` unless the environment already says otherwise.
 
-    @contextmanager
-    def activated(self) -> Iterator[FakeGcsServer]:
-        """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at the emulator."""
-        import fsspec.config
+    Returns:
+        ``True`` when gcsfs was not imported yet (the setting takes effect), ``False`` (and a logged
+        warning) when it came too late for this process.
+    """
+    os.environ.setdefault(GCSFS_PROBE_ENV, "false")
+    return not _warn_if_gcsfs_probes()
 
-        saved_env = {key: os.environ.get(key) for key in self.environ()}
-        saved_gcs_conf = fsspec.config.conf.get("gcs")
-        os.environ.update(self.environ())
-        # gcsfs needs no credentials against an emulator; fsspec applies this to every gs:// open.
-        fsspec.config.conf["gcs"] = {**(saved_gcs_conf or {}), "token": "anon"}
-        _warn_if_gcsfs_probes()
-        try:
-            yield self
-        finally:
-            for key, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            if saved_gcs_conf is None:
-                fsspec.config.conf.pop("gcs", None)
+
+@contextmanager
+def activated(url: str) -> Iterator[str]:
+    """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at the emulator at ``url``;
+    everything is restored on exit."""
+    import fsspec.config
+
+    environ = emulator_environ(url)
+    saved_env = {key: os.environ.get(key) for key in environ}
+    saved_gcs_conf = fsspec.config.conf.get("gcs")
+    os.environ.update(environ)
+    # gcsfs needs no credentials against an emulator; fsspec applies this to every gs:// open.
+    fsspec.config.conf["gcs"] = {**(saved_gcs_conf or {}), "token": "anon"}
+    _warn_if_gcsfs_probes()
+    try:
+        yield url
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
             else:
-                fsspec.config.conf["gcs"] = saved_gcs_conf
+                os.environ[key] = value
+        if saved_gcs_conf is None:
+            fsspec.config.conf.pop("gcs", None)
+        else:
+            fsspec.config.conf["gcs"] = saved_gcs_conf
 
 
-def _warn_if_gcsfs_probes() -> None:
-    import sys
-
+def _warn_if_gcsfs_probes() -> bool:
+    """Warn (and return ``True``) when gcsfs was imported with its bucket-type probe on."""
     gcsfs = sys.modules.get("gcsfs")
     if gcsfs is not None and gcsfs.GCSFileSystem.__name__ == "ExtendedGcsFileSystem":
         log.warning(
-            "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set: each new "
-            "bucket costs a gRPC probe that stalls against the emulator; activate the emulator "
-            "before importing gcsfs"
+            "gcsfs was imported before %s=false was set: each new bucket costs a gRPC probe that "
+            "stalls against the emulator; call dataflux_ckpt.emulator.configure_gcsfs_for_emulator() "
+            "(or set the variable) before importing gcsfs", GCSFS_PROBE_ENV,
         )
+        return True
+    return False

@@ -1,4 +1,4 @@
-"""Typed errors of the GCS checkpoint plugin."""
+"""Typed errors of the GCS checkpoint plugin; every message names the ``gs://`` object concerned."""
 
 from __future__ import annotations
 
@@ -9,6 +9,43 @@ class DataCorruptionError(IOError):
 
 class TransferError(IOError):
     """An upload or download failed for good (after retries); the message names bucket, key and part."""
+
+
+class DeadlineExceededError(TransferError, TimeoutError):
+    """A public operation (save, load, remove, list) did not finish within its deadline.
+
+    Attributes:
+        operation: what ran out of time (``"save"``, ``"load"``...).
+        target: the ``gs://`` path or prefix it worked on.
+        deadline_s: the deadline it had, in seconds.
+    """
+
+    def __init__(self, operation: str, target: str, deadline_s: float, detail: str = "") -> None:
+        message = f"{operation} of {target} did not finish within its deadline of {deadline_s:g} s"
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.operation, self.target, self.deadline_s = operation, target, deadline_s
+
+
+class ConcurrentWriteError(TransferError):
+    """Another writer replaced the object while this save ran; this save published nothing.
+
+    Attributes:
+        target: the ``gs://`` path both wrote to.
+    """
+
+    def __init__(self, target: str, detail: str = "") -> None:
+        message = (f"{target} was replaced by another writer while this save ran (its generation "
+                   f"precondition failed); this save published nothing")
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.target = target
+
+
+class BucketNotFoundError(FileNotFoundError):
+    """The bucket of a ``gs://`` path does not exist (or is not visible with these credentials)."""
+
+
+class InvalidCheckpointError(ValueError):
+    """A stored object is not a loadable torch checkpoint (empty, truncated, or not torch's format)."""
 
 
 class HttpStatusError(IOError):

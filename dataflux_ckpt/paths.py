@@ -19,6 +19,7 @@ class GcsPath(NamedTuple):
 
     @property
     def uri(self) -> str:
+        """``gs://bucket/key``."""
         return f"gs://{self.bucket}/{self.key}"
 
     def __str__(self) -> str:
@@ -38,3 +39,19 @@ def parse_gcs_path(path: str | os.PathLike[str]) -> GcsPath:
     if match is None or match["scheme"].lower() not in SCHEMES or match["key"].strip("/") == "":
         raise ValueError(f"not a GCS object path: {text!r} (expected gs://bucket/key)")
     return GcsPath(match["bucket"], match["key"])
+
+
+_PREFIX_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)(?:/(?P<key>.*))?$")
+
+
+def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
+    """Split ``gs://bucket/prefix`` (the prefix may be empty: ``gs://bucket``) into bucket and prefix.
+
+    Raises:
+        ValueError: if ``path`` is not a ``gs://`` path; the message names it.
+    """
+    text = os.fspath(path)
+    match = _PREFIX_RE.match(text) if isinstance(text, str) else None
+    if match is None or match["scheme"].lower() not in SCHEMES:
+        raise ValueError(f"not a GCS path: {path!r} (expected gs://bucket or gs://bucket/prefix)")
+    return GcsPath(match["bucket"], match["key"] or "")

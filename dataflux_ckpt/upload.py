@@ -4,46 +4,66 @@ With the transfer manager the bytes are cut into ``chunk_size`` parts as they ar
 ``max_workers`` threads upload them concurrently, so memory stays bounded by about
 ``(max_workers + 1) x chunk_size``. Parts go through one of two engines, chosen once per bucket:
 
-* ``xml``: GCS's XML multipart upload, with google-cloud-storage's ``XMLMPUContainer``/``XMLMPUPart``;
+* ``xml``: GCS's XML API multipart upload (parts, then one completion);
 * ``composite``: part objects under a temporary prefix, composed (32 sources at a time, in a tree)
   into the final name, then deleted; for servers without XML multipart (fake-gcs-server).
 
-Without the transfer manager it is one streaming resumable upload (``blob.open("wb")``).
-Either way nothing appears under the final name until the upload is complete, and a failure
-cleans up after itself.
+Without the transfer manager it is one resumable upload, fed by one background thread.
+
+Publishing is atomic: nothing appears under the final name until the upload is complete, and a
+failure cleans up after itself within its own time budget. Where GCS supports it (single upload,
+compose, resumable upload) the publish carries a generation precondition, the generation found
+when the writer started: a save that another writer overtook fails with
+:class:`~dataflux_ckpt.errors.ConcurrentWriteError` and publishes nothing. XML multipart
+completions take no preconditions (the last completion wins). The crc32c of what was published is
+checked from the publishing request's own answer, and a damaged object is deleted only in the
+generation this writer created.
+
+Temporary part objects are named ``<key>.dataflux-parts/<upload id>-<lease>s/<n>.dataflux-part``:
+the lease is the writer's deadline plus its clean-up budget, after which the writer is certainly
+finished; the suffix lets a bucket lifecycle rule find them. Every save
+removes the part objects of uploads to its path whose lease ran out (by the server's clock) after
+their newest part: those of writers that died without cleaning up, never those of a live writer.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import queue
-import struct
-import threading
+import re
+import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from functools import partial
 from typing import Any, Protocol
 
-from google.cloud.storage import exceptions as media_exceptions
-from google.cloud.storage._media.requests.upload import XMLMPUContainer, XMLMPUPart
-
 from dataflux_ckpt.checksums import BytesLike, crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.errors import DataCorruptionError, TransferError
-from dataflux_ckpt.gcs import HTTP_TIMEOUT_S, OCTET_STREAM, Gcs
+from dataflux_ckpt.errors import DataCorruptionError, DeadlineExceededError, HttpStatusError, TransferError
+from dataflux_ckpt.gcs import Gcs, ObjectInfo
 from dataflux_ckpt.paths import GcsPath
+from dataflux_ckpt.retry import Deadline
 
 log = logging.getLogger(__name__)
 
 MAX_COMPOSE_SOURCES = 32
 PARTS_SUFFIX = ".dataflux-parts/"
+# Every temporary part object's name ends so, for a bucket lifecycle rule (``matchesSuffix``).
+PART_OBJECT_SUFFIX = ".dataflux-part"
 # Statuses with which a server says it does not serve XML multipart uploads.
 XML_UNSUPPORTED_STATUS = frozenset({400, 404, 405, 501})
+# GCS refuses XML multipart parts (but the last) smaller than this; "auto" picks composite below it.
+XML_MIN_PART_BYTES = 5 * 2**20
 UPLOAD_MODES = ("auto", "xml", "composite")
 BUFFER_WAIT_S = 0.05
-
-_mode_cache: dict[tuple[str, str], str] = {}
-_mode_lock = threading.Lock()
+DEADLINE_S = 1800.0
+CLEANUP_TIMEOUT_S = 30.0
+# Part objects under a prefix without a lease tag are removed once they are this old.
+UNTAGGED_UPLOAD_LEASE_S = 24 * 3600.0
+_UPLOAD_DIR_RE = re.compile(r"^(?P<id>[0-9a-f]{32})-(?P<lease>\d+)s$")
 
 
 def parts_prefix(path: GcsPath) -> str:
@@ -51,14 +71,43 @@ def parts_prefix(path: GcsPath) -> str:
     return path.key + PARTS_SUFFIX
 
 
+def sweep_stale_parts(gcs: Gcs, path: GcsPath, deadline: Deadline) -> int:
+    """Delete the part objects of uploads to ``path`` whose writers are certainly gone.
+
+    An upload is gone once the server's clock is past its newest part's creation plus its lease
+    (see the module docstring); each object is deleted only in the generation that was listed.
+
+    Returns:
+        How many part objects were deleted.
+    """
+    objects, now = gcs.list_objects(path.bucket, parts_prefix(path), deadline)
+    if not objects:
+        return 0
+    now = time.time() if now is None else now
+    uploads: dict[str, list[Any]] = {}
+    for item in objects:
+        upload_dir = item.name[len(parts_prefix(path)):].partition("/")[0]
+        uploads.setdefault(upload_dir, []).append(item)
+    deleted = 0
+    for upload_dir, items in uploads.items():
+        match = _UPLOAD_DIR_RE.match(upload_dir)
+        lease_s = float(match["lease"]) if match else UNTAGGED_UPLOAD_LEASE_S
+        if now <= max(item.created for item in items) + lease_s:
+            continue
+        log.info("removing %d part objects of a dead upload to %s (%s)", len(items), path, upload_dir)
+        for item in items:
+            deleted += gcs.delete(path.bucket, item.name, deadline, if_generation_match=item.generation)
+    return deleted
+
+
 class _PartEngine(Protocol):
     mode: str
 
-    def upload_part(self, number: int, data: memoryview, crc: int) -> str: ...
+    def upload_part(self, number: int, data: memoryview, crc: int, deadline: Deadline) -> Any: ...
 
-    def complete(self, tokens: list[str]) -> str: ...
+    def complete(self, tokens: list[Any], crc: int, deadline: Deadline) -> ObjectInfo: ...
 
-    def abort(self) -> None: ...
+    def abort(self, deadline: Deadline) -> None: ...
 
 
 class _CompositeEngine:
@@ -66,115 +115,65 @@ class _CompositeEngine:
 
     mode = "composite"
 
-    def __init__(self, gcs: Gcs, path: GcsPath, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, gcs: Gcs, path: GcsPath, executor: ThreadPoolExecutor, expected_generation: int,
+                 lease_s: float, cleanup_timeout_s: float) -> None:
         self._gcs, self._path, self._executor = gcs, path, executor
-        self._prefix = f"{parts_prefix(path)}{uuid.uuid4().hex}/"
+        self._expected_generation = expected_generation
+        self._cleanup_timeout_s = cleanup_timeout_s
+        self._prefix = f"{parts_prefix(path)}{uuid.uuid4().hex}-{math.ceil(lease_s)}s/"
 
-    def upload_part(self, number: int, data: memoryview, crc: int) -> str:
-        name = f"{self._prefix}{number:06d}"
-        self._gcs.upload_object(self._path.bucket, name, data, crc, retried=False)
-        return name
+    def upload_part(self, number: int, data: memoryview, crc: int, deadline: Deadline) -> tuple[str, int]:
+        name = f"{self._prefix}{number:06d}{PART_OBJECT_SUFFIX}"
+        return name, self._gcs.upload_part_object(self._path.bucket, name, data, crc, deadline)
 
-    def complete(self, tokens: list[str]) -> str:
-        bucket, level, temporary = self._path.bucket, 0, list(tokens)
-        while len(tokens) > MAX_COMPOSE_SOURCES:
-            groups = [tokens[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(tokens), MAX_COMPOSE_SOURCES)]
-            names = [f"{self._prefix}c{level}-{i:06d}" for i in range(len(groups))]
-            list(self._executor.map(lambda g, n: self._gcs.compose(bucket, g, n), groups, names))
-            temporary += names
-            tokens, level = names, level + 1
-        meta = self._gcs.compose(bucket, tokens, self._path.key)
+    def complete(self, tokens: list[tuple[str, int]], crc: int, deadline: Deadline) -> ObjectInfo:
+        bucket, level = self._path.bucket, 0
+        temporary = list(tokens)
+        sources = [name for name, _ in tokens]
+        while len(sources) > MAX_COMPOSE_SOURCES:
+            groups = [sources[i : i + MAX_COMPOSE_SOURCES] for i in range(0, len(sources), MAX_COMPOSE_SOURCES)]
+            names = [f"{self._prefix}c{level}-{i:06d}{PART_OBJECT_SUFFIX}" for i in range(len(groups))]
+            composed = list(self._executor.map(lambda g, n: self._gcs.compose(bucket, g, n, deadline), groups, names))
+            temporary += [(name, info.generation) for name, info in zip(names, composed, strict=True)]
+            sources, level = names, level + 1
+        info = self._gcs.compose(bucket, sources, self._path.key, deadline,
+                                 if_generation_match=self._expected_generation, expected_crc=crc32c_b64(crc))
         # The object is complete: the save returns now and the parts are deleted in the background
         # (the plugin's teardown waits for that); a part left behind is only clutter.
-        for name in temporary:
-            self._gcs.in_background(partial(self._gcs.delete, bucket, name),
+        for name, generation in temporary:
+            self._gcs.in_background(partial(self._delete_part, name, generation),
                                     f"deleting part object gs://{bucket}/{name} of {self._path}")
-        return meta.get("crc32c", "")
+        return info
 
-    def abort(self) -> None:
-        self._cleanup()
+    def _delete_part(self, name: str, generation: int) -> None:
+        deadline = Deadline(self._cleanup_timeout_s, "deletion", f"gs://{self._path.bucket}/{name}")
+        self._gcs.delete(self._path.bucket, name, deadline, if_generation_match=generation)
 
-    def _cleanup(self) -> None:
-        names = self._gcs.list_names(self._path.bucket, self._prefix)
-        list(self._executor.map(lambda n: self._gcs.delete(self._path.bucket, n), names))
-
-
-class _KnownCrc32c:
-    """A checksum object (as google-cloud-storage's media classes use them) with a known value."""
-
-    def __init__(self, crc: int) -> None:
-        self._crc = crc
-
-    def digest(self) -> bytes:
-        return struct.pack(">I", self._crc)
-
-
-class _MemoryXMLMPUPart(XMLMPUPart):
-    """``XMLMPUPart`` whose payload is a buffer in memory instead of a byte range of a file."""
-
-    def __init__(self, upload_url: str, upload_id: str, number: int, data: memoryview, crc: int, headers: dict[str, str]) -> None:
-        super().__init__(upload_url, upload_id, None, 0, len(data), number, headers=headers, checksum="crc32c", retry=None)
-        self._payload = data
-        self._crc = crc
-
-    def _prepare_upload_request(self) -> tuple[str, str, Any, dict[str, str]]:
-        if self.finished:
-            raise ValueError("This part has already been uploaded.")
-        self._checksum_object = _KnownCrc32c(self._crc)  # computed once, while the part was cut
-        url = f"{self.upload_url}?partNumber={self.part_number}&uploadId={self.upload_id}"
-        return "PUT", url, self._payload, self._headers
+    def abort(self, deadline: Deadline) -> None:
+        names = self._gcs.list_names(self._path.bucket, self._prefix, deadline)
+        list(self._executor.map(lambda n: self._gcs.delete(self._path.bucket, n, deadline), names))
 
 
 class _XmlMultipartEngine:
-    """GCS XML multipart upload through google-cloud-storage's own MPU classes."""
+    """GCS XML API multipart upload: parts, then one completion (no preconditions there)."""
 
     mode = "xml"
 
-    def __init__(self, gcs: Gcs, path: GcsPath) -> None:
+    def __init__(self, gcs: Gcs, path: GcsPath, deadline: Deadline) -> None:
         self._gcs, self._path = gcs, path
-        self._url = gcs.xml_url(*path)
-        self._container = XMLMPUContainer(self._url, path.key, headers={}, retry=None)
-        self._container.initiate(gcs.session, OCTET_STREAM, timeout=HTTP_TIMEOUT_S)
+        self._upload_id = gcs.xml_initiate(path, deadline)
 
-    def upload_part(self, number: int, data: memoryview, crc: int) -> str:
-        part = _MemoryXMLMPUPart(self._url, self._container.upload_id, number, data, crc, {})
-        part.upload(self._gcs.session, timeout=HTTP_TIMEOUT_S)
-        return part.etag
+    def upload_part(self, number: int, data: memoryview, crc: int, deadline: Deadline) -> str:
+        return self._gcs.xml_upload_part(self._path, self._upload_id, number, data, crc, deadline)
 
-    def complete(self, tokens: list[str]) -> str:
-        for number, etag in enumerate(tokens, start=1):
-            self._container.register_part(number, etag)
-        self._gcs.retry.call(lambda: self._container.finalize(self._gcs.session, timeout=HTTP_TIMEOUT_S),
-                             f"completion of the multipart upload of {self._path}")
-        return self._gcs.stat(self._path).crc32c
+    def complete(self, tokens: list[str], crc: int, deadline: Deadline) -> ObjectInfo:
+        generation, stored = self._gcs.xml_complete(self._path, self._upload_id, tokens, deadline)
+        # Every part's crc32c was checked by the server on arrival; the whole object's is checked
+        # here when the answer carries it.
+        return ObjectInfo(0, stored if stored is not None else crc32c_b64(crc), generation or 0)
 
-    def abort(self) -> None:
-        if self._container.upload_id is not None and not self._container.finished:
-            self._container.cancel(self._gcs.session, timeout=HTTP_TIMEOUT_S)
-
-
-def _start_engine(gcs: Gcs, path: GcsPath, mode: str, executor: ThreadPoolExecutor) -> _PartEngine:
-    """The engine for ``mode``; ``auto`` probes XML multipart once per endpoint and bucket."""
-    cache_key = (gcs.host, path.bucket)
-    if mode == "auto":
-        with _mode_lock:
-            mode = _mode_cache.get(cache_key, "auto")
-    if mode == "composite":
-        return _CompositeEngine(gcs, path, executor)
-    try:
-        engine = gcs.retry.call(lambda: _XmlMultipartEngine(gcs, path), f"start of the multipart upload of {path}")
-    except media_exceptions.InvalidResponse as exc:
-        status = getattr(exc.response, "status_code", None)
-        if mode == "xml" or status not in XML_UNSUPPORTED_STATUS:
-            raise
-        log.info("gs://%s does not serve XML multipart uploads (HTTP %s); using composite uploads",
-                 path.bucket, status)
-        with _mode_lock:
-            _mode_cache[cache_key] = "composite"
-        return _CompositeEngine(gcs, path, executor)
-    with _mode_lock:
-        _mode_cache[cache_key] = "xml"
-    return engine
+    def abort(self, deadline: Deadline) -> None:
+        self._gcs.xml_abort(self._path, self._upload_id, deadline)
 
 
 class _ChunkingWriter(io.RawIOBase):
@@ -183,14 +182,22 @@ class _ChunkingWriter(io.RawIOBase):
 
     ``close()`` (or leaving the ``with`` block normally) publishes the object; leaving it with an
     exception, or :meth:`abort`, discards the upload and leaves any previous object intact.
+
+    After a successful ``close()``, :attr:`generation` is the generation it published (``None``
+    where the server did not say).
     """
 
-    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, buffers: int) -> None:
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, buffers: int, deadline_s: float,
+                 cleanup_timeout_s: float) -> None:
         if chunk_size <= 0 or buffers <= 1:
             raise ValueError(f"chunk_size ({chunk_size}) and the number of workers must be positive")
+        if not deadline_s > 0 or not cleanup_timeout_s > 0:
+            raise ValueError(f"deadline_s ({deadline_s}) and cleanup_timeout_s ({cleanup_timeout_s}) must be positive")
         super().__init__()
         self._gcs, self.path = gcs, path
         self._chunk_size, self._buffers = chunk_size, buffers
+        self._cleanup_timeout_s = cleanup_timeout_s
+        self._deadline = Deadline(deadline_s, "save", path.uri)
         self._buffer: bytearray | None = None
         self._fill = 0
         self._size = 0
@@ -199,7 +206,17 @@ class _ChunkingWriter(io.RawIOBase):
         self._allocated = 0
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[Future[Any]] = []
+        self._done = True  # until the constructor succeeds: nothing to abort
+        self.generation: int | None = None
+        # The generation there now: the precondition of the publish. A missing bucket fails here,
+        # before anything is serialized.
+        self._expected_generation = gcs.current_generation(path, self._deadline)
         self._done = False
+
+    @property
+    def lease_s(self) -> float:
+        """How long after its newest part this upload may still be running (deadline + clean-up)."""
+        return self._deadline.seconds + self._cleanup_timeout_s
 
     # io.RawIOBase ----------------------------------------------------------------------------
     def writable(self) -> bool:
@@ -217,6 +234,7 @@ class _ChunkingWriter(io.RawIOBase):
             # A full buffer is handed on only once more bytes follow, so that an object of exactly
             # one chunk still goes up in a single request.
             if self._fill == self._chunk_size:
+                self._deadline.check()
                 self._submit_buffer()
             if self._buffer is None:
                 self._buffer = self._acquire_buffer()
@@ -228,13 +246,22 @@ class _ChunkingWriter(io.RawIOBase):
         return total
 
     def close(self) -> None:
-        """Finish the upload and publish the object (no-op when already closed)."""
+        """Finish the upload and publish the object (no-op when already closed).
+
+        Raises:
+            DeadlineExceededError: the save did not finish within its deadline (nothing published).
+            ConcurrentWriteError: another writer replaced the object meanwhile (nothing published).
+            TransferError: a part failed for good.
+            BucketNotFoundError: the bucket does not exist.
+        """
         if self.closed:
             return
         try:
             if not self._done:
+                self._deadline.check()
                 self._finish()
                 self._done = True
+                self._after_publish()
         except BaseException:
             self.abort()
             raise
@@ -264,6 +291,7 @@ class _ChunkingWriter(io.RawIOBase):
             if self._allocated < self._buffers:
                 self._allocated += 1
                 return bytearray(self._chunk_size)
+            self._deadline.check("waiting for a part upload to free a buffer")
             try:
                 return self._free.get(timeout=BUFFER_WAIT_S)
             except queue.Empty:
@@ -283,31 +311,61 @@ class _ChunkingWriter(io.RawIOBase):
         self._buffer, self._fill = None, 0
         return buffer, data, crc
 
-    def _submit(self, fn: Any, *args: Any) -> None:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(self._buffers - 1, thread_name_prefix="dataflux-upload")
         self._futures.append(self._executor.submit(fn, *args))
 
     def _wait_all(self) -> list[Any]:
-        return [future.result() for future in self._futures]
+        results = []
+        for future in self._futures:
+            try:
+                # Each request ends by the deadline on its own; the grace covers a last backoff.
+                results.append(future.result(timeout=max(self._deadline.remaining(), 0) + 1.0))
+            except FutureTimeoutError:
+                raise self._deadline.exceeded("waiting for the part uploads") from None
+        return results
 
     def _stop_parts(self) -> None:
         for future in self._futures:
             future.cancel()
         for future in self._futures:
             if not future.cancelled():
-                future.exception()  # wait; the failure itself was reported to the writer
+                try:
+                    # Requests end by the deadline; give each at most the clean-up budget beyond it.
+                    future.exception(timeout=max(self._deadline.remaining(), 0) + self._cleanup_timeout_s)
+                except FutureTimeoutError:
+                    log.warning("a part upload of %s is still running after its deadline", self.path)
 
-    def _check_stored_crc(self, stored: str) -> None:
+    def _check_published(self, info: ObjectInfo) -> None:
+        """Check the published generation's crc32c; a damaged one is deleted (that generation only)."""
+        self.generation = info.generation or None
         expected = crc32c_b64(self._crc)
-        if stored != expected:
-            log.error("%s: stored crc32c %s != written %s; deleting it", self.path, stored, expected)
-            self._gcs.delete(*self.path)
-            raise DataCorruptionError(f"{self.path}: stored crc32c {stored} != written {expected}")
+        if info.crc32c == expected:
+            return
+        log.error("%s: stored crc32c %s != written %s; deleting generation %s",
+                  self.path, info.crc32c, expected, info.generation)
+        if info.generation:
+            self._gcs.delete(self.path.bucket, self.path.key, self._cleanup_deadline(),
+                             if_generation_match=info.generation)
+        self.generation = None
+        raise DataCorruptionError(f"{self.path}: stored crc32c {info.crc32c} != written {expected}")
+
+    def _cleanup_deadline(self) -> Deadline:
+        return Deadline(self._cleanup_timeout_s, "clean-up after the save", self.path.uri)
+
+    def _after_publish(self) -> None:
+        """Remove, in the background, part objects that dead uploads to this path left behind."""
+        gcs, path, budget_s = self._gcs, self.path, self._cleanup_timeout_s
+
+        def sweep() -> None:
+            sweep_stale_parts(gcs, path, Deadline(budget_s, "removal of stale part objects", path.uri))
+
+        gcs.in_background(sweep, f"removing stale part objects of {path}")
 
     def _shutdown(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         self._buffer = None
 
@@ -324,29 +382,73 @@ class _ChunkingWriter(io.RawIOBase):
 
 
 class ObjectWriter(_ChunkingWriter):
-    """Uploads ``path`` in ``chunk_size`` parts, ``max_workers`` at a time, while it is written."""
+    """Uploads ``path`` in ``chunk_size`` parts, ``max_workers`` at a time, while it is written.
 
-    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, mode: str = "auto") -> None:
+    Args:
+        gcs: the GCS helper to talk through.
+        path: where to publish.
+        chunk_size: bytes per part.
+        max_workers: concurrent part uploads.
+        mode: ``"auto"`` (XML multipart where the bucket serves it and parts are at least 5 MiB,
+            else composite), ``"xml"`` or ``"composite"``.
+        deadline_s: the whole save must finish within this many seconds.
+        cleanup_timeout_s: how long clean-up after a failure may take.
+
+    Raises:
+        BucketNotFoundError: the bucket does not exist.
+        DeadlineExceededError: the server did not answer in time.
+    """
+
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, mode: str = "auto",
+                 deadline_s: float = DEADLINE_S, cleanup_timeout_s: float = CLEANUP_TIMEOUT_S) -> None:
         if mode not in UPLOAD_MODES:
             raise ValueError(f"upload mode must be one of {UPLOAD_MODES}, not {mode!r}")
-        super().__init__(gcs, path, chunk_size=chunk_size, buffers=max_workers + 1)
+        super().__init__(gcs, path, chunk_size=chunk_size, buffers=max_workers + 1, deadline_s=deadline_s,
+                         cleanup_timeout_s=cleanup_timeout_s)
         self._mode = mode
         self._engine: _PartEngine | None = None
+
+    def _start_engine(self) -> _PartEngine:
+        """The engine for the mode; ``auto`` probes XML multipart once per bucket (see :class:`Gcs`)."""
+        mode = self._mode
+        if mode == "auto":
+            mode = self._gcs.upload_mode(self.path.bucket) or "auto"
+            if mode == "auto" and self._chunk_size < XML_MIN_PART_BYTES:
+                mode = "composite"  # parts this small are refused by GCS's XML multipart uploads
+        assert self._executor is not None
+        if mode == "composite":
+            return _CompositeEngine(self._gcs, self.path, self._executor, self._expected_generation, self.lease_s,
+                                    self._cleanup_timeout_s)
+        try:
+            engine = _XmlMultipartEngine(self._gcs, self.path, self._deadline)
+        except HttpStatusError as exc:
+            if mode == "xml" or exc.status not in XML_UNSUPPORTED_STATUS:
+                raise
+            log.info("gs://%s does not serve XML multipart uploads (HTTP %s); using composite uploads",
+                     self.path.bucket, exc.status)
+            self._gcs.remember_upload_mode(self.path.bucket, "composite")
+            return _CompositeEngine(self._gcs, self.path, self._executor, self._expected_generation, self.lease_s,
+                                    self._cleanup_timeout_s)
+        if self._mode == "auto":
+            self._gcs.remember_upload_mode(self.path.bucket, "xml")
+        return engine
 
     def _submit_buffer(self) -> None:
         if self._engine is None:
             self._executor = ThreadPoolExecutor(self._buffers - 1, thread_name_prefix="dataflux-upload")
-            self._engine = _start_engine(self._gcs, self.path, self._mode, self._executor)
+            self._engine = self._start_engine()
             log.debug("uploading %s in parts with the %s engine", self.path, self._engine.mode)
         buffer, data, crc = self._cut_part()
         self._submit(self._upload_part, len(self._futures) + 1, buffer, data, crc)
 
-    def _upload_part(self, number: int, buffer: bytearray, data: memoryview, crc: int) -> str:
+    def _upload_part(self, number: int, buffer: bytearray, data: memoryview, crc: int) -> Any:
         what = f"upload of part {number} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
         assert self._engine is not None
-        engine = self._engine
+        engine, deadline = self._engine, self._deadline
         try:
-            return self._gcs.retry.call(lambda: engine.upload_part(number, data, crc), what)
+            return self._gcs.retry.call(lambda: engine.upload_part(number, data, crc, deadline), what, deadline)
+        except DeadlineExceededError:
+            raise
         except Exception as exc:
             raise TransferError(f"{what} failed: {exc}") from exc
         finally:
@@ -356,12 +458,14 @@ class ObjectWriter(_ChunkingWriter):
         if self._engine is None:
             # Everything fits in one part: a single upload straight to the final name.
             _, data, crc = self._cut_part()
-            self._gcs.upload_object(self.path.bucket, self.path.key, data, crc)
+            info = self._gcs.upload_object(self.path, data, crc, self._deadline,
+                                           if_generation_match=self._expected_generation)
+            self._check_published(info)
             return
         if self._fill:
             self._submit_buffer()
         tokens = self._wait_all()
-        self._check_stored_crc(self._engine.complete(tokens))
+        self._check_published(self._engine.complete(tokens, self._crc, self._deadline))
         log.debug("uploaded %s: %d bytes in %d parts", self.path, self._size, len(tokens))
 
     def abort(self) -> None:
@@ -373,44 +477,62 @@ class ObjectWriter(_ChunkingWriter):
         if self._engine is not None:
             log.warning("upload of %s failed; cleaning up its %s upload", self.path, self._engine.mode)
             try:
-                self._engine.abort()
+                self._engine.abort(self._cleanup_deadline())
             except Exception:
-                log.exception("cleanup after the failed upload of %s failed", self.path)
+                log.exception("clean-up after the failed upload of %s failed; part objects left behind "
+                              "are removed by a later save to this path", self.path)
         self._shutdown()
 
 
 class StreamingWriter(_ChunkingWriter):
-    """One streaming resumable upload (``blob.open("wb")``): the transfer-manager-disabled path.
+    """One resumable upload: the transfer-manager-disabled path.
 
     A single background thread feeds the upload while the caller fills the next buffer, so
     serialization and upload overlap; requests stay strictly sequential.
+
+    Args:
+        gcs: the GCS helper to talk through.
+        path: where to publish.
+        chunk_size: bytes per request; a multiple of 256 KiB.
+        deadline_s: the whole save must finish within this many seconds.
+        cleanup_timeout_s: how long clean-up after a failure may take.
     """
 
-    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int) -> None:
-        super().__init__(gcs, path, chunk_size=chunk_size, buffers=2)
-        blob = gcs.client.bucket(path.bucket).blob(path.key)
-        # The resumable upload finalizes the object only on close(); terminate() abandons it.
-        self._inner = blob.open("wb", chunk_size=chunk_size, content_type=OCTET_STREAM,
-                                checksum="crc32c", ignore_flush=True)
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, deadline_s: float = DEADLINE_S,
+                 cleanup_timeout_s: float = CLEANUP_TIMEOUT_S) -> None:
+        super().__init__(gcs, path, chunk_size=chunk_size, buffers=2, deadline_s=deadline_s,
+                         cleanup_timeout_s=cleanup_timeout_s)
+        self._done = True
+        # The generation precondition is evaluated when the session finishes.
+        self._session = gcs.resumable_start(path, self._deadline, if_generation_match=self._expected_generation)
+        self._done = False
+        self._sent = 0
+        self._result: ObjectInfo | None = None
 
     def _submit_buffer(self) -> None:
         buffer, data, _ = self._cut_part()
-        self._submit(self._send, buffer, data)
+        self._submit(self._send, buffer, data, False)
 
-    def _send(self, buffer: bytearray, data: memoryview) -> None:
+    def _send(self, buffer: bytearray, data: memoryview, last: bool) -> None:
+        offset = self._sent
+        total = offset + data.nbytes if last else None
         try:
-            self._inner.write(data)
+            self._result = self._gcs.resumable_send(self.path, self._session, data, offset, total, self._deadline)
+        except (DeadlineExceededError, TransferError):
+            raise
         except Exception as exc:
-            raise TransferError(f"streaming upload of {self.path} failed: {exc}") from exc
+            raise TransferError(f"resumable upload of {self.path} failed: {exc}") from exc
         finally:
             self._free.put(buffer)
+        self._sent += data.nbytes
 
     def _finish(self) -> None:
-        if self._fill:
-            self._submit_buffer()
+        buffer, data, _ = self._cut_part()
+        self._submit(self._send, buffer, data, True)
         self._wait_all()
-        self._inner.close()
-        self._check_stored_crc(self._gcs.stat(self.path).crc32c)
+        if self._result is None:
+            raise TransferError(f"resumable upload of {self.path}: the session did not finish")
+        self._check_published(self._result)
 
     def abort(self) -> None:
         """Abandon the resumable upload; nothing is published."""
@@ -419,7 +541,7 @@ class StreamingWriter(_ChunkingWriter):
         self._done = True
         self._stop_parts()
         try:
-            self._inner.terminate()
+            self._gcs.resumable_cancel(self._session, self._cleanup_deadline())
         except Exception as exc:
-            log.debug("terminating the resumable upload of %s: %s", self.path, exc)
+            log.debug("cancelling the resumable upload of %s: %s", self.path, exc)
         self._shutdown()

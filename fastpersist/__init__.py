@@ -1,9 +1,9 @@
 """FastPersist: no-patch NVMe checkpoint writer (torch.load-compatible files via async O_DIRECT I/O).
 
 ```python
-from fastpersist import fastpersist_save, fastpersist_load, get_aio_handle, get_pinned_buffer
-stats = fastpersist_save(obj=model.state_dict(), file_path="/mnt/nvme0/ckpt.pt",
-                         aio_handle=get_aio_handle(), pinned_buffer=get_pinned_buffer(size_mb=256))
+from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save
+with FastPersistContext(io_buffer_mb=256) as context:  # DeepSpeed aio handle + pinned buffer, reused
+    stats = fastpersist_save(model.state_dict(), "/mnt/nvme0/ckpt.pt", context=context)
 state = torch.load("/mnt/nvme0/ckpt.pt", weights_only=True)
 ```
 The Lightning plugin and the DeepSpeed checkpoint engine are imported on first use (they pull in
@@ -13,25 +13,42 @@ Lightning and DeepSpeed's runtime).
 from importlib import import_module
 from typing import Any
 
-from fastpersist.handles import get_aio_handle, get_pinned_buffer
-from fastpersist.reader import fastpersist_load
-from fastpersist.writer import SaveStats, fastpersist_save
+from fastpersist.aio import AioConfig, get_aio_handle
+from fastpersist.context import FastPersistContext
+from fastpersist.memory import get_pinned_buffer, release_pinned_buffer
+from fastpersist.reader import CheckpointFormatError, fastpersist_load
+from fastpersist.writer import SaveStats, fastpersist_save, remove_stale_temporaries
 
 __all__ = [
     "fastpersist_save",
     "fastpersist_load",
+    "FastPersistContext",
+    "AioConfig",
     "get_aio_handle",
     "get_pinned_buffer",
+    "release_pinned_buffer",
+    "remove_stale_temporaries",
     "SaveStats",
+    "CheckpointFormatError",
     "FastPersistCheckpointIO",
     "FastPersistCheckpointEngine",
     "enable_fastpersist",
+    "deepspeed_initialize",
+    "FastPersistStorageReader",
+    "FastPersistStorageWriter",
+    "FastPersistFSDPStrategy",
+    "FastPersistModelParallelStrategy",
 ]
 
 _LAZY = {
     "FastPersistCheckpointIO": "fastpersist.checkpoint_io",
     "FastPersistCheckpointEngine": "fastpersist.deepspeed_engine",
     "enable_fastpersist": "fastpersist.deepspeed_engine",
+    "deepspeed_initialize": "fastpersist.deepspeed_engine",
+    "FastPersistStorageReader": "fastpersist.dcp",
+    "FastPersistStorageWriter": "fastpersist.dcp",
+    "FastPersistFSDPStrategy": "fastpersist.strategies",
+    "FastPersistModelParallelStrategy": "fastpersist.strategies",
 }
 
 

@@ -7,15 +7,18 @@ from typing import Any
 
 import torch
 
-from fastpersist.handles import ALIGNMENT_BYTES
-from fastpersist.image import Fill, Run
+from fastpersist.memory import ALIGNMENT_BYTES, round_down
 
-Segment = Run | torch.Tensor
+Piece = bytes | bytearray | memoryview | torch.Tensor
 SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy_ call
 
 
 def flat_bytes(buffer: torch.Tensor) -> torch.Tensor:
-    """``buffer`` as a flat uint8 tensor sharing its memory."""
+    """``buffer`` as a flat uint8 tensor sharing its memory.
+
+    Raises:
+        ValueError: the buffer is not contiguous.
+    """
     if not buffer.is_contiguous():
         raise ValueError("pinned buffer must be contiguous")
     return buffer.reshape(-1).view(torch.uint8)
@@ -29,7 +32,7 @@ def split_halves(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     flat = flat_bytes(buffer)
     skip = -flat.data_ptr() % ALIGNMENT_BYTES
-    half = max(0, flat.numel() - skip) // 2 // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+    half = round_down(max(0, flat.numel() - skip) // 2)
     if half == 0:
         raise ValueError(
             f"pinned buffer of {flat.numel()} bytes is too small: it must hold two "
@@ -38,70 +41,75 @@ def split_halves(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat.narrow(0, skip, half), flat.narrow(0, skip + half, half)
 
 
-def segment_length(segment: Segment) -> int:
-    return segment.numel() if isinstance(segment, torch.Tensor) else len(segment)
+def piece_length(piece: Piece) -> int:
+    return piece.numel() if isinstance(piece, torch.Tensor) else len(piece)
 
 
 class DoubleBuffer:
-    """Write-side staging: ``put`` appends bytes to the current half and calls ``drain`` when it is full.
+    """Write-side staging: :meth:`put` appends bytes to the current half; a full half goes to ``drain``.
 
-    ``drain(nbytes)`` must submit ``current[:nbytes]`` for ``file_offset`` and then call :meth:`swap`.
+    ``drain(half, nbytes, file_offset)`` must submit ``half[:nbytes]`` for ``file_offset`` and return
+    once the *other* half may be overwritten. ``position`` is the file offset of the next byte put.
     """
 
-    def __init__(self, buffer: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, drain: Callable[[torch.Tensor, int, int], None]) -> None:
         self.halves = split_halves(buffer)
         self.capacity = self.halves[0].numel()
-        self.index = 0
-        self.filled = 0
-        self.file_offset = 0
+        self._drain = drain
+        self._index = 0
+        self._filled = 0
+        self._file_offset = 0
         self.has_device_copies = False  # non-blocking copies to or from a GPU are pending
         on_cpu = self.halves[0].device.type == "cpu"
         self._views = [memoryview(half.numpy()) if on_cpu else None for half in self.halves]
 
     @property
-    def current(self) -> torch.Tensor:
-        return self.halves[self.index]
+    def position(self) -> int:
+        return self._file_offset + self._filled
 
-    def swap(self, nbytes: int) -> None:
-        """The current half was submitted: advance the file offset and fill the other half."""
-        self.file_offset += nbytes
-        self.index ^= 1
-        self.filled = 0
-
-    def put(self, segment: Segment, drain: Callable[[int], None]) -> None:
-        length = segment_length(segment)
+    def put(self, piece: Piece) -> None:
+        """Append ``piece`` (bytes, or a flat uint8 tensor on any device)."""
+        length = piece_length(piece)
         done = 0
         while done < length:
-            count = min(self.capacity - self.filled, length - done)
-            self._copy(segment, done, count)
-            self.filled += count
+            count = min(self.capacity - self._filled, length - done)
+            self._copy(piece, done, count)
+            self._filled += count
             done += count
-            if self.filled == self.capacity:
-                drain(self.capacity)
+            if self._filled == self.capacity:
+                self._submit(self.capacity)
 
-    def _copy(self, segment: Segment, start: int, count: int) -> None:
-        view = self._views[self.index]
-        if (
-            view is not None
-            and count <= SMALL_COPY_BYTES
-            and not (isinstance(segment, torch.Tensor) and segment.is_cuda)
-        ):
-            # Small pieces (record headers, padding, small tensors) by memoryview: no torch op per piece.
-            if isinstance(segment, torch.Tensor):
-                source: Any = memoryview(segment.numpy())[start : start + count]
-            elif isinstance(segment, Fill):
-                source = bytes((segment.value,)) * count
-            else:
-                source = memoryview(segment)[start : start + count]
-            view[self.filled : self.filled + count] = source
+    def flush(self, pad_to: int = ALIGNMENT_BYTES) -> int:
+        """Submit what is staged, zero-padded to a multiple of ``pad_to``; returns the padding added."""
+        tail = self._filled
+        if not tail:
+            return 0
+        padded = -(-tail // pad_to) * pad_to
+        self.halves[self._index].narrow(0, tail, padded - tail).zero_()
+        self._submit(padded)
+        return padded - tail
+
+    def _submit(self, nbytes: int) -> None:
+        self._drain(self.halves[self._index].narrow(0, 0, nbytes), nbytes, self._file_offset)
+        self._file_offset += nbytes
+        self._index ^= 1
+        self._filled = 0
+
+    def _copy(self, piece: Piece, start: int, count: int) -> None:
+        view = self._views[self._index]
+        is_tensor = isinstance(piece, torch.Tensor)
+        on_host = not is_tensor or piece.device.type == "cpu"
+        if view is not None and on_host and (not is_tensor or count <= SMALL_COPY_BYTES):
+            # Bytes and small tensors by memoryview (a memcpy): no torch op per piece.
+            source: Any = memoryview(piece.numpy() if is_tensor else piece)[start : start + count]
+            view[self._filled : self._filled + count] = source
             return
-        target = self.current.narrow(0, self.filled, count)
-        if isinstance(segment, torch.Tensor):
-            device_copy = segment.is_cuda or target.is_cuda
+        target = self.halves[self._index].narrow(0, self._filled, count)
+        if is_tensor:
+            device_copy = piece.device.type != "cpu" or target.device.type != "cpu"
             # Straight into the pinned half (device-to-host DMA for GPU tensors): no whole-tensor .cpu().
-            target.copy_(segment.narrow(0, start, count), non_blocking=device_copy)
+            target.copy_(piece.narrow(0, start, count), non_blocking=device_copy)
             self.has_device_copies |= device_copy
-        elif isinstance(segment, Fill):
-            target.fill_(segment.value)
         else:
-            target.copy_(torch.frombuffer(segment[start : start + count], dtype=torch.uint8))
+            chunk = bytearray(memoryview(piece)[start : start + count])  # writable, as torch wants
+            target.copy_(torch.frombuffer(chunk, dtype=torch.uint8))

@@ -1,16 +1,17 @@
-"""``fastpersist_load``: read any torch.save zip with large aligned async reads, then unpickle as torch.load.
+"""``fastpersist_load``: read any torch.save file with large aligned reads, then unpickle as torch.load.
 
 Two read paths, chosen by engine:
 
-- ``"python"`` (default, *direct*): one page-aligned host allocation the size of the file; the storage
-  span is read straight into it with parallel O_DIRECT ``preadv`` calls, and each storage is a slice of
-  it (as with ``torch.load(mmap=True)``). No staging copy: on a 2-core machine the copy out of a pinned
-  buffer into freshly faulted memory costs more than the read itself.
-- ``"aio"`` (*staged*): DeepSpeed aio reads into the two halves of the pinned buffer (one half is read
-  while the other is scattered into separately allocated storages, which can be freed one by one).
+- ``"python"`` (default, *direct*): one page-aligned host allocation the size of the storage span; it
+  is read straight in with parallel O_DIRECT ``preadv`` calls, and each storage is a slice of it (as
+  with ``torch.load(mmap=True)``). No staging copy: on a small machine the copy out of a pinned buffer
+  into freshly faulted memory costs more than the read itself.
+- ``"aio"`` (*staged*): DeepSpeed aio reads into the two halves of the staging buffer (one half is
+  read while the other is scattered into separately allocated storages, which can be freed one by one).
 
-Either way torch's own unpickling (``weights_only`` rules, ``map_location``, shared storages, byte
-order) then runs over those bytes. Files that are not zip archives (legacy format) go to ``torch.load``.
+Either way torch's own unpickling rules (``weights_only``, ``map_location``, shared storages, byte
+order) then run over those bytes. Files in torch's legacy (pre-zip) format and TorchScript archives
+go to ``torch.load``.
 """
 
 from __future__ import annotations
@@ -18,33 +19,36 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
+import zipfile
 from typing import Any
 
 import torch
 
+from fastpersist import _torch_compat
 from fastpersist.buffers import split_halves
-from fastpersist.engines import (
-    IOEngine,
-    OpenFile,
-    PythonEngine,
-    Transfer,
-    create_engine,
-    engine_for,
-    io_error,
-    open_file,
-)
-from fastpersist.handles import ALIGNMENT_BYTES, exclusive, get_default_pinned_buffer, huge_page_empty
+from fastpersist.context import FastPersistContext
+from fastpersist.engines import IOEngine, OpenFile, PythonEngine, Transfer, io_error, open_file
+from fastpersist.memory import huge_page_empty, round_down, round_up
 
 log = logging.getLogger(__name__)
 
 ZIP_MAGIC = b"PK\x03\x04"
+PICKLE_PROTOCOL_OPCODE = 0x80  # torch's legacy format is a pickle stream (protocol 2+)
 DEFAULT_LOAD_ENGINE = "python"
 Record = tuple[int, int, str]  # (file offset, size, record name)
 
 
+class CheckpointFormatError(ValueError):
+    """The file is not a checkpoint this torch can read; the message names the path and the reason."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot load {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
 class _PreloadedRecords:
-    """A PyTorchFileReader whose storage records come from already-read tensors."""
+    """torch's zip reader, with storage records served from tensors already read."""
 
     def __init__(self, reader: Any, storages: dict[str, torch.Tensor]) -> None:
         self._reader = reader
@@ -63,91 +67,101 @@ class _PreloadedRecords:
 def fastpersist_load(
     file_path: str | os.PathLike[str],
     map_location: Any = None,
-    weights_only: bool | None = True,
+    weights_only: bool | None = None,
     aio_handle: Any = None,
     pinned_buffer: torch.Tensor | None = None,
     *,
     engine: str | None = None,
+    context: FastPersistContext | None = None,
 ) -> Any:
     """Return what ``torch.load(file_path, map_location, weights_only=weights_only)`` would.
 
     Args:
         file_path: a file written by ``torch.save`` or ``fastpersist_save``.
         map_location: as for ``torch.load``.
-        weights_only: as for ``torch.load`` (``None`` means torch's default, ``True``).
-        aio_handle: DeepSpeed aio handle for the staged path (default: the shared one).
-        pinned_buffer: page-locked staging memory for the staged path (default: the shared one).
+        weights_only: as for ``torch.load``; ``None`` means torch's default (``True`` since torch 2.6,
+            overridable with torch's ``TORCH_FORCE_*WEIGHTS_ONLY_LOAD`` environment variables).
+        aio_handle: DeepSpeed aio handle for the staged path (ignored when ``context`` is given).
+        pinned_buffer: page-locked staging memory for the staged path (ignored when ``context`` is given).
         engine: ``"python"`` (default: direct reads into the tensors' memory) or ``"aio"`` (staged).
+        context: handle, buffer and lock to use; without one, this call creates and frees its own.
 
     Raises:
         FileNotFoundError / IsADirectoryError: ``file_path`` is not a regular file.
+        CheckpointFormatError: the file is empty, truncated, not a torch checkpoint, or written by a
+            newer torch (the message says which).
         OSError: a read failed (path and offset in the message).
-        pickle.UnpicklingError: ``weights_only`` forbids something in the file.
+        pickle.UnpicklingError: ``weights_only`` refused something in the file.
     """
     path = os.fspath(file_path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
-    weights_only = True if weights_only is None else weights_only
-    with open(path, "rb") as stream:
-        if stream.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            log.info("%s is not a zip archive (legacy torch.save format?): using torch.load", path)
-            return torch.load(path, map_location=map_location, weights_only=weights_only)
-        stream.seek(0)
-        reader = torch._C.PyTorchFileReader(stream)
-        names = reader.get_all_records()
-        if "data.pkl" not in names or not hasattr(torch.serialization, "_load"):
-            log.info("%s is not a torch.save archive this loader knows: using torch.load", path)
-            return torch.load(path, map_location=map_location, weights_only=weights_only)
-        records = sorted(
-            (reader.get_record_offset(name), reader.get_record_size(name), name)
-            for name in names
-            if name.startswith("data/") and reader.get_record_size(name) > 0
-        )
-        if not records:
-            return _unpickle(reader, map_location, weights_only, path)
-        io_engine = create_engine(engine or DEFAULT_LOAD_ENGINE, aio_handle)
-        if io_engine.device != "cpu":
-            log.warning(
-                "fastpersist_load reads into host memory: engine %r replaced by 'python'", io_engine.name
-            )
-            io_engine = PythonEngine()
-        file = open_file(path, write=False)
-        try:
-            if isinstance(io_engine, PythonEngine):
-                whole_file = _read_direct(records, io_engine, file)
-                return _unpickle(reader, map_location, weights_only, path, overall_storage=whole_file)
-            storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
-            _read_staged(records, storages, io_engine, file, pinned_buffer)
-        finally:
-            file.close()
-        return _unpickle(_PreloadedRecords(reader, storages), map_location, weights_only, path)
-
-
-def _unpickle(zip_reader: Any, map_location: Any, weights_only: bool, path: str, **load_args: Any) -> Any:
-    """torch.load's zip branch (``torch.serialization._load``) over bytes already in memory."""
-    serialization: Any = torch.serialization
-    if not weights_only:
-        return serialization._load(zip_reader, map_location, pickle, encoding="utf-8", **load_args)
+    weights_only = _torch_compat.resolve_weights_only(weights_only)
+    kind = _sniff(path)
+    if kind == "legacy":
+        log.info("%s is in torch's legacy (pre-zip) format: using torch.load", path)
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
     try:
-        return serialization._load(
-            zip_reader,
-            map_location,
-            serialization._weights_only_unpickler,
-            weights_only=True,
-            encoding="utf-8",
-            **load_args,
-        )
-    except pickle.UnpicklingError as err:
-        raise pickle.UnpicklingError(
-            f"Weights only load failed for {path}: {err}\nLoad with weights_only=False only if you trust the "
-            "file's source; or allow the global with torch.serialization.add_safe_globals()."
-        ) from None
+        reader = _torch_compat.open_reader(path)
+    except RuntimeError as err:
+        raise CheckpointFormatError(path, _torch_compat.describe_reader_error(err)) from None
+    if _torch_compat.is_torchscript(reader):
+        log.info("%s is a TorchScript archive: using torch.load", path)
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    if "data.pkl" not in reader.get_all_records():
+        raise CheckpointFormatError(path, "zip archive without data.pkl (not written by torch.save)")
+    try:
+        records = _torch_compat.storage_records(path)
+    except (zipfile.BadZipFile, OSError) as err:
+        raise CheckpointFormatError(path, f"damaged zip directory ({err})") from None
+    if not records:
+        return _torch_compat.unpickle(reader, map_location, weights_only, path)
+    owned = context is None
+    ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
+    try:
+        with ctx.lock:
+            io_engine = ctx.io_engine(
+                engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
+            )
+            if io_engine.device != "cpu":
+                ctx.warn_once(
+                    f"fastpersist_load reads into host memory: engine {io_engine.name!r} replaced by 'python'"
+                )
+                io_engine = ctx.python_engine()
+            file = open_file(path, write=False)
+            try:
+                if isinstance(io_engine, PythonEngine):
+                    whole = _read_direct(records, io_engine, file)
+                    table = _torch_compat.RecordTable(reader, records)
+                    return _torch_compat.unpickle(
+                        table, map_location, weights_only, path, overall_storage=whole
+                    )
+                storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
+                _read_staged(records, storages, io_engine, file, ctx)
+            finally:
+                file.close()
+    finally:
+        if owned:
+            ctx.close()
+    return _torch_compat.unpickle(_PreloadedRecords(reader, storages), map_location, weights_only, path)
+
+
+def _sniff(path: str) -> str:
+    """``"zip"`` or ``"legacy"``, else :class:`CheckpointFormatError` naming what the file is."""
+    with open(path, "rb") as stream:
+        head = stream.read(len(ZIP_MAGIC))
+    if head == ZIP_MAGIC:
+        return "zip"
+    if not head:
+        raise CheckpointFormatError(path, "the file is empty")
+    if head[0] == PICKLE_PROTOCOL_OPCODE:
+        return "legacy"
+    raise CheckpointFormatError(path, f"not a torch checkpoint (starts with {head!r}, not a zip archive)")
 
 
 def _span(records: list[Record]) -> tuple[int, int]:
     """The aligned-start byte range holding every storage record."""
-    start = records[0][0] // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-    return start, max(offset + size for offset, size, _ in records)
+    return round_down(records[0][0]), max(offset + size for offset, size, _ in records)
 
 
 def _direct_end(file: OpenFile, end: int) -> int:
@@ -157,11 +171,7 @@ def _direct_end(file: OpenFile, end: int) -> int:
         raise io_error(
             errno.EIO, "read", file, size, "file is shorter than its zip directory says (truncated?)"
         )
-    return (
-        min(-(-end // ALIGNMENT_BYTES) * ALIGNMENT_BYTES, size // ALIGNMENT_BYTES * ALIGNMENT_BYTES)
-        if file.direct
-        else end
-    )
+    return min(round_up(end), round_down(size)) if file.direct else end
 
 
 def _read_direct(records: list[Record], io_engine: IOEngine, file: OpenFile) -> torch.UntypedStorage:
@@ -182,12 +192,17 @@ def _read_staged(
     storages: dict[str, torch.Tensor],
     io_engine: IOEngine,
     file: OpenFile,
-    pinned_buffer: torch.Tensor | None,
+    ctx: FastPersistContext,
 ) -> None:
-    """Read through the pinned halves, scattering one half while the next is in flight."""
-    buffer = pinned_buffer if pinned_buffer is not None else get_default_pinned_buffer()
+    """Read through the staging halves, scattering one half while the next is in flight."""
+    buffer = ctx.staging_buffer("cpu")
+    if buffer.device.type != "cpu":
+        raise ValueError(f"staging buffer is on {buffer.device}; loads stage through host memory")
     halves = split_halves(buffer)
-    io_engine = engine_for(io_engine, halves[0], file)
+    reason = io_engine.accepts(halves[0], file)
+    if reason is not None:
+        ctx.warn_once(f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'")
+        io_engine = ctx.python_engine()
     start, end = _span(records)
     direct_end = _direct_end(file, end)
     chunks = [
@@ -196,14 +211,14 @@ def _read_staged(
 
     def submit(index: int) -> None:
         offset, length = chunks[index]
-        direct = max(0, min(-(-length // ALIGNMENT_BYTES) * ALIGNMENT_BYTES, direct_end - offset))
+        direct = max(0, min(round_up(length), direct_end - offset))
         if direct:
             io_engine.submit(Transfer(file, halves[index % 2].narrow(0, 0, direct), offset, write=False))
         if direct < length:  # the unaligned end of the file: only the last chunk
             io_engine.wait()
             _read_tail(file, halves[index % 2].narrow(0, direct, length - direct), offset + direct)
 
-    with exclusive(("buffer", buffer.data_ptr())), io_engine.session():
+    try:
         submit(0)
         cursor = 0  # first record not yet fully copied
         for index, (offset, length) in enumerate(chunks):
@@ -211,6 +226,9 @@ def _read_staged(
             if index + 1 < len(chunks):
                 submit(index + 1)
             cursor = _scatter(records, storages, cursor, halves[index % 2], offset, length)
+    except BaseException:
+        io_engine.abandon()
+        raise
 
 
 def _read_tail(file: OpenFile, target: torch.Tensor, offset: int) -> None:

@@ -1,42 +1,57 @@
-"""``fastpersist_save``: a torch.save-compatible file written as one aligned, double-buffered stream.
+"""``fastpersist_save``: a torch.load-compatible file written as one aligned, double-buffered stream.
 
-Write path (why): the whole file image (skeleton runs + storage bytes, in file order) is streamed
-through the two halves of the pinned buffer and each full half goes out as one large aligned write at
-the next sequential offset. Small tensors are thereby batched for free (10,000 tensors are still
-``size / half`` writes), every write is aligned, only the final tail is padded (then truncated off),
-and because the file only grows, a completed write can be verified by the file's size.
+Write path (why): the object is pickled as torch.save pickles it, and every storage the pickler meets
+is appended to the file at once (see :mod:`fastpersist.archive`), so disk writes overlap pickling.
+The bytes go through the two halves of the staging buffer and each full half goes out as one large
+aligned write at the next sequential offset: small tensors are batched for free (10,000 tensors are
+still ``size / half`` writes), every write is aligned, and only the final tail is padded (then
+truncated off).
+
+Crash safety: the file is written under a temporary name in the target directory, fsynced and
+renamed into place, so ``file_path`` only ever holds a complete checkpoint. Temporaries are locked
+(``flock``) while their writer lives; the next save into the directory removes those whose writer
+died (a killed process leaves its temporary behind, the lock goes with the process).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import stat
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from fastpersist.buffers import DoubleBuffer, segment_length, split_halves
+from fastpersist import _torch_compat
+from fastpersist.archive import ArchiveWriter, new_serialization_id
+from fastpersist.buffers import DoubleBuffer, split_halves
+from fastpersist.context import FastPersistContext
 from fastpersist.engines import (
+    FILE_MODE,
+    AioEngine,
     IOEngine,
     OpenFile,
+    PythonEngine,
     Transfer,
-    create_engine,
-    engine_for,
     io_error,
     open_file,
-    preallocate,
+    reserve,
 )
-from fastpersist.handles import ALIGNMENT_BYTES, exclusive, get_default_pinned_buffer
-from fastpersist.image import DEFAULT_PICKLE_PROTOCOL, FileImage, Fill, plan_image
+from fastpersist.memory import ALIGNMENT_BYTES, MiB, round_up
 
 log = logging.getLogger(__name__)
 
-GB = 1024**3  # the seed's "GB" (its 14.23 GB phi-3 checkpoint is 14.23 * 2**30 bytes)
+GB = 1024**3  # DeepNVMe's benchmarks report 2**30-byte "GB"; SaveStats.gbps follows them
 TEMP_SUFFIX = ".fastpersist.tmp"
+RESERVE_STEP_MAX = 1024 * MiB  # reserve ahead in steps of the size so far, at most this much
+RESERVE_STEP_MIN = 64 * MiB
+_CREATE_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -52,9 +67,11 @@ class SaveStats:
 
     @property
     def gbps(self) -> float:
+        """Throughput in GiB per second."""
         return self.bytes / GB / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields and ``gbps`` as a plain dict (for JSON)."""
         return {**asdict(self), "gbps": self.gbps}
 
 
@@ -65,19 +82,23 @@ def fastpersist_save(
     pinned_buffer: torch.Tensor | None = None,
     *,
     engine: str | None = None,
-    pickle_protocol: int = DEFAULT_PICKLE_PROTOCOL,
+    context: FastPersistContext | None = None,
+    pickle_protocol: int = _torch_compat.DEFAULT_PROTOCOL,
 ) -> SaveStats:
-    """Save ``obj`` to ``file_path`` as a normal torch.save zip, with large aligned async writes.
+    """Save ``obj`` to ``file_path`` as a file ``torch.load`` reads, with large aligned async writes.
 
     The file is written under a temporary name in the same directory, fsynced and renamed into place:
-    an error never leaves a partial file at ``file_path`` nor touches a previous one.
+    an error never leaves a partial file at ``file_path`` nor touches a previous one. A file it
+    replaces keeps its permission bits; a new file gets ``0o666`` less the umask, like ``open()``.
 
     Args:
         obj: anything ``torch.save`` accepts (state dicts, nested containers, tensors on any device).
         file_path: destination; its directory must exist.
-        aio_handle: a DeepSpeed aio handle (default: a shared one, see ``get_aio_handle``).
-        pinned_buffer: page-locked staging memory (default: a shared 256 MiB one).
+        aio_handle: a DeepSpeed aio handle (ignored when ``context`` is given).
+        pinned_buffer: page-locked staging memory (ignored when ``context`` is given).
         engine: ``"aio"`` (default), ``"python"`` or ``"gds"``; an unavailable one falls back with a warning.
+        context: handle, buffer and lock to use (and keep) across saves; without one, this call
+            creates and frees its own.
         pickle_protocol: as for ``torch.save``.
 
     Returns:
@@ -86,38 +107,68 @@ def fastpersist_save(
     Raises:
         FileNotFoundError: the directory does not exist.
         IsADirectoryError: ``file_path`` is a directory.
-        ValueError: the pinned buffer cannot hold two aligned halves.
+        ValueError: unknown engine, or a staging buffer too small or on the wrong device.
         OSError: a write failed or was short (ENOSPC when the disk is full), naming path and offset.
+    """
+    return save_file(
+        file_path,
+        lambda stage: write_archive(obj, stage.put, lambda: stage.position, pickle_protocol),
+        aio_handle,
+        pinned_buffer,
+        engine=engine,
+        context=context,
+    )
+
+
+def save_file(
+    file_path: str | os.PathLike[str],
+    content: Callable[[DoubleBuffer], int],
+    aio_handle: Any = None,
+    pinned_buffer: torch.Tensor | None = None,
+    *,
+    engine: str | None = None,
+    context: FastPersistContext | None = None,
+) -> SaveStats:
+    """Write a file whose bytes ``content`` puts into the staging buffer (and returns how many storages
+    it wrote), as :func:`fastpersist_save` writes one: temporary name, aligned writes, fsync, rename.
+
+    Raises:
+        As :func:`fastpersist_save`.
     """
     start = time.perf_counter()
     path = _check_target(file_path)
-    io_engine = create_engine(engine, aio_handle)
-    buffer = pinned_buffer if pinned_buffer is not None else _default_buffer_for(io_engine)
-    split_halves(buffer)  # refuse a too-small buffer before any work
-    image = plan_image(obj, pickle_protocol)
-    _check_free_space(path, image.size)
-    temp = _temp_name(path)
-    file = _create(temp, path)
+    owned = context is None
+    ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
     try:
-        preallocate(file, _padded(image.size) if file.direct else image.size)
-        io_engine = engine_for(io_engine, buffer, file)
-        with exclusive(("buffer", buffer.data_ptr())), io_engine.session():
-            num_writes = _stream(image, io_engine, file, buffer)
-        os.fsync(file.fd)
-        file.close()
-        os.replace(temp, path)
-    except BaseException:
-        file.close()
-        _unlink_quietly(temp)
-        raise
-    _fsync_dir(os.path.dirname(path))
-    stats = SaveStats(
-        path, image.size, time.perf_counter() - start, io_engine.name, image.num_storages, num_writes
-    )
+        with ctx.lock:
+            io_engine, buffer = _engine_and_buffer(ctx, engine, os.path.dirname(path))
+            remove_stale_temporaries(os.path.dirname(path))
+            temp, file = _create_temporary(path)
+            try:
+                reason = io_engine.accepts(buffer, file)
+                if reason is not None:
+                    ctx.warn_once(
+                        f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'"
+                    )
+                    io_engine = ctx.python_engine()
+                size, num_storages, num_writes = _write(content, io_engine, file, buffer)
+                os.fsync(file.fd)
+                file.close()
+                os.replace(temp, path)
+            except BaseException:
+                io_engine.abandon()
+                file.close()
+                _unlink_quietly(temp)
+                raise
+            _fsync_dir(os.path.dirname(path))
+    finally:
+        if owned:
+            ctx.close()
+    stats = SaveStats(path, size, time.perf_counter() - start, io_engine.name, num_storages, num_writes)
     log.info(
         "saved %s: %d bytes in %.3f s (%.2f GB/s, engine %s)",
         path,
-        stats.bytes,
+        size,
         stats.seconds,
         stats.gbps,
         stats.engine,
@@ -125,14 +176,96 @@ def fastpersist_save(
     return stats
 
 
-def _padded(num_bytes: int) -> int:
-    return -(-num_bytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
+def _engine_and_buffer(
+    ctx: FastPersistContext, engine: str | None, directory: str
+) -> tuple[IOEngine, torch.Tensor]:
+    io_engine = ctx.io_engine(engine, directory)
+    buffer = ctx.staging_buffer(io_engine.device, pinned=not isinstance(io_engine, PythonEngine))
+    on_gpu = buffer.device.type != "cpu"
+    if io_engine.device == "cpu" and on_gpu:
+        raise ValueError(
+            f"staging buffer is on {buffer.device}, but the {io_engine.name!r} engine stages through "
+            "page-locked host memory (use get_pinned_buffer(), or engine='gds')"
+        )
+    if io_engine.device != "cpu" and not on_gpu:
+        ctx.warn_once(
+            f"fastpersist engine 'gds' needs a GPU staging buffer, got one on {buffer.device}; using 'aio'"
+        )
+        io_engine = ctx.io_engine("aio", directory)
+        buffer = ctx.staging_buffer("cpu", pinned=not isinstance(io_engine, PythonEngine))
+    split_halves(buffer)  # refuse a too-small buffer before any work
+    return io_engine, buffer
 
 
-def _default_buffer_for(io_engine: IOEngine) -> torch.Tensor:
-    if io_engine.device == "cpu":
-        return get_default_pinned_buffer()
-    return torch.empty(get_default_pinned_buffer().numel(), dtype=torch.uint8, device=io_engine.device)
+def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], position: Callable[[], int],
+                  protocol: int = _torch_compat.DEFAULT_PROTOCOL) -> int:
+    """Put ``obj``'s torch.save archive, as fastpersist writes it, through ``put`` (``position``: the
+    offset of the next byte put, relative to the archive's start); returns the number of storages."""
+    archive = ArchiveWriter(put, position)
+    pickled = _torch_compat.dump_pickle(obj, protocol, archive.add_storage)
+    archive.add_bytes("data.pkl", pickled)
+    for name, data in _torch_compat.archive_records():
+        archive.add_bytes(name, data)
+    archive.add_bytes(".data/serialization_id", new_serialization_id())
+    archive.finish()
+    return archive.num_storages
+
+
+def _write(
+    content: Callable[[DoubleBuffer], int], io_engine: IOEngine, file: OpenFile, buffer: torch.Tensor
+) -> tuple[int, int, int]:
+    """Stream what ``content`` puts through the double buffer; returns (size, storages, writes)."""
+    writes = 0
+
+    def drain(half: torch.Tensor, nbytes: int, offset: int) -> None:
+        nonlocal writes
+        if stage.has_device_copies:
+            torch.cuda.synchronize()  # non-blocking device-to-host copies must land before the write
+            stage.has_device_copies = False
+        io_engine.wait()  # the other half's write is done: it may be refilled after this submit
+        _reserve_ahead(file, offset + nbytes)
+        if offset + nbytes > file.reserved and isinstance(io_engine, AioEngine):
+            _check_free_space(file, offset, nbytes)
+        io_engine.submit(Transfer(file, half, offset, write=True))
+        writes += 1
+
+    stage = DoubleBuffer(buffer, drain)
+    num_storages = content(stage)
+    size = stage.position
+    stage.flush(ALIGNMENT_BYTES if file.direct else 1)
+    io_engine.wait()
+    if file.size() != size:
+        os.ftruncate(file.fd, size)  # drop the tail's alignment padding and unused reserved space
+    if file.size() != size:
+        raise io_error(errno.EIO, "write", file, file.size(), f"file is {file.size()} bytes, expected {size}")
+    return size, num_storages, writes
+
+
+def _reserve_ahead(file: OpenFile, end: int) -> None:
+    """Reserve blocks past ``end`` in growing steps; near a full disk, exactly up to ``end``."""
+    if end <= file.reserved or not file.can_reserve:
+        return
+    step = min(max(file.reserved, RESERVE_STEP_MIN), RESERVE_STEP_MAX)
+    try:
+        reserve(file, round_up(end + step))
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        reserve(file, end)
+
+
+def _check_free_space(file: OpenFile, offset: int, nbytes: int) -> None:
+    """Refuse a write the filesystem has no room for: DeepSpeed's aio may never complete one."""
+    fs = os.statvfs(os.path.dirname(file.path))
+    free = fs.f_bavail * fs.f_frsize
+    if free < nbytes:
+        raise io_error(
+            errno.ENOSPC,
+            "write",
+            file,
+            offset,
+            f"no space left on device ({free} bytes free, {nbytes} needed)",
+        )
 
 
 def _check_target(file_path: str | os.PathLike[str]) -> str:
@@ -147,29 +280,81 @@ def _check_target(file_path: str | os.PathLike[str]) -> str:
     return path
 
 
-def _check_free_space(path: str, size: int) -> None:
-    """Fail before writing anything when the filesystem cannot hold the file (the old one stays)."""
-    fs = os.statvfs(os.path.dirname(path))
-    free = fs.f_bavail * fs.f_frsize
-    if free < size + ALIGNMENT_BYTES:
-        raise OSError(errno.ENOSPC, f"no space left for {size} bytes at {path} ({free} bytes free)", path)
-
-
 def _temp_name(path: str) -> str:
     directory, name = os.path.split(path)
     return os.path.join(directory, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
 
 
-def _create(temp: str, path: str) -> OpenFile:
+def _create_temporary(path: str) -> tuple[str, OpenFile]:
+    """A new, locked temporary file next to ``path`` with the mode ``path`` will have."""
+    directory = os.path.dirname(path)
+    mode = _mode_to_keep(path)
+    for _ in range(_CREATE_ATTEMPTS):
+        temp = _temp_name(path)
+        try:
+            file = open_file(temp, write=True, mode=FILE_MODE if mode is None else mode)
+        except OSError as err:
+            raise type(err)(
+                err.errno, f"cannot create a file in {directory} to save {path}: {err.strerror}", directory
+            ) from err
+        file.label, file.target = f"{path} (temporary {os.path.basename(temp)})", path
+        try:
+            fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a concurrent clean-up took it for a dead writer's: it removes it
+            file.close()
+            continue
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                file.close()
+                raise
+        if os.fstat(file.fd).st_nlink == 0:  # removed by a clean-up before we locked it
+            file.close()
+            continue
+        if mode is not None:
+            os.fchmod(file.fd, mode)  # exactly the old file's bits, whatever the umask
+        return temp, file
+    raise OSError(errno.EAGAIN, f"could not create a temporary file in {directory} to save {path}", directory)
+
+
+def _mode_to_keep(path: str) -> int | None:
     try:
-        file = open_file(temp, write=True)
-    except OSError as err:
-        directory = os.path.dirname(path)
-        raise type(err)(
-            err.errno, f"cannot create a file in {directory} to save {path}: {err.strerror}", directory
-        ) from err
-    file.label = f"{path} (temporary {os.path.basename(temp)})"
-    return file
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Remove the temporaries of dead fastpersist writers in ``directory``; returns the removed paths.
+
+    A writer holds an exclusive ``flock`` on its temporary for the whole save and the kernel drops it
+    when the process dies, so a temporary whose lock can be taken has no live writer. Temporaries on
+    filesystems without ``flock`` are left alone.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(TEMP_SUFFIX)):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino != os.stat(entry.path).st_ino:
+                continue
+            os.unlink(entry.path)
+            removed.append(entry.path)
+        except OSError:  # locked by a live writer, already gone, or no flock here
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d temporary file(s) left in %s by dead writers", len(removed), directory)
+    return removed
 
 
 def _unlink_quietly(path: str) -> None:
@@ -185,42 +370,3 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _stream(image: FileImage, io_engine: IOEngine, file: OpenFile, buffer: torch.Tensor) -> int:
-    """Copy the file image through the double buffer and write it; returns the number of writes."""
-    stage = DoubleBuffer(buffer)
-    cursor = 0  # file offset of the next byte to stage
-    writes = 0
-
-    def drain(nbytes: int) -> None:
-        nonlocal writes
-        if stage.has_device_copies:
-            torch.cuda.synchronize()  # non-blocking device-to-host copies must land before the write
-            stage.has_device_copies = False
-        io_engine.wait()  # the other half's write is done: it may be refilled after this submit
-        io_engine.submit(Transfer(file, stage.current.narrow(0, 0, nbytes), stage.file_offset, write=True))
-        writes += 1
-        stage.swap(nbytes)
-
-    for offset, segment in image.segments:
-        if offset > cursor:
-            stage.put(Fill(offset - cursor, 0), drain)
-        stage.put(segment, drain)
-        cursor = offset + segment_length(segment)
-    if cursor < image.size:
-        stage.put(Fill(image.size - cursor, 0), drain)
-    tail = stage.filled
-    if tail:
-        padded = _padded(tail) if file.direct else tail
-        stage.current.narrow(0, tail, padded - tail).zero_()
-        stage.filled = padded
-        drain(padded)
-    io_engine.wait()
-    if file.size() != image.size:
-        os.ftruncate(file.fd, image.size)  # drop the tail's alignment padding
-    if file.size() != image.size:
-        raise io_error(
-            errno.EIO, "write", file, file.size(), f"file is {file.size()} bytes, expected {image.size}"
-        )
-    return writes

@@ -18,6 +18,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_storage_plugins.ordering import SaveOrder
 from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
@@ -138,11 +139,21 @@ class SmartRedisCheckpointIO(CheckpointIO):
         self.timeout_s = timeout_s
         self._db: Database | None = None
         self._pid = 0
+        self._order = SaveOrder(self._exists)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_db"] = None  # connections do not travel; each process makes its own
+        state["_order"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
+
+    def _exists(self, key: str) -> bool:
+        with self._operation("checkpoint_exists", key):
+            return wire.read_header(self.db, key) is not None
 
     @property
     def db(self) -> Database:
@@ -188,13 +199,22 @@ class SmartRedisCheckpointIO(CheckpointIO):
                 f"got {storage_options!r}"
             )
         key = self.key(path)
-        with self._operation("save_checkpoint", key), wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
-            try:
-                torch.save(checkpoint, writer)
-            except Exception:
-                if writer.error is not None:  # the database error, not torch's follow-up complaint
-                    raise writer.error from None
-                raise
+        if not self._order.begin_save(key):
+            log.debug("not saving %s: it was removed before its save ran", key)
+            return
+        try:
+            with self._operation("save_checkpoint", key), \
+                    wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+                try:
+                    torch.save(checkpoint, writer)
+                except Exception:
+                    if writer.error is not None:  # the database error, not torch's follow-up complaint
+                        raise writer.error from None
+                    raise
+        finally:
+            remove = self._order.end_save(key)
+        if remove:
+            self._delete(key)
         log.info("saved checkpoint %s to %s", key, self.address)
 
     @override
@@ -257,6 +277,10 @@ class SmartRedisCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path`` and its chunks (nothing happens when there is none)."""
         key = self.key(path)
+        self._order.removing(key)
+        self._delete(key)
+
+    def _delete(self, key: str) -> None:
         with self._operation("remove_checkpoint", key):
             if wire.delete_value(self.db, key):
                 log.debug("removed checkpoint %s", key)
@@ -264,6 +288,7 @@ class SmartRedisCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Close this process' connection."""
+        self._order.reset()
         if self._db is not None:
             self._db.close()
             self._db = None

@@ -5,20 +5,23 @@ from __future__ import annotations
 import os
 import uuid
 
-# gcsfs reads this at import time; an emulator does not serve the gRPC bucket-type probe.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+# Before anything imports gcsfs: an emulator does not serve its gRPC bucket-type probe.
+configure_gcsfs_for_emulator()
 
 import pytest  # noqa: E402
 
 from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
+from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 
-# The checkout's set-up (`make setup`) builds fake-gcs-server here; the installed package never looks
-# in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
-_CHECKOUT_FAKE_GCS = ROOT / ".tools" / "bin" / "fake-gcs-server"
-if _CHECKOUT_FAKE_GCS.exists():
-    os.environ.setdefault("FAKE_GCS_SERVER_BIN", str(_CHECKOUT_FAKE_GCS))
+# The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
+# looks in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
+for _binary, _env_var in (("fake-gcs-server", "FAKE_GCS_SERVER_BIN"), ("toxiproxy-server", "TOXIPROXY_SERVER_BIN")):
+    if (ROOT / ".tools" / "bin" / _binary).exists():
+        os.environ.setdefault(_env_var, str(ROOT / ".tools" / "bin" / _binary))
 # Child processes (workers, fresh-process readers) import the test-support package too.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
@@ -29,6 +32,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 def gcs_emulator():
     """A fake-gcs-server over HTTP, with this process' GCS clients pointed at it."""
     with FakeGcsServer() as server, server.activated():
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_xml_server(gcs_emulator: FakeGcsServer):
+    """The XML multipart server in front of the session emulator; parts of any size are accepted."""
+    with XmlMultipartServer(gcs_emulator, min_part_bytes=0) as server:
         yield server
 
 

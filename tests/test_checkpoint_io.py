@@ -76,6 +76,9 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
         from smartredis_io import SmartRedisCheckpointIO
 
         address = request.getfixturevalue("redis_server").address
+        # Lightning lists and removes redis:// checkpoints through fsspec, which connects where a
+        # SmartRedis client would: $SSDB.
+        request.getfixturevalue("monkeypatch").setenv("SSDB", address)
         yield Storage(lambda: SmartRedisCheckpointIO(address=address), f"redis://{run}", f"gs://bucket/{run}/x.ckpt")
 
 

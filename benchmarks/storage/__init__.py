@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-KiB = 1024
-MiB = 1024 * KiB
-GiB = 1024 * MiB
+from benchmarks.report import GiB, KiB, MiB
+
+__all__ = ["GiB", "KiB", "MiB", "format_size", "parse_size", "split_choices"]
+
 _SIZE_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
-# gcsfs reads this once, at import: its bucket-type probe over gRPC stalls against an emulator.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+configure_gcsfs_for_emulator()  # before anything imports gcsfs
 
 from benchmarks.storage import au, fio  # noqa: E402
 

@@ -33,9 +33,10 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from benchmarks.report import format_table, median_seconds, ratio, write_json
-from benchmarks.storage import MiB, parse_size, split_choices
-from benchmarks.storage.plugins import MODES, PLUGINS, UNAVAILABLE_ERRORS, Plugin
+from benchmarks.plugins import PLUGINS, Plugin, ServiceOptions, Services
+from benchmarks.report import MiB, format_table, median_seconds, ratio, write_json
+from benchmarks.storage import parse_size, split_choices
+from lightning_storage_plugins.services import MissingBinaryError
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,16 @@ DEFAULT_EVERY = 10
 DEFAULT_COMPUTE_MS = 250.0
 DEFAULT_MODEL_SIZE = "256M"
 DEFAULT_TENSORS = 16
-DEFAULT_MODES = ",".join(MODES)
 FLOAT32_BYTES = 4
 MS_PER_S = 1000.0
 RAW_WRITE_REPEATS = 3
-BASELINE = ("torch", "sync")
+BASELINE = ("torch-local", "sync")
+MODES = ("sync", "async", "native-async")
+DEFAULT_MODES = ",".join(MODES)
+# The plugins measured by default (any key of benchmarks.plugins.PLUGINS can be asked for).
+DEFAULT_PLUGINS = ("torch-local", "fastpersist", "dataflux-tm", "smartredis")
+# A plugin whose package or service binary is missing is reported as unavailable, with the reason.
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (ImportError, MissingBinaryError)
 
 # Keys of every JSON row (the tests check them).
 AU_JSON_KEYS = (
@@ -176,8 +182,15 @@ def run_plugin(
     """Every mode of one plugin, with its service up once for all of them."""
     rows: list[dict[str, Any]] = []
     try:
-        with plugin.open(workdir) as (io, root):
+        reason = plugin.unavailable_reason()
+        if reason:
+            raise ImportError(reason)
+        with Services(ServiceOptions(local_dir=str(workdir / name))) as services:
+            io = plugin.make(services, "auto")
+            root = services.directory(plugin.storage)
             for mode in modes:
+                if plugin.storage == "local":
+                    Path(root, mode).mkdir(parents=True, exist_ok=True)  # some writers refuse a missing directory
                 if mode == "native-async" and plugin.native_async is None:
                     rows.append(missing_row(mode, "n/a", "no async path of its own (native-async not measured)"))
                     continue
@@ -262,8 +275,8 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``au`` subcommand's flags."""
-    parser.add_argument("--plugins", default=",".join(PLUGINS),
-                        help=f"comma-separated subset of: {', '.join(PLUGINS)}")
+    parser.add_argument("--plugins", default=",".join(DEFAULT_PLUGINS),
+                        help=f"comma-separated plugins (default %(default)s), any of: {', '.join(PLUGINS)}")
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated subset of: {', '.join(MODES)} (native-async is measured "
                              "where a plugin has its own async path)")

@@ -100,15 +100,16 @@ def validate(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         sys.exit(1)
 
 
-def require_cuda(name: str, gds: bool = False) -> None:
-    """Exit with a message (no traceback) where CUDA, or GDS for ``gds``, is unavailable."""
+def require_cuda(name: str, gds_folder: str | None = None) -> None:
+    """Exit with a message (no traceback, no native error lines) where CUDA, or GDS in ``gds_folder``, is unusable."""
     if not torch.cuda.is_available():
         sys.exit(f"{name}: CUDA is not available on this machine; this example needs a GPU")
-    if gds:
-        from deepspeed.ops.op_builder import GDSBuilder
+    if gds_folder is not None:
+        from fastpersist import FastPersistContext
 
-        if not GDSBuilder().is_compatible():
-            sys.exit(f"{name}: DeepSpeed's gds op is not available (NVIDIA GPUDirect Storage not installed)")
+        reason = FastPersistContext(engine="gds").gds_unusable_reason(gds_folder)
+        if reason is not None:
+            sys.exit(f"{name}: GPUDirect Storage cannot be used here: {reason}")
 
 
 def aio_handle() -> Any:
@@ -118,9 +119,9 @@ def aio_handle() -> Any:
 
 
 def gds_handle() -> Any:
-    from deepspeed.ops.op_builder import GDSBuilder
+    from fastpersist.aio import AioConfig, new_gds_handle
 
-    return GDSBuilder().load().gds_handle(BLOCK_BYTES, QUEUE_DEPTH, True, True, 1)
+    return new_gds_handle(AioConfig(BLOCK_BYTES, QUEUE_DEPTH, 1, True, True))
 
 
 def direct_io_size(path: str) -> int:

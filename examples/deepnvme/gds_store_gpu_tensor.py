@@ -4,7 +4,7 @@ from deepnvme_cli import completed, gds_handle, random_bytes, require_cuda, stor
 
 if __name__ == "__main__":
     args = store_args(__doc__)
-    require_cuda("gds_store_gpu_tensor", gds=True)
+    require_cuda("gds_store_gpu_tensor", gds_folder=args.nvme_folder)
     handle = gds_handle()
     tensor = random_bytes(args.mb_size, device="cuda")
     handle.pin_device_tensor(tensor)

@@ -5,9 +5,10 @@ application default credentials) to use GCS itself.
 """
 
 import argparse
-import os
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+configure_gcsfs_for_emulator()  # before Lightning's ModelCheckpoint imports gcsfs
 
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

@@ -1,9 +1,11 @@
-"""`python -m benchmarks.lightning_ckpt` end to end, on tiny models."""
+"""`python -m benchmarks.lightning_ckpt` end to end, on tiny models (LAYERS=1: a 56 MB checkpoint)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -14,30 +16,67 @@ import psutil
 import pytest
 
 from benchmarks import lightning_ckpt
+from benchmarks.lightning_peer import PEER_PATH_ENV
 from tests.support.processes import foreground_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
-JSON_KEYS = {"type", "layers", "size_mb", "save_s", "save_mbps", "load_s", "load_mbps", "peak_rss_mb"}
-SERVICE_NAMES = {"fake-gcs-server", "redis-server"}
+REFERENCE_ROWS = ["TorchCheckpointIO (gcsfs)", "Dataflux (Transfer Manager Disabled)",
+                  "Dataflux (Transfer Manager Enabled)"]
+ROW_KEYS = {"type", "kind", "upload", "layers", "steps", "size_mb", "save_s", "save_mbps", "load_s", "load_mbps",
+            "save_median_mbps", "load_median_mbps", "save_min_mbps", "save_max_mbps", "save_times_s",
+            "load_times_s", "save_extra_rss_mb", "load_extra_rss_mb", "network"}
+# What Lightning and the plugins would print between the progress bars if the benchmark let them.
+NOISE = ("INFO", "weights_only", "litlogger", "GPU available", "Average time", "LeafSpec", "does not serve")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ENV_KEYS = ("CKPT_DIR_PATH", "DATAFLUX_CKPT", "USE_TRANSFER_MANAGER", "LAYERS", "STEPS")
 
 
-def _bench(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("CKPT_DIR_PATH", "DATAFLUX_CKPT")}
+def _peer_available() -> str | None:
+    """Why the peer rows cannot run here, or None."""
+    if os.environ.get(PEER_PATH_ENV):
+        return None
+    try:
+        importlib.import_module("dataflux_pytorch.lightning")
+    except ImportError as err:  # absent, or installed beside a google-cloud-storage it cannot use
+        return f"${PEER_PATH_ENV} is not set and gcs-torch-dataflux does not import here: {err}"
+    return None
+
+
+def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     full_env.update(env or {})
     return subprocess.Popen(
         [sys.executable, "-m", "benchmarks.lightning_ckpt", *args],
-        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=foreground_sigint, **kwargs,
+        cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=foreground_sigint,
     )
 
 
-def test_help_lists_the_seed_variables():
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[str, str, list[dict], Path]:
+    out_json = tmp_path / "rows.json"
+    proc = _bench("--json", str(out_json), *args, env={"LAYERS": "1", "STEPS": "1", **(env or {})})
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    return out, err, json.loads(out_json.read_text()), out_json.with_suffix(".png")
+
+
+def _by_kind(rows: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    return ({r["type"]: r for r in rows if r["kind"] == "row"},
+            {r["upload"]: r for r in rows if r["kind"] == "ceiling"})
+
+
+def _names(argv: list[str]) -> list[str]:
+    return [spec.key for spec in lightning_ckpt.select_rows(lightning_ckpt.parse_args(argv))]
+
+
+def test_help_lists_the_reference_variables_and_the_options():
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.lightning_ckpt", "--help"], cwd=ROOT, capture_output=True, text=True,
         check=True,
     ).stdout
     for word in ("CKPT_DIR_PATH", "STEPS", "LAYERS", "PROJECT", "DATAFLUX_CKPT", "USE_TRANSFER_MANAGER",
-                 "--compare", "--json"):
+                 "--compare", "--json", "--chart", "--upload-mode", "--network", "cloud[:MBPS,RTT_MS]",
+                 "--peer-path", PEER_PATH_ENV):
         assert word in out
 
 
@@ -45,82 +84,172 @@ def test_flags_win_over_environment(monkeypatch):
     monkeypatch.setenv("STEPS", "7")
     monkeypatch.setenv("LAYERS", "3")
     monkeypatch.setenv("USE_TRANSFER_MANAGER", "0")
-    args = lightning_ckpt.parse_args(["--steps", "2"])
+    args = lightning_ckpt.parse_args(["--steps", "2", "--network", "cloud:50,2"])
     assert (args.steps, args.layers, args.use_transfer_manager) == (2, 3, False)
+    assert (args.network.mbps, args.network.rtt_ms) == (50.0, 2.0)
 
 
-def test_seed_selection_of_rows(monkeypatch):
-    monkeypatch.delenv("CKPT_DIR_PATH", raising=False)
-    names = lambda argv: [t.key for t in lightning_ckpt.select_types(lightning_ckpt.parse_args(argv))]  # noqa: E731
-    assert names([]) == ["torch-local", "torch-gcsfs"]
-    assert names(["--ckpt-dir", "gs://bucket/x"]) == ["torch-gcsfs"]
-    assert names(["--ckpt-dir", "/tmp/x"]) == ["torch-local"]
-    assert names(["--dataflux", "--no-use-transfer-manager"]) == ["dataflux-no-tm"]
+def test_rows_follow_the_reference_variables(monkeypatch):
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    assert _names([]) == ["torch-gcsfs", "dataflux-no-tm", "dataflux-tm"]  # the comparison by default
+    monkeypatch.setenv("DATAFLUX_CKPT", "1")
+    assert _names([]) == ["dataflux-tm"]
+    monkeypatch.setenv("USE_TRANSFER_MANAGER", "0")
+    assert _names([]) == ["dataflux-no-tm"]
+    monkeypatch.setenv("DATAFLUX_CKPT", "0")
+    assert _names([]) == ["torch-gcsfs"]
+    assert _names(["--ckpt-dir", "/tmp/x"]) == ["torch-local"]
+    monkeypatch.delenv("DATAFLUX_CKPT")
+    assert _names(["--ckpt-dir", "/tmp/x"]) == ["torch-local"]
+    compared = _names(["--compare"])
+    assert {"torch-local", "torch-gcsfs", "dataflux-tm", "peer", "peer-async", "smartredis"} <= set(compared)
     with pytest.raises(SystemExit, match="unknown --types"):
-        names(["--types", "nope"])
+        _names(["--types", "nope"])
+
+
+@pytest.mark.parametrize("argv", [["--network", "cloud:0,4"], ["--network", "wan"], ["--upload-mode", "stream"],
+                                  ["--steps", "0"], ["--network", "cloud", "--ckpt-dir", "gs://real/bucket"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        lightning_ckpt.parse_args(argv)
+    assert "error" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_embedded_default_prints_averages_table_and_json(tmp_path):
-    out_json = tmp_path / "rows.json"
-    proc = _bench("--json", str(out_json), env={"LAYERS": "1", "STEPS": "2"})
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    assert out.count("Average time to save one checkpoint:") == 2
-    assert out.count("Average time to load one checkpoint:") == 2
-    assert "TorchCheckpointIO (local)" in out and "TorchCheckpointIO (gcsfs)" in out
-    rows = json.loads(out_json.read_text())
-    assert [r["type"] for r in rows] == ["TorchCheckpointIO (local)", "TorchCheckpointIO (gcsfs)"]
+def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
+    out, err, rows, chart = _run(tmp_path)
+    by_type, ceilings = _by_kind(rows)
+    assert [t.removesuffix(" [xml]") for t in by_type] == REFERENCE_ROWS
+    assert set(ceilings) == {"single", "xml", "load"}
     for row in rows:
-        assert JSON_KEYS <= row.keys()
-        assert row["layers"] == 1 and row["size_mb"] > 1 and row["save_mbps"] > 0 and row["load_mbps"] > 0
-        assert len(row["save_times_s"]) == len(row["load_times_s"]) == 2
-        assert row["save_median_s"] == pytest.approx(sum(row["save_times_s"]) / 2)
-        assert 0 <= row["save_extra_rss_mb"] <= row["peak_rss_mb"]
+        assert ROW_KEYS <= row.keys()
+        assert row["layers"] == 1 and row["network"] == "loopback" and row["size_mb"] > 1
+        assert len(row["save_times_s"]) == (1 if row["kind"] == "row" or row["upload"] != "load" else 0)
+    for row in by_type.values():
+        assert row["save_median_mbps"] > 0 and row["load_median_mbps"] > 0
+        assert row["save_extra_rss_mb"] >= 0
+    gcsfs, no_tm, tm = (by_type[name] for name in (REFERENCE_ROWS[0], REFERENCE_ROWS[1], REFERENCE_ROWS[2] + " [xml]"))
+    assert gcsfs["save_vs_baseline"] == gcsfs["load_vs_baseline"] == 1.0
+    assert tm["save_vs_baseline"] == pytest.approx(tm["save_median_mbps"] / gcsfs["save_median_mbps"])
+    # Each row is held to the ceiling of its own upload path; every GCS load to the one load bound.
+    assert (gcsfs["upload"], no_tm["upload"], tm["upload"]) == ("single", "single", "xml")
+    assert tm["save_vs_ceiling"] == pytest.approx(tm["save_median_mbps"] / ceilings["xml"]["save_median_mbps"])
+    assert no_tm["save_vs_ceiling"] == pytest.approx(
+        no_tm["save_median_mbps"] / ceilings["single"]["save_median_mbps"])
+    assert tm["load_vs_ceiling"] == pytest.approx(tm["load_median_mbps"] / ceilings["load"]["load_median_mbps"])
+    # The console: the run's line, one progress bar per row, the tables; nothing from Lightning or the plugins.
+    assert out.splitlines()[0].startswith("Lightning checkpoints, LAYERS=1, STEPS=1")
+    for title in ("Save MB/s", "Save x gcsfs", "Save x ceil.", "Ceiling", "raw parallel XML multipart upload"):
+        assert title in out
+    for line in (out + err).splitlines():
+        assert not any(noise in line for noise in NOISE), line
+    for name in REFERENCE_ROWS:
+        assert name in err  # its progress bar
+    assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
+    assert str(chart) in out
+    markdown = chart.with_suffix(".md").read_text()
+    assert "| Checkpoint Type |" in markdown and "| Ceiling |" in markdown
 
 
-@pytest.mark.parametrize("backend", ["memory", "filesystem"])
-def test_compare_measures_ceilings_and_ratios(tmp_path, backend):
-    out_json = tmp_path / "rows.json"
-    proc = _bench("--compare", "--types", "torch-gcsfs,dataflux-tm", "--gcs-emulator-backend", backend,
-                  "--json", str(out_json), env={"LAYERS": "1", "STEPS": "1"})
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    assert f"({backend} backend)" in out
-    baseline, dataflux = json.loads(out_json.read_text())
-    assert baseline["save_vs_baseline"] == baseline["load_vs_baseline"] == 1.0
-    for key in ("ceiling_save_mbps", "ceiling_composite_save_mbps", "ceiling_load_mbps"):
-        assert dataflux[key] > 0 and dataflux[key] == baseline[key]
-    assert dataflux["save_vs_ceiling"] == pytest.approx(dataflux["save_median_mbps"] / dataflux["ceiling_save_mbps"])
-    assert dataflux["save_vs_composite_ceiling"] == pytest.approx(
-        dataflux["save_median_mbps"] / dataflux["ceiling_composite_save_mbps"])
-    assert dataflux["load_vs_ceiling"] == pytest.approx(dataflux["load_median_mbps"] / dataflux["ceiling_load_mbps"])
-    assert "Comp. ceil. MB/s" in out
+@pytest.mark.slow
+def test_both_upload_modes_each_with_its_own_ceiling(tmp_path):
+    out, _, rows, _ = _run(tmp_path, "--types", "dataflux-tm", "--upload-mode", "both")
+    by_type, ceilings = _by_kind(rows)
+    assert list(by_type) == ["Dataflux (Transfer Manager Enabled) [xml]", "Dataflux (Transfer Manager Enabled) [composite]"]
+    assert set(ceilings) == {"xml", "composite", "load"}
+    for mode in ("xml", "composite"):
+        row = by_type[f"Dataflux (Transfer Manager Enabled) [{mode}]"]
+        assert row["upload"] == mode
+        assert row["save_vs_ceiling"] == pytest.approx(row["save_median_mbps"] / ceilings[mode]["save_median_mbps"])
+    assert "raw parallel composite upload" in out and "raw parallel XML multipart upload" in out
 
 
-def _service_children(pid: int) -> list[psutil.Process]:
+@pytest.mark.slow
+def test_cloud_model_holds_every_connection_to_its_bandwidth(tmp_path):
+    mbps = 20.0  # a 56 MB object takes at least 2.8 s on one connection
+    out, _, rows, _ = _run(tmp_path, "--types", "dataflux-no-tm,dataflux-tm", "--network", f"cloud:{mbps:g},4")
+    by_type, ceilings = _by_kind(rows)
+    assert "cloud model: 20 MB/s per connection in each direction, 4 ms round trip" in out
+    assert all(r["network"] == "cloud" and r["network_mbps"] == mbps for r in rows)
+    # One connection cannot beat the model's bandwidth (one upload request; one GET); parallel ranges can.
+    assert ceilings["single"]["save_median_mbps"] <= 1.05 * mbps
+    assert by_type["Dataflux (Transfer Manager Disabled)"]["load_median_mbps"] <= 1.05 * mbps
+    assert by_type["Dataflux (Transfer Manager Enabled) [xml]"]["load_median_mbps"] > 1.05 * mbps
+
+
+@pytest.mark.slow
+def test_cloud_model_covers_resumable_upload_sessions(tmp_path):
+    mbps = 20.0
+    _, _, rows, _ = _run(tmp_path, "--types", "torch-gcsfs,dataflux-no-tm", "--network", f"cloud:{mbps:g},4")
+    by_type, _ = _by_kind(rows)
+    # Both save through a resumable-upload session on one connection: every request of it crosses the model.
+    for name in ("TorchCheckpointIO (gcsfs)", "Dataflux (Transfer Manager Disabled)"):
+        assert by_type[name]["save_median_mbps"] <= 1.05 * mbps, name
+
+
+@pytest.mark.slow
+def test_peer_package_runs_beside_ours(tmp_path):
+    reason = _peer_available()
+    if reason:
+        pytest.skip(reason)
+    out, err, rows, _ = _run(tmp_path, "--types", "dataflux-tm,peer,peer-async")
+    by_type, _ = _by_kind(rows)
+    peer, peer_async = by_type["Dataflux (gcs-torch-dataflux 1.4.0)"], by_type["Dataflux async (gcs-torch-dataflux 1.4.0)"]
+    ours = by_type["Dataflux (Transfer Manager Enabled) [xml]"]
+    assert peer["upload"] == "xml" and peer["save_vs_peer"] == peer["load_vs_peer"] == 1.0
+    assert peer["size_mb"] == pytest.approx(ours["size_mb"], rel=0.01)  # the same Trainer's checkpoint
+    assert peer["save_extra_rss_mb"] > 0 and peer_async["save_blocked_median_s"] is not None
+    assert ours["save_vs_peer"] == pytest.approx(ours["save_median_mbps"] / peer["save_median_mbps"])
+    assert ours["save_rss_vs_peer"] == pytest.approx(ours["save_extra_rss_mb"] / peer["save_extra_rss_mb"])
+    assert "+RSS x peer" in out
+
+
+@pytest.mark.slow
+def test_a_missing_peer_is_named_with_how_to_install_it(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = _bench("--types", "peer", "--json", str(tmp_path / "rows.json"),
+                  env={"LAYERS": "1", "STEPS": "1", PEER_PATH_ENV: str(empty), "PYTHONNOUSERSITE": "1"})
+    out, err = proc.communicate(timeout=600)
+    if proc.returncode == 0:
+        pytest.skip("gcs-torch-dataflux is importable in this environment itself")
+    assert "gcs-torch-dataflux" in err and "pip install" in err and "--peer-path" in err
+
+
+def _service_children(pid: int) -> set[str]:
     try:
-        return [c for c in psutil.Process(pid).children(recursive=True) if c.name() in SERVICE_NAMES]
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        return []
+        return set()
+    names = set()
+    for child in children:
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        for label in ("fake-gcs-server", "redis-server", "toxiproxy-server", "dataflux_ckpt.xml_server"):
+            if label in cmdline:
+                names.add(label)
+    return names
 
 
 @pytest.mark.slow
 def test_sigint_leaves_no_service_behind():
-    proc = _bench("--types", "torch-gcsfs,smartredis", "--steps", "1000", env={"LAYERS": "1"})
+    expected = {"fake-gcs-server", "redis-server", "toxiproxy-server", "dataflux_ckpt.xml_server"}
+    proc = _bench("--types", "torch-gcsfs,smartredis", "--network", "cloud", "--steps", "1000",
+                  "--json", os.devnull, env={"LAYERS": "1"})
     try:
-        deadline = time.monotonic() + 120
-        services: list[psutil.Process] = []
-        while {p.name() for p in services} != SERVICE_NAMES:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "services did not start"
-            time.sleep(0.2)
-            services = _service_children(proc.pid)
-        time.sleep(2)  # inside the fit / save loop
+        ready, _, _ = select.select([proc.stdout], [], [], 180)
+        header = proc.stdout.readline() if ready else ""
+        assert header.startswith("Lightning checkpoints"), proc.communicate()  # the rounds begin now
+        services = psutil.Process(proc.pid).children(recursive=True)
+        assert _service_children(proc.pid) == expected
+        time.sleep(2)  # inside the rounds
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 130, out
-        gone, alive = psutil.wait_procs(services, timeout=10)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, out + err
+        _, alive = psutil.wait_procs(services, timeout=10)
         assert not alive, f"left behind: {alive}"
     finally:
         proc.kill()

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from benchmarks.storage import GiB, KiB, MiB, fio, format_size, parse_size, plugins
+from benchmarks import plugins
+from benchmarks.storage import GiB, KiB, MiB, fio, format_size, parse_size
 from benchmarks.storage.__main__ import main
-from benchmarks.storage.au import AU_JSON_KEYS, LoopConfig, make_state, run_loop, run_plugin
+from benchmarks.storage.au import AU_JSON_KEYS, DEFAULT_PLUGINS, LoopConfig, make_state, run_loop, run_plugin
 from benchmarks.storage.fio import FIO_JSON_KEYS, PROFILES, direct_io_supported, parse_fio_output
 
 SLOW_SAVE_S = 0.3
@@ -103,12 +103,12 @@ def test_fio_rejects_unknown_profile(tmp_path: Path) -> None:
 def test_au_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, rows = _run_json(
         capsys,
-        ["au", "--plugins", "torch", "--steps", "4", "--every", "2", "--compute-ms", "20",
+        ["au", "--plugins", "torch-local", "--steps", "4", "--every", "2", "--compute-ms", "20",
          "--model-size", "256K", "--workdir", str(tmp_path / "work")],
         tmp_path / "au.json",
     )
     assert [(r["plugin"], r["mode"], r["status"]) for r in rows] == [
-        ("torch", "sync", "ok"), ("torch", "async", "ok"), ("torch", "native-async", "n/a"),
+        ("torch-local", "sync", "ok"), ("torch-local", "async", "ok"), ("torch-local", "native-async", "n/a"),
     ]
     for row in rows:
         assert set(AU_JSON_KEYS) <= row.keys()
@@ -117,21 +117,16 @@ def test_au_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         assert row["saves"] == 2 and row["verified"] is True and row["checkpoint_bytes"] == 256 * KiB
         assert row["passed"] is (row["au_percent"] >= 90)
     assert rows[0]["stall_per_save_vs_baseline"] == 1.0
-    assert "AU %" in out and "torch" in out
+    assert "AU %" in out and "torch-local" in out
 
 
 def test_au_reports_an_absent_plugin_as_unavailable(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    @contextmanager
-    def absent(workdir: Path) -> Iterator[Any]:
-        from benchmarks import no_such_plugin  # noqa: F401
-
-        yield
-
-    monkeypatch.setitem(plugins.PLUGINS, "torch", plugins.Plugin(absent))
+    absent = dataclasses.replace(plugins.PLUGINS["torch-local"], requires="benchmarks.no_such_plugin")
+    monkeypatch.setitem(plugins.PLUGINS, "torch-local", absent)
     out, rows = _run_json(
-        capsys, ["au", "--plugins", "torch", "--steps", "1", "--every", "1", "--compute-ms", "0",
+        capsys, ["au", "--plugins", "torch-local", "--steps", "1", "--every", "1", "--compute-ms", "0",
                  "--model-size", "4K", "--modes", "sync,async"],
         tmp_path / "au.json",
     )
@@ -166,7 +161,7 @@ def test_slow_writer_stalls_less_when_async(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in plugins.PLUGINS if n != "torch"])
+@pytest.mark.parametrize("name", [n for n in DEFAULT_PLUGINS if n != "torch-local"])
 def test_au_through_each_plugin(name: str, tmp_path: Path) -> None:
     rows = run_plugin(
         name, plugins.PLUGINS[name], ["sync", "async"], make_state(64 * KiB, 4),

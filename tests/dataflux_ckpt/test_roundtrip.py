@@ -1,4 +1,5 @@
-"""Byte-exact round trips through the real emulator, for sizes around the part size."""
+"""Byte-exact round trips through the real emulator (and the XML multipart server), for sizes around
+the part size."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from dataflux_ckpt import DatafluxCheckpointIO, ObjectWriter, StreamingWriter, reader, writer
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
 from dataflux_ckpt.upload import MAX_COMPOSE_SOURCES, PARTS_SUFFIX
+from tests.support.gcs import client_for, object_names
 
 SIZES = [0, 1, C - 1, C, C + 1, 5 * C + 3, (MAX_COMPOSE_SOURCES + 9) * C + 17]
 
@@ -21,17 +23,20 @@ def _payload(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def _names(plugin: DatafluxCheckpointIO, bucket: str) -> list[str]:
+def _names(plugin: DatafluxCheckpointIO, url: str, bucket: str) -> list[str]:
     """Every object in ``bucket``, once the plugin's background deletion of part objects is done."""
-    plugin.gcs.wait_background()
-    return plugin.gcs.list_names(bucket, "")
+    plugin.teardown()
+    return object_names(url, bucket)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**16), transfer_manager=st.booleans(),
+@given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**16),
+       path=st.sampled_from(["composite", "xml", "stream"]),
        write_block=st.sampled_from([1 << 12, C - 5, 3 * C]))
-def test_round_trip_is_byte_exact(make_plugin, gcs_bucket, size, seed, transfer_manager, write_block):
-    plugin = make_plugin(use_transfer_manager=transfer_manager)
+def test_round_trip_is_byte_exact(make_plugin, gcs_xml_server, gcs_bucket, size, seed, path, write_block):
+    transfer_manager = path != "stream"
+    mode = "xml" if path == "xml" else "composite"
+    plugin = make_plugin(client_for(gcs_xml_server.url), use_transfer_manager=transfer_manager, upload_mode=mode)
     path = f"gs://{gcs_bucket}/rt/{size}-{seed}.bin"
     data = _payload(size, seed)
     with plugin.writer(path) as stream:
@@ -43,21 +48,18 @@ def test_round_trip_is_byte_exact(make_plugin, gcs_bucket, size, seed, transfer_
         assert stream.read() == data
         stream.seek(size // 2)
         assert stream.read(7) == data[size // 2 : size // 2 + 7]
-    assert not [n for n in _names(plugin, gcs_bucket) if PARTS_SUFFIX in n]
+    assert not [n for n in _names(plugin, gcs_xml_server.url, gcs_bucket) if PARTS_SUFFIX in n]
 
 
-def test_compose_tree_for_more_than_32_parts(make_plugin, gcs_proxy, gcs_bucket):
-    plugin = make_plugin(gcs_proxy.client())
+def test_compose_tree_for_more_than_32_parts(make_plugin, gcs_emulator, gcs_bucket):
+    """The emulator, as GCS, refuses a compose of more than 32 sources: 41 parts need a tree."""
+    plugin = make_plugin(upload_mode="composite")
     data = _payload(SIZES[-1], 1)
     with plugin.writer(f"gs://{gcs_bucket}/tree.bin") as stream:
         stream.write(data)
-    parts = SIZES[-1] // C + 1
-    assert gcs_proxy.count("POST", "uploadType=media") == parts
-    assert gcs_proxy.count("POST", "/compose") == 3  # two groups of <= 32, then the final compose
     with plugin.reader(f"gs://{gcs_bucket}/tree.bin") as stream:
         assert stream.read() == data
-    assert gcs_proxy.count("GET", "alt=media") == parts  # one ranged GET per part
-    assert _names(plugin, gcs_bucket) == ["tree.bin"]
+    assert _names(plugin, gcs_emulator.url, gcs_bucket) == ["tree.bin"]
 
 
 def test_torch_save_and_load_through_module_level_file_likes(gcs_emulator, gcs_bucket):
@@ -72,14 +74,15 @@ def test_torch_save_and_load_through_module_level_file_likes(gcs_emulator, gcs_b
 
 
 @pytest.mark.parametrize("transfer_manager", [True, False])
-def test_failed_serialization_publishes_nothing_and_keeps_previous(make_plugin, gcs_bucket, transfer_manager):
+def test_failed_serialization_publishes_nothing_and_keeps_previous(make_plugin, gcs_emulator, gcs_bucket,
+                                                                   transfer_manager):
     plugin = make_plugin(use_transfer_manager=transfer_manager)
     path = f"gs://{gcs_bucket}/keep.ckpt"
     plugin.save_checkpoint({"v": 1}, path)
     with pytest.raises(RuntimeError, match="boom"), plugin.writer(path) as stream:
         stream.write(b"x" * (3 * C + 5))
         raise RuntimeError("boom")
-    assert _names(plugin, gcs_bucket) == ["keep.ckpt"]
+    assert _names(plugin, gcs_emulator.url, gcs_bucket) == ["keep.ckpt"]
     assert plugin.load_checkpoint(path) == {"v": 1}
 
 
@@ -91,11 +94,13 @@ def test_missing_object_raises_file_not_found_naming_path(ckpt_io, gcs_bucket):
         ckpt_io.reader(path)
 
 
-def test_remove_checkpoint_deletes_object_and_tolerates_missing(ckpt_io, ckpt_path, gcs_bucket):
+def test_remove_checkpoint_deletes_object_and_tolerates_missing(ckpt_io, ckpt_path, gcs_emulator, gcs_bucket):
     ckpt_io.save_checkpoint({"a": 1}, ckpt_path)
+    assert ckpt_io.list_checkpoints(f"gs://{gcs_bucket}/") == [ckpt_path]
     ckpt_io.remove_checkpoint(ckpt_path)
     ckpt_io.remove_checkpoint(ckpt_path)
-    assert _names(ckpt_io, gcs_bucket) == []
+    assert ckpt_io.list_checkpoints(f"gs://{gcs_bucket}/") == []
+    assert _names(ckpt_io, gcs_emulator.url, gcs_bucket) == []
 
 
 def test_storage_options_are_refused(ckpt_io, ckpt_path):

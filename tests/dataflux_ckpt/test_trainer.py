@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import os
 import pickle
 
 import pytest
 import torch
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -57,10 +60,11 @@ def test_fit_top_k_and_resume_with_identical_state(gcs_emulator, gcs_bucket, wra
     model = ScoredModel()
     _trainer(make_plugin(), dirpath, max_steps=5).fit(model)
     reader = DatafluxCheckpointIO()
-    names = sorted(reader.gcs.list_names(gcs_bucket, "run1/"))
-    assert names == ["run1/epoch=0-step=4.ckpt", "run1/epoch=0-step=5.ckpt", "run1/last.ckpt"]
+    kept = [f"{dirpath}/epoch=0-step=4.ckpt", f"{dirpath}/epoch=0-step=5.ckpt", f"{dirpath}/last.ckpt"]
+    # Behind AsyncCheckpointIO too: a removal that overtakes a still-queued save cancels it.
+    assert reader.list_checkpoints(f"{dirpath}/") == kept
 
-    saved = reader.load_checkpoint(f"{dirpath}/last.ckpt", weights_only=False)
+    saved = reader.load_checkpoint(f"{dirpath}/last.ckpt")  # torch's default: weights only
     assert saved["global_step"] == 5
     for key, value in model.state_dict().items():
         assert torch.equal(saved["state_dict"][key], value)
@@ -68,7 +72,7 @@ def test_fit_top_k_and_resume_with_identical_state(gcs_emulator, gcs_bucket, wra
     capture = CaptureStartState()
     resumed = ScoredModel()
     trainer = _trainer(make_plugin(), f"gs://{gcs_bucket}/run2", max_steps=7, callbacks=[capture])
-    trainer.fit(resumed, ckpt_path=f"{dirpath}/last.ckpt", weights_only=False)
+    trainer.fit(resumed, ckpt_path=f"{dirpath}/last.ckpt")
     assert trainer.global_step == 7
     for key, value in saved["state_dict"].items():
         assert torch.equal(capture.weights[key], value)
@@ -79,12 +83,18 @@ def test_fit_top_k_and_resume_with_identical_state(gcs_emulator, gcs_bucket, wra
             assert torch.equal(capture.optimizer["state"][index][name], tensor)
 
 
-def test_plugin_pickles_without_its_client(ckpt_io, ckpt_path):
-    ckpt_io.save_checkpoint({"x": torch.ones(3)}, ckpt_path)  # a client exists now
-    clone = pickle.loads(pickle.dumps(ckpt_io))
-    assert clone._gcs is None and clone.chunk_size == ckpt_io.chunk_size
+def test_plugin_pickles_without_its_client(make_plugin, ckpt_path):
+    """A storage client (sockets, credentials) cannot be pickled; the plugin leaves it behind."""
+    client = storage.Client(project="p", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": os.environ["STORAGE_EMULATOR_HOST"]})
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(client)
+    plugin = make_plugin(client, deadline_s=77.0)
+    plugin.save_checkpoint({"x": torch.ones(3)}, ckpt_path)  # connections are open now
+    clone = pickle.loads(pickle.dumps(plugin))
+    assert (clone.chunk_size, clone.deadline_s) == (plugin.chunk_size, 77.0)
     assert torch.equal(clone.load_checkpoint(ckpt_path)["x"], torch.ones(3))
-    assert clone.gcs is not ckpt_io.gcs
+    assert clone.gcs is not plugin.gcs
 
 
 @pytest.mark.slow

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from fastpersist.handles import aio_op, get_pinned_buffer
+from fastpersist import FastPersistContext
+from fastpersist.aio import aio_unavailable_reason
 
 SMALL_BUFFER_MB = 1  # two 512 KiB halves: multi-megabyte tensors straddle several buffer turns
 ENGINES = ["aio", "python"]
@@ -39,8 +39,8 @@ def ckpt_dir(tmp_path: Path) -> Path:
 
 
 def require_engine(name: str) -> str:
-    if name == "aio" and aio_op() is None:
-        pytest.skip("DeepSpeed async_io op is not built here")
+    if name == "aio" and aio_unavailable_reason() is not None:
+        pytest.skip(f"DeepSpeed async_io op unavailable: {aio_unavailable_reason()}")
     return name
 
 
@@ -57,9 +57,10 @@ def aio_engine() -> str:
 
 
 @pytest.fixture(scope="session")
-def small_buffer() -> torch.Tensor:
-    """A 1 MiB page-locked staging buffer shared by the whole session."""
-    return get_pinned_buffer(SMALL_BUFFER_MB)
+def small_context() -> Iterator[FastPersistContext]:
+    """A context with a 1 MiB staging buffer (two 512 KiB halves), shared by the whole session."""
+    with FastPersistContext(io_buffer_mb=SMALL_BUFFER_MB) as context:
+        yield context
 
 
 def _run(*cmd: str) -> bool:

@@ -14,8 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from fastpersist import engines, fastpersist_load, fastpersist_save, writer
-from fastpersist.handles import ALIGNMENT_BYTES, aligned_empty, get_default_aio_handle
+from fastpersist import (
+    FastPersistContext,
+    engines,
+    fastpersist_load,
+    fastpersist_save,
+    get_aio_handle,
+    writer,
+)
+from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty
 from fastpersist.writer import TEMP_SUFFIX
 
 PREVIOUS = {"previous": torch.arange(1000)}
@@ -33,31 +40,31 @@ def assert_previous_intact(path: Path) -> None:
     assert not [name for name in os.listdir(path.parent) if name.endswith(TEMP_SUFFIX)], "temporary file left"
 
 
-def test_missing_directory(ckpt_dir: Path, engine: str, small_buffer: torch.Tensor) -> None:
+def test_missing_directory(ckpt_dir: Path, engine: str, small_context: FastPersistContext) -> None:
     target = ckpt_dir / "missing" / "ckpt.pt"
     with pytest.raises(FileNotFoundError, match="directory does not exist") as caught:
-        fastpersist_save(PREVIOUS, target, pinned_buffer=small_buffer, engine=engine)
+        fastpersist_save(PREVIOUS, target, context=small_context, engine=engine)
     assert caught.value.filename == str(target.parent)
     assert not target.parent.exists()
 
 
-def test_read_only_directory(ckpt_dir: Path, engine: str, small_buffer: torch.Tensor) -> None:
+def test_read_only_directory(ckpt_dir: Path, engine: str, small_context: FastPersistContext) -> None:
     # The suite runs as root, which ignores permission bits; the immutable attribute binds root too.
     path = write_previous(ckpt_dir)
     if subprocess.run(["chattr", "+i", str(ckpt_dir)], capture_output=True).returncode != 0:
         pytest.skip("chattr +i is unavailable on this filesystem")
     try:
         with pytest.raises(PermissionError, match=f"cannot create a file in {ckpt_dir}"):
-            fastpersist_save({"new": torch.ones(3)}, path, pinned_buffer=small_buffer, engine=engine)
+            fastpersist_save({"new": torch.ones(3)}, path, context=small_context, engine=engine)
     finally:
         subprocess.run(["chattr", "-i", str(ckpt_dir)], check=True)
     assert_previous_intact(path)
 
 
-def test_path_is_a_directory(ckpt_dir: Path, engine: str, small_buffer: torch.Tensor) -> None:
+def test_path_is_a_directory(ckpt_dir: Path, engine: str, small_context: FastPersistContext) -> None:
     (ckpt_dir / "sub.pt").mkdir()
     with pytest.raises(IsADirectoryError, match="is a directory"):
-        fastpersist_save(PREVIOUS, ckpt_dir / "sub.pt", pinned_buffer=small_buffer, engine=engine)
+        fastpersist_save(PREVIOUS, ckpt_dir / "sub.pt", context=small_context, engine=engine)
     assert os.listdir(ckpt_dir) == ["sub.pt"]
 
 
@@ -69,33 +76,20 @@ def test_buffer_smaller_than_alignment(ckpt_dir: Path, engine: str, nbytes: int)
     assert_previous_intact(path)
 
 
-def test_unpicklable_object(ckpt_dir: Path, engine: str, small_buffer: torch.Tensor) -> None:
+def test_unpicklable_object(ckpt_dir: Path, engine: str, small_context: FastPersistContext) -> None:
     path = write_previous(ckpt_dir)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError), match="local"):
-        fastpersist_save(
-            {"w": torch.ones(3), "fn": lambda: 0}, path, pinned_buffer=small_buffer, engine=engine
-        )
+        fastpersist_save({"w": torch.ones(3), "fn": lambda: 0}, path, context=small_context, engine=engine)
     assert_previous_intact(path)
 
 
-def test_disk_full_is_refused_before_writing(
-    tiny_ext4: Path, engine: str, small_buffer: torch.Tensor
+def test_disk_full_is_refused_with_enospc_naming_the_path(
+    tiny_ext4: Path, engine: str, small_context: FastPersistContext
 ) -> None:
     path = write_previous(tiny_ext4)
     with pytest.raises(OSError, match="no space left") as caught:
-        fastpersist_save(TOO_BIG, path, pinned_buffer=small_buffer, engine=engine)
+        fastpersist_save(TOO_BIG, path, context=small_context, engine=engine)
     assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
-    assert_previous_intact(path)
-
-
-def test_disk_full_when_preallocating(
-    tiny_ext4: Path, engine: str, small_buffer: torch.Tensor, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(writer, "_check_free_space", lambda path, size: None)
-    path = write_previous(tiny_ext4)
-    with pytest.raises(OSError, match=rf"preallocate failed at offset 0 of {re.escape(str(path))}") as caught:
-        fastpersist_save(TOO_BIG, path, pinned_buffer=small_buffer, engine=engine)
-    assert caught.value.errno == errno.ENOSPC
     assert_previous_intact(path)
 
 
@@ -103,17 +97,16 @@ def test_disk_full_when_preallocating(
 def test_disk_full_while_writing_is_detected(
     filesystem: str,
     engine: str,
-    small_buffer: torch.Tensor,
+    small_context: FastPersistContext,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Skip the up-front free-space check and the preallocation so the filesystem really fills up under
-    # the engine. (Kernels before 6.6 refuse O_DIRECT on tmpfs: there this also runs the buffered fallback.)
-    monkeypatch.setattr(writer, "_check_free_space", lambda path, size: None)
-    monkeypatch.setattr(writer, "preallocate", lambda file, size: None)
+    # No block reservation, so the filesystem really fills up under the engine. (Kernels before 6.6
+    # refuse O_DIRECT on tmpfs: there this also runs the buffered fallback.)
+    monkeypatch.setattr(writer, "_reserve_ahead", lambda file, end: None)
     path = write_previous(request.getfixturevalue(filesystem))
     with pytest.raises(OSError, match=r"write failed at offset \d+ of .*ckpt\.pt") as caught:
-        fastpersist_save(TOO_BIG, path, pinned_buffer=small_buffer, engine=engine)
+        fastpersist_save(TOO_BIG, path, context=small_context, engine=engine)
     assert caught.value.errno == errno.ENOSPC
     assert_previous_intact(path)
 
@@ -121,7 +114,7 @@ def test_disk_full_while_writing_is_detected(
 def test_filesystem_refusing_o_direct_falls_back_to_buffered_io(
     ckpt_dir: Path,
     engine: str,
-    small_buffer: torch.Tensor,
+    small_context: FastPersistContext,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -135,11 +128,10 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_io(
     monkeypatch.setattr(engines.os, "open", refuse_o_direct)
     state = {"w": torch.randn(300_001), "b": torch.arange(7)}
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
-        stats = fastpersist_save(state, ckpt_dir / "buffered.pt", pinned_buffer=small_buffer, engine=engine)
-        loaded = fastpersist_load(ckpt_dir / "buffered.pt", pinned_buffer=small_buffer, engine=engine)
-    assert "refuses O_DIRECT" in caplog.text and stats.engine == "python"
-    if engine == "aio":
-        assert "falling back to 'python'" in caplog.text
+        stats = fastpersist_save(state, ckpt_dir / "buffered.pt", context=small_context, engine=engine)
+        loaded = fastpersist_load(ckpt_dir / "buffered.pt", context=small_context, engine=engine)
+    assert stats.engine == "python"
+    assert [record.levelno for record in caplog.records].count(logging.WARNING) >= 1
     assert stats.bytes == (ckpt_dir / "buffered.pt").stat().st_size  # no alignment padding left
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(
         torch.load(ckpt_dir / "buffered.pt")["b"], state["b"]
@@ -147,7 +139,7 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_io(
 
 
 def test_python_engine_short_write_names_path_and_offset(
-    ckpt_dir: Path, small_buffer: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+    ckpt_dir: Path, small_context: FastPersistContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fault_offset = 512 * 1024  # the second staging half
     real_pwritev = os.pwritev
@@ -158,7 +150,7 @@ def test_python_engine_short_write_names_path_and_offset(
     monkeypatch.setattr(engines.os, "pwritev", pwritev)
     path = write_previous(ckpt_dir)
     with pytest.raises(OSError, match=f"write failed at offset {fault_offset} of .*ckpt.pt.*short write"):
-        fastpersist_save({"w": torch.randn(600_000)}, path, pinned_buffer=small_buffer, engine="python")
+        fastpersist_save({"w": torch.randn(600_000)}, path, context=small_context, engine="python")
     assert_previous_intact(path)
 
 
@@ -178,31 +170,30 @@ class ShortWriteHandle:
 
 
 def test_aio_short_write_is_caught_by_byte_count_check(
-    ckpt_dir: Path, aio_engine: str, small_buffer: torch.Tensor
+    ckpt_dir: Path, aio_engine: str, small_context: FastPersistContext
 ) -> None:
-    handle = ShortWriteHandle(get_default_aio_handle(), fault_offset=512 * 1024)
+    handle = ShortWriteHandle(get_aio_handle(), fault_offset=512 * 1024)
     path = write_previous(ckpt_dir)
     expected = rf"write failed at offset {1024 * 1024 - ALIGNMENT_BYTES} of {re.escape(str(path))} \(temporary .*\): short write"
-    with pytest.raises(OSError, match=expected) as caught:
-        fastpersist_save(
-            {"w": torch.randn(600_000)}, path, aio_handle=handle, pinned_buffer=small_buffer, engine="aio"
-        )
+    with (
+        FastPersistContext(io_buffer_mb=1, aio_handle=handle) as context,
+        pytest.raises(OSError, match=expected) as caught,
+    ):
+        fastpersist_save({"w": torch.randn(600_000)}, path, context=context, engine="aio")
     assert caught.value.errno == errno.EIO
     assert_previous_intact(path)
 
 
-def test_aio_submit_failure_raises(ckpt_dir: Path, aio_engine: str, small_buffer: torch.Tensor) -> None:
+def test_aio_submit_failure_raises(ckpt_dir: Path, aio_engine: str) -> None:
     class FailingHandle(ShortWriteHandle):
         def async_pwrite(self, buffer: torch.Tensor, fd: int, offset: int) -> int:
             return -1
 
     path = write_previous(ckpt_dir)
-    with pytest.raises(OSError, match="aio submit returned -1"):
-        fastpersist_save(
-            PREVIOUS,
-            path,
-            aio_handle=FailingHandle(get_default_aio_handle(), 0),
-            pinned_buffer=small_buffer,
-            engine="aio",
-        )
+    handle = FailingHandle(get_aio_handle(), 0)
+    with (
+        FastPersistContext(io_buffer_mb=1, aio_handle=handle) as context,
+        pytest.raises(OSError, match="aio submit returned -1"),
+    ):
+        fastpersist_save(PREVIOUS, path, context=context, engine="aio")
     assert_previous_intact(path)

@@ -92,3 +92,55 @@ def test_deepspeed_save_checkpoint_goes_through_fastpersist(
         assert_same(dict(ds_engine.module.state_dict()), wanted)
     finally:
         ds_engine.checkpoint_engine = default_engine
+
+
+def test_ds_config_alone_chooses_and_tunes_fastpersist(
+    ds_engine: Any, ckpt_dir: Path, aio_engine: str
+) -> None:
+    from fastpersist import AioConfig, deepspeed_initialize
+
+    model = torch.nn.Linear(8, 4)
+    config = {
+        "train_batch_size": 1,
+        "zero_optimization": {"stage": 0},
+        "checkpoint": {"writer": {"type": "fast", "io_buffer_size": 2 * 1024**2}},
+        "aio": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2},
+    }
+    engine, *_ = deepspeed_initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    fast = engine.checkpoint_engine
+    assert isinstance(fast, FastPersistCheckpointEngine)
+    assert fast.context.io_buffer_mb == 2 and fast.context.engine == "aio"
+    assert fast.context.aio == AioConfig(block_size=262144, queue_depth=16, intra_op_parallelism=2)
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    assert [s.engine for s in fast.stats] == ["aio"]
+    saved = torch.load(ckpt_dir / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert_same(saved["module"], model.state_dict())
+    fast.cleanup()
+
+
+def test_ds_config_without_a_writer_block_leaves_deepspeeds_engine(ds_engine: Any) -> None:
+    from fastpersist import deepspeed_initialize
+
+    model = torch.nn.Linear(8, 4)
+    config = {"train_batch_size": 1, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed_initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    assert not isinstance(engine.checkpoint_engine, FastPersistCheckpointEngine)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"aio": {"queue_depth": 0}},
+        {"aio": {"single_submit": 1}},
+        {"checkpoint": {"writer": {"type": "fast", "io_buffer_size": -5}}},
+    ],
+)
+def test_bad_ds_config_values_are_named(config: dict[str, Any]) -> None:
+    from fastpersist.deepspeed_engine import writer_settings
+
+    with pytest.raises(ValueError, match=r"ds_config \"(aio|checkpoint)\."):
+        writer_settings(config)

@@ -21,7 +21,7 @@ GPU_EXAMPLES = [
     ("aio_store_gpu_tensor", "--nvme_folder"),
     ("gds_store_gpu_tensor", "--nvme_folder"),
 ]
-SEED_LINE = r"^\S+\s+-- \d+\.\d\d GB, \d+\.\d\d secs, \d+\.\d\d GB/s$"
+SUMMARY_LINE = r"^\S+\s+-- \d+\.\d\d GB, \d+\.\d\d secs, \d+\.\d\d GB/s$"
 
 
 def run(*cmd: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
@@ -83,22 +83,26 @@ def test_benchmark_tensor_workload_on_tiny_sizes(ckpt_dir: Path, aio_engine: str
     report = ckpt_dir / "out" / "fastpersist.json"
     done = run(
         sys.executable, "-m", "benchmarks.fastpersist", "tensor", "--folder", str(ckpt_dir), "--io_buffer_mb", "2",
-        "--size_mb", "4", "--num_tensors", "16", "--repeat", "1", "--json", str(report),
+        "--size_mb", "4", "--num_tensors", "16", "--repeat", "2", "--json", str(report),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(report.read_text())
     names = [row["name"] for row in rows]
     assert names == [
         "test_save", "test_fastpersist_aio_nopatch", "test_fastpersist_py_nopatch",
-        "test_fastpersist_load", "test_torch_load", "raw_odirect_write", "raw_odirect_read",
+        "test_torch_load", "test_fastpersist_load", "raw_odirect_write", "raw_odirect_read",
     ]  # fmt: skip
-    assert all({"name", "bytes", "seconds", "gbps", "engine"} <= set(row) for row in rows)
+    assert all(
+        {"name", "bytes", "seconds", "seconds_min", "seconds_max", "gbps", "engine"} <= set(row)
+        for row in rows
+    )
+    assert all(row["seconds_min"] <= row["seconds"] <= row["seconds_max"] for row in rows)
     assert {row["engine"] for row in rows if "nopatch" in row["name"]} == {"aio", "python"}
     assert all(row["bytes"] >= 4 * 1024**2 and row["gbps"] > 0 for row in rows)
     import re
 
-    seed_lines = [line for line in done.stdout.splitlines() if " -- " in line]
-    assert len(seed_lines) == 7 and all(re.match(SEED_LINE, line) for line in seed_lines)
+    summary_lines = [line for line in done.stdout.splitlines() if " -- " in line]
+    assert len(summary_lines) == 7 and all(re.match(SUMMARY_LINE, line) for line in summary_lines)
     assert not [p for p in ckpt_dir.iterdir() if p.is_file()], "benchmark left data files behind"
 
 
@@ -121,3 +125,21 @@ print("extra_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     assert done.returncode == 0, done.stderr[-2000:]
     extra_mib = int(done.stdout.split("extra_kib")[-1]) / 1024
     assert extra_mib <= 16 + 64, f"save added {extra_mib:.0f} MiB of resident memory"
+
+
+@pytest.mark.slow
+def test_benchmark_deepspeed_workload_compares_durable_with_durable(ckpt_dir: Path, aio_engine: str) -> None:
+    report = ckpt_dir / "out" / "deepspeed.json"
+    done = run(
+        sys.executable, "-m", "benchmarks.fastpersist", "deepspeed", "--folder", str(ckpt_dir), "--io_buffer_mb", "4",
+        "--params", "1M", "--repeat", "1", "--json", str(report),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(report.read_text())}
+    assert list(rows) == ["test_deepspeed_save", "test_deepspeed_save_durable", "test_deepspeed_fastpersist"]
+    assert rows["test_deepspeed_save_durable"]["vs_baseline"] == 1.0
+    assert (
+        "not durable" in rows["test_deepspeed_save"]["note"]
+        and "durable" in rows["test_deepspeed_fastpersist"]["note"]
+    )
+    assert not list(ckpt_dir.glob("deepspeed_*"))

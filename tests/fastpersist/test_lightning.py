@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,6 @@ def test_resume_from_checkpoint_continues_training(ckpt_dir: Path, engine: str) 
 
 
 def test_wrapped_in_async_checkpoint_io(ckpt_dir: Path, engine: str) -> None:
-    # Every checkpoint is kept: AsyncCheckpointIO itself races top-k removal against still-queued saves.
     inner = FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB, engine=engine)
     trainer = make_trainer(ckpt_dir, AsyncCheckpointIO(inner), max_steps=4, save_top_k=-1)
     trainer.fit(BoringModel())
@@ -98,3 +98,56 @@ def test_plugin_contract(ckpt_dir: Path) -> None:
     plugin.teardown()
     plugin.save_checkpoint({"w": torch.arange(2)}, target)  # usable again after teardown
     assert torch.equal(torch.load(target, weights_only=True)["w"], torch.arange(2))
+
+
+class SlowToSaveModel(BoringModel):
+    """BoringModel carrying 32 MiB of state, so a save takes far longer than a training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.randn(8 * 1024**2))
+
+
+def test_async_saves_with_top_k_1_keep_only_the_newest_checkpoint(ckpt_dir: Path, engine: str) -> None:
+    # Fast steps queue saves behind a slow one, so ModelCheckpoint removes checkpoints whose saves
+    # have not been written yet: those saves must not publish them afterwards.
+    inner = FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB, engine=engine)
+    trainer = make_trainer(
+        ckpt_dir, AsyncCheckpointIO(inner), max_steps=8, save_top_k=1, monitor="step", mode="max"
+    )
+    trainer.fit(SlowToSaveModel())
+    assert checkpoint_files(ckpt_dir) == ["epoch=0-step=8.ckpt"]
+    assert torch.load(ckpt_dir / "epoch=0-step=8.ckpt", weights_only=False)["global_step"] == 8
+    assert not [n for n in os.listdir(ckpt_dir) if n.endswith(TEMP_SUFFIX)]
+
+
+def test_a_removal_after_a_save_request_wins_and_a_save_after_a_removal_wins(ckpt_dir: Path) -> None:
+    plugin = FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB, engine="python")
+    async_io = AsyncCheckpointIO(plugin)
+    first, second = ckpt_dir / "a.ckpt", ckpt_dir / "b.ckpt"
+    big = {"w": torch.randn(8 * 1024**2)}
+    async_io.save_checkpoint(big, first)
+    async_io.save_checkpoint(big, second)
+    async_io.remove_checkpoint(second)  # queued behind the first save: cancelled
+    async_io.teardown()
+    assert checkpoint_files(ckpt_dir) == ["a.ckpt"]
+    plugin.save_checkpoint({"w": torch.ones(1)}, second)  # asked for after the removal: kept
+    assert checkpoint_files(ckpt_dir) == ["a.ckpt", "b.ckpt"]
+
+
+def test_plugin_pickles_without_its_lock_or_buffers(ckpt_dir: Path) -> None:
+    plugin = FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB, engine="python")
+    plugin.save_checkpoint({"w": torch.arange(3)}, ckpt_dir / "x.ckpt")
+    copy = pickle.loads(pickle.dumps(plugin))
+    copy.save_checkpoint({"w": torch.arange(4)}, ckpt_dir / "y.ckpt")
+    assert torch.equal(copy.load_checkpoint(ckpt_dir / "y.ckpt")["w"], torch.arange(4))
+    assert copy.context.io_buffer_mb == BUFFER_MB and copy.context.engine == "python"
+
+
+def test_load_follows_torchs_weights_only_default_and_passes_an_explicit_choice(ckpt_dir: Path) -> None:
+    plugin = FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB, engine="python")
+    path = ckpt_dir / "module.ckpt"
+    plugin.save_checkpoint({"w": torch.ones(2), "layer": torch.nn.ReLU()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="weights-only load"):
+        plugin.load_checkpoint(path)
+    assert isinstance(plugin.load_checkpoint(path, weights_only=False)["layer"], torch.nn.ReLU)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 from collections import OrderedDict
@@ -14,12 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastpersist import fastpersist_load, fastpersist_save
-from fastpersist.handles import ALIGNMENT_BYTES, aio_op
+from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save
+from fastpersist.aio import aio_unavailable_reason
+from fastpersist.memory import ALIGNMENT_BYTES
 from tests.support import fp_compare
 from tests.support.fp_compare import assert_same
 
-HALF = 512 * 1024  # half of the 1 MiB small_buffer
+HALF = 512 * 1024  # half of the 1 MiB small_context buffer
 DTYPES = [
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
@@ -43,7 +43,7 @@ FRESH_PROCESS_SCRIPT = Path(fp_compare.__file__)
 
 
 def available_engines() -> list[str]:
-    return ["aio", "python"] if aio_op() is not None else ["python"]
+    return ["aio", "python"] if aio_unavailable_reason() is None else ["python"]
 
 
 def make_tensor(dtype: torch.dtype, numel: int, seed: int) -> torch.Tensor:
@@ -108,7 +108,7 @@ objects = st.recursive(
 
 
 def test_saved_files_load_with_stock_torch_in_a_fresh_process(
-    ckpt_dir: Path, small_buffer: torch.Tensor
+    ckpt_dir: Path, small_context: FastPersistContext
 ) -> None:
     cases: list[str] = []
 
@@ -116,7 +116,7 @@ def test_saved_files_load_with_stock_torch_in_a_fresh_process(
     @given(obj=objects, engine=st.sampled_from(available_engines()))
     def save_one(obj: Any, engine: str) -> None:
         saved, reference = ckpt_dir / f"case{len(cases)}.pt", ckpt_dir / f"case{len(cases)}.ref.pt"
-        stats = fastpersist_save(obj, saved, pinned_buffer=small_buffer, engine=engine)
+        stats = fastpersist_save(obj, saved, context=small_context, engine=engine)
         assert stats.engine == engine and stats.bytes == saved.stat().st_size
         assert_same(torch.load(saved, weights_only=True), obj)
         torch.save(obj, reference)
@@ -133,25 +133,25 @@ def test_saved_files_load_with_stock_torch_in_a_fresh_process(
 
 
 def test_fastpersist_load_matches_torch_load_on_torch_save_files(
-    ckpt_dir: Path, small_buffer: torch.Tensor
+    ckpt_dir: Path, small_context: FastPersistContext
 ) -> None:
     @settings(FIXED, max_examples=40)
     @given(obj=objects, engine=st.sampled_from(available_engines()), weights_only=st.booleans())
     def load_one(obj: Any, engine: str, weights_only: bool) -> None:
         path = ckpt_dir / "plain.pt"
         torch.save(obj, path)
-        got = fastpersist_load(path, weights_only=weights_only, pinned_buffer=small_buffer, engine=engine)
+        got = fastpersist_load(path, weights_only=weights_only, context=small_context, engine=engine)
         assert_same(got, torch.load(path, weights_only=weights_only))
 
     load_one()
 
 
 def test_storage_records_start_on_the_o_direct_alignment(
-    ckpt_dir: Path, engine: str, small_buffer: torch.Tensor
+    ckpt_dir: Path, engine: str, small_context: FastPersistContext
 ) -> None:
     path = ckpt_dir / "aligned.pt"
     fastpersist_save(
-        {f"t{i}": torch.randn(i * 97 + 1) for i in range(20)}, path, pinned_buffer=small_buffer, engine=engine
+        {f"t{i}": torch.randn(i * 97 + 1) for i in range(20)}, path, context=small_context, engine=engine
     )
     with open(path, "rb") as stream:
         reader = torch._C.PyTorchFileReader(stream)
@@ -160,56 +160,56 @@ def test_storage_records_start_on_the_o_direct_alignment(
 
 
 def test_many_small_tensors_are_batched_into_few_writes(
-    ckpt_dir: Path, engine: str, small_buffer: torch.Tensor
+    ckpt_dir: Path, engine: str, small_context: FastPersistContext
 ) -> None:
     state = {f"layer{i}.weight": torch.full((50,), float(i)) for i in range(10_000)}
-    stats = fastpersist_save(state, ckpt_dir / "many.pt", pinned_buffer=small_buffer, engine=engine)
+    stats = fastpersist_save(state, ckpt_dir / "many.pt", context=small_context, engine=engine)
     assert stats.num_storages == 10_000
     assert stats.num_writes <= stats.bytes // HALF + 1  # full halves plus the tail
-    loaded = fastpersist_load(ckpt_dir / "many.pt", pinned_buffer=small_buffer, engine=engine)
+    loaded = fastpersist_load(ckpt_dir / "many.pt", context=small_context, engine=engine)
     assert_same(loaded, state)
 
 
-def test_load_maps_location_and_honours_weights_only(ckpt_dir: Path, small_buffer: torch.Tensor) -> None:
+def test_load_maps_location_and_honours_weights_only(
+    ckpt_dir: Path, small_context: FastPersistContext
+) -> None:
     path = ckpt_dir / "obj.pt"
     torch.save({"w": torch.arange(6.0), "fn": torch.nn.ReLU()}, path)
     with pytest.raises(Exception, match="weights_only"):
-        fastpersist_load(path, pinned_buffer=small_buffer)
-    loaded = fastpersist_load(path, map_location="cpu", weights_only=False, pinned_buffer=small_buffer)
+        fastpersist_load(path, context=small_context)
+    loaded = fastpersist_load(path, map_location="cpu", weights_only=False, context=small_context)
     assert isinstance(loaded["fn"], torch.nn.ReLU) and torch.equal(loaded["w"], torch.arange(6.0))
     moved = fastpersist_load(
-        path, map_location=lambda storage, loc: storage, weights_only=False, pinned_buffer=small_buffer
+        path, map_location=lambda storage, loc: storage, weights_only=False, context=small_context
     )
     assert torch.equal(moved["w"], torch.arange(6.0))
 
 
-def test_legacy_format_files_go_to_torch_load(
-    ckpt_dir: Path, small_buffer: torch.Tensor, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_legacy_format_files_load(ckpt_dir: Path, small_context: FastPersistContext) -> None:
     path = ckpt_dir / "legacy.pt"
     state = {"a": torch.arange(10), "b": [torch.ones(2, 2)]}
     torch.save(state, path, _use_new_zipfile_serialization=False)
-    with caplog.at_level(logging.INFO, logger="fastpersist"):
-        assert_same(fastpersist_load(path, pinned_buffer=small_buffer), state)
-    assert "not a zip archive" in caplog.text
+    assert_same(fastpersist_load(path, context=small_context), state)
 
 
-def test_defaults_are_created_once_and_reused(ckpt_dir: Path) -> None:
-    from fastpersist import handles
-
-    first = fastpersist_save({"x": torch.ones(3)}, ckpt_dir / "a.pt")
-    handle, buffer = handles._default_handle, handles._default_buffer
-    second = fastpersist_save({"x": torch.ones(3)}, ckpt_dir / "b.pt")
-    assert handles._default_handle is handle and handles._default_buffer is buffer
+def test_a_context_reuses_its_buffer_and_a_call_without_one_frees_its_own(ckpt_dir: Path) -> None:
+    with FastPersistContext(io_buffer_mb=1) as context:
+        first = fastpersist_save({"x": torch.ones(3)}, ckpt_dir / "a.pt", context=context)
+        buffer = context.staging_buffer()
+        second = fastpersist_save({"x": torch.ones(3)}, ckpt_dir / "b.pt", context=context)
+        assert context.staging_buffer() is buffer
     assert first.engine == second.engine == available_engines()[0]
+    one_shot = fastpersist_save({"x": torch.ones(3)}, ckpt_dir / "c.pt")
+    assert one_shot.engine == available_engines()[0]
     assert torch.equal(fastpersist_load(ckpt_dir / "b.pt")["x"], torch.ones(3))
+    assert torch.equal(torch.load(ckpt_dir / "c.pt", weights_only=True)["x"], torch.ones(3))
 
 
 def test_stats_report_bytes_time_speed_engine_and_path(
-    ckpt_dir: Path, engine: str, small_buffer: torch.Tensor
+    ckpt_dir: Path, engine: str, small_context: FastPersistContext
 ) -> None:
     path = ckpt_dir / "stats.pt"
-    stats = fastpersist_save({"w": torch.randn(300_000)}, path, pinned_buffer=small_buffer, engine=engine)
+    stats = fastpersist_save({"w": torch.randn(300_000)}, path, context=small_context, engine=engine)
     assert stats.path == str(path) and stats.bytes == path.stat().st_size > 1_200_000
     assert stats.seconds > 0 and stats.gbps > 0 and stats.engine == engine
     assert set(stats.as_dict()) >= {"path", "bytes", "seconds", "gbps", "engine"}

@@ -1,0 +1,592 @@
+"""``torch.distributed.checkpoint`` storage on Google Cloud Storage: every rank streams its shard.
+
+    dcp.save(state_dict, storage_writer=DatafluxStorageWriter("gs://bucket/run/step-100"))
+    dcp.load(state_dict, storage_reader=DatafluxStorageReader("gs://bucket/run/step-100"))
+
+Save: each rank writes one object, ``__<rank>_0.<token>.distcp``, through :class:`ObjectWriter`
+(parallel part uploads, at most ``max_workers + 1`` part buffers alive: a shard is never held whole).
+Tensors are stored as their raw bytes (C order) with a crc32c for every ``block_size`` bytes of each
+item, recorded in the metadata; the coordinator publishes ``.metadata`` last, in one request.
+
+Load: the byte ranges the load plan needs (only the rows a resharded rank needs, when they are
+contiguous) are fetched with parallel ranged GETs, neighbouring items coalesced into one request,
+big ones split; contiguous targets receive their bytes in place. Every block is checked against its
+crc32c before it is used. Checkpoints written by torch's ``FsspecWriter`` (``torch.save`` items) load too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+from google.cloud import storage
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dataflux_ckpt._gcs_compat import raw_body_reader
+from dataflux_ckpt.checksums import crc32c_extend
+from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
+from dataflux_ckpt.gcs import Gcs, make_client
+from dataflux_ckpt.paths import GcsPath, parse_gcs_path
+from dataflux_ckpt.retry import Deadline, RetryPolicy
+from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, DEADLINE_S, UPLOAD_MODES, ObjectWriter
+from lightning_storage_plugins.dcp import (
+    ShardedStorageReader,
+    ShardedStorageWriter,
+    StorageInfo,
+    narrow,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DatafluxStorageReader", "DatafluxStorageWriter"]
+
+CHUNK_SIZE_BYTES = 32 * 2**20
+MAX_WORKERS = 8
+CRC_BLOCK_BYTES = 1 * 2**20
+# Items closer than this in one object are fetched by one GET (the gap's bytes are read and dropped).
+COALESCE_GAP_BYTES = 1 * 2**20
+DEVICE_PIECE_BYTES = 64 * 2**20  # a GPU tensor is copied to host in pieces of this size
+SCRATCH_BYTES = 1 * 2**20
+
+
+@dataclasses.dataclass(kw_only=True)
+class GcsItemInfo(StorageInfo):
+    """Where an item lies in its object, with a crc32c per ``block_size`` bytes of it.
+
+    Tensors are stored raw: ``dtype`` and ``shape`` (C order); pickled items have neither.
+    """
+
+    crc32c: tuple[int, ...] = ()
+    block_size: int = CRC_BLOCK_BYTES
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+
+def _checkpoint_path(checkpoint_id: str | os.PathLike[str]) -> GcsPath:
+    path = parse_gcs_path(checkpoint_id)
+    return GcsPath(path.bucket, path.key.rstrip("/"))
+
+
+class _Connection:
+    """The GCS client of one writer or reader: made from the environment on first use, never pickled."""
+
+    def __init__(self, project_name: str | None, storage_client: storage.Client | None, retry: RetryPolicy,
+                 max_workers: int) -> None:
+        self.project_name, self.retry, self.max_workers = project_name, retry, max_workers
+        self._client = storage_client
+        self._gcs: Gcs | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None, "_gcs": None, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    @property
+    def gcs(self) -> Gcs:
+        with self._lock:
+            if self._gcs is None:
+                self._gcs = Gcs(self._client or make_client(self.project_name), retry=self.retry,
+                                connections=self.max_workers)
+            return self._gcs
+
+
+def _check_options(chunk_size: int, max_workers: int, block_size: int, deadline_s: float) -> None:
+    if chunk_size <= 0 or max_workers <= 0 or block_size <= 0 or not deadline_s > 0:
+        raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}), block_size ({block_size}) "
+                         f"and deadline_s ({deadline_s}) must be positive")
+
+
+class DatafluxStorageWriter(ShardedStorageWriter):
+    """A DCP ``StorageWriter`` for ``gs://bucket/prefix`` checkpoints.
+
+    Args:
+        path: ``gs://bucket/prefix``; the checkpoint's objects go under ``prefix/``.
+        project_name: project of the client made from the environment.
+        storage_client: a ``google.cloud.storage.Client`` to use (not pickled).
+        chunk_size: bytes per uploaded part; ``max_workers + 1`` such buffers per rank at most.
+        max_workers: concurrent part uploads per rank.
+        upload_mode: ``"auto"``, ``"xml"`` or ``"composite"`` (see ``DatafluxCheckpointIO``).
+        block_size: bytes covered by each recorded crc32c (the granularity of verified partial reads).
+        retry: retry policy for each request.
+        deadline_s: each step of a save on a rank (its shard, the metadata, the clean-up) must finish
+            within this many seconds, or fails with ``DeadlineExceededError`` naming it.
+        overwrite: ``False`` refuses to save where a checkpoint exists.
+        cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save``).
+
+    Raises:
+        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        project_name: str | None = None,
+        storage_client: storage.Client | None = None,
+        chunk_size: int = CHUNK_SIZE_BYTES,
+        max_workers: int = MAX_WORKERS,
+        upload_mode: str = "auto",
+        block_size: int = CRC_BLOCK_BYTES,
+        retry: RetryPolicy | None = None,
+        deadline_s: float = DEADLINE_S,
+        overwrite: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        _check_options(chunk_size, max_workers, block_size, deadline_s)
+        if upload_mode not in UPLOAD_MODES:
+            raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
+        super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+        self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
+        self.upload_mode, self.deadline_s = upload_mode, deadline_s
+        self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+
+    storage_info_types = (GcsItemInfo,)
+
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        return _checkpoint_path(checkpoint_id).uri
+
+    def _object(self, name: str) -> GcsPath:
+        base = _checkpoint_path(self.checkpoint_id)
+        return GcsPath(base.bucket, f"{base.key}/{name}")
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self.deadline_s, "save", self.checkpoint_id)
+
+    # Files --------------------------------------------------------------------------------------
+    def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        results: list[WriteResult] = []
+        target = self._object(name)
+        ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
+        with ObjectWriter(self._connection.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
+                          mode=self.upload_mode, deadline_s=self.deadline_s) as stream:
+            for item in ordered:
+                offset = stream.tell()
+                crcs = _BlockCrcs(self.block_size)
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    view = data.getbuffer()
+                    crcs.update(view)
+                    stream.write(view)
+                    info = GcsItemInfo(name, offset, view.nbytes, crc32c=crcs.values(), block_size=self.block_size)
+                else:
+                    tensor = data.detach()
+                    for piece in _host_bytes(tensor, f"{item.index.fqn} of {target}"):
+                        crcs.update(piece)
+                        stream.write(piece)
+                    info = GcsItemInfo(name, offset, stream.tell() - offset, crc32c=crcs.values(),
+                                       block_size=self.block_size, dtype=_dtype_name(tensor.dtype),
+                                       shape=tuple(tensor.shape))
+                results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+        # Part objects of a composite upload are deleted in the background: done before the save returns.
+        self._connection.gcs.wait_background(CLEANUP_TIMEOUT_S)
+        return results
+
+    def _publish(self, name: str, data: bytes) -> None:
+        self._connection.gcs.upload_object(self._object(name), memoryview(data), crc32c_extend(0, data),
+                                           self._deadline())
+
+    def _read(self, name: str) -> bytes | None:
+        return _read_small(self._connection.gcs, self._object(name), self._deadline())
+
+    def _list(self) -> list[str]:
+        base = _checkpoint_path(self.checkpoint_id)
+        prefix = f"{base.key}/"
+        names = self._connection.gcs.list_names(base.bucket, prefix, self._deadline())
+        return [name[len(prefix):] for name in names]
+
+    def _size(self, name: str) -> int | None:
+        try:
+            return self._connection.gcs.stat(self._object(name), self._deadline()).size
+        except FileNotFoundError:
+            return None
+
+    def _delete(self, names: Sequence[str]) -> None:
+        gcs, deadline = self._connection.gcs, self._deadline()
+        targets = [self._object(name) for name in names]
+        with ThreadPoolExecutor(self.max_workers, thread_name_prefix="dataflux-delete") as pool:
+            list(pool.map(lambda path: gcs.delete(path.bucket, path.key, deadline), targets))
+
+
+def _read_small(gcs: Gcs, path: GcsPath, deadline: Deadline) -> bytes | None:
+    """One small object whole, or ``None`` when it does not exist."""
+    what = f"download of {path.uri}"
+
+    def get() -> bytes | None:
+        response = gcs.request("GET", gcs.media_url(*path), what, deadline, ok=(200, 404))
+        return None if response.status_code == 404 else response.content
+
+    return gcs.retry.call(get, what, deadline)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}: unknown dtype {name!r} in the checkpoint metadata")
+    return dtype
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _host_bytes(tensor: torch.Tensor, what: str) -> Iterator[memoryview]:
+    """The tensor's bytes in C order, as host memory: a CPU tensor's own memory (a copy only when it
+    is not contiguous), a device tensor's in pieces of ``DEVICE_PIECE_BYTES``."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"{what}: cannot store a {tensor.layout} / quantized tensor as raw bytes")
+    flat = _flat_bytes(tensor.contiguous())
+    if flat.device.type == "cpu":
+        yield memoryview(flat.numpy())
+        return
+    for start in range(0, flat.numel(), DEVICE_PIECE_BYTES):
+        yield memoryview(flat[start : start + DEVICE_PIECE_BYTES].cpu().numpy())
+
+
+class _BlockCrcs:
+    """The crc32c of every ``block_size`` bytes of a stream, fed in pieces of any size."""
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._crcs: list[int] = []
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data: memoryview) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        offset = 0
+        while offset < view.nbytes:
+            take = min(self._block_size - self._fill, view.nbytes - offset)
+            self._crc = crc32c_extend(self._crc, view[offset : offset + take])
+            self._fill += take
+            offset += take
+            if self._fill == self._block_size:
+                self._crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def values(self) -> tuple[int, ...]:
+        return tuple(self._crcs + ([self._crc] if self._fill else []))
+
+
+# Reading ------------------------------------------------------------------------------------------
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """One read item: the byte range ``[start, end)`` of its object to fetch into ``dest``."""
+
+    item: ReadItem
+    info: StorageInfo
+    name: str
+    start: int  # object offsets
+    end: int
+    target: torch.Tensor | None = None  # the planner's tensor, for tensor items
+    direct: bool = False  # ``dest`` is the target's own memory
+    dest: torch.Tensor | None = None  # flat uint8, end - start bytes
+    pending: int = 0  # GETs not yet complete
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class _Get:
+    """One ranged GET: object bytes ``[start, end)`` into the ranges of ``parts`` (request, offset)."""
+
+    name: str
+    start: int
+    end: int
+    parts: list[tuple[_Request, int, int]]  # (request, object offset, length): read in order
+
+
+def _requests_of(get: _Get) -> list[_Request]:
+    """The distinct requests a GET serves, in order."""
+    return list({id(part[0]): part[0] for part in get.parts}.values())
+
+
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
+
+
+def _tensor_byte_range(info: GcsItemInfo, item: ReadItem, element: int) -> tuple[int, int, bool]:
+    """The item-relative byte range holding the requested sub-block, and whether it is exactly the
+    sub-block (contiguous) rather than a covering range."""
+    shape = list(info.shape or ())
+    strides = _c_strides(shape)
+    offsets, lengths = list(item.storage_offsets), list(item.lengths)
+    count = math.prod(lengths)
+    if count == 0:
+        return 0, 0, True
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first * element, (last + 1) * element, last + 1 - first == count
+
+
+class DatafluxStorageReader(ShardedStorageReader):
+    """A DCP ``StorageReader`` for ``gs://bucket/prefix`` checkpoints (ours, or ``FsspecWriter``'s).
+
+    Args:
+        path: ``gs://bucket/prefix``.
+        project_name: project of the client made from the environment.
+        storage_client: a ``google.cloud.storage.Client`` to use (not pickled).
+        chunk_size: the largest ranged GET; bigger ranges are split into parallel GETs.
+        max_workers: concurrent GETs.
+        coalesce_gap: items of one object closer than this many bytes are fetched by one GET.
+        retry: retry policy for each request.
+        deadline_s: a rank's load (metadata, then its items) must finish within this many seconds, or
+            fails with ``DeadlineExceededError`` naming it.
+        weights_only: see :class:`~lightning_storage_plugins.dcp.ShardedStorageReader`.
+
+    Raises:
+        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        project_name: str | None = None,
+        storage_client: storage.Client | None = None,
+        chunk_size: int = CHUNK_SIZE_BYTES,
+        max_workers: int = MAX_WORKERS,
+        coalesce_gap: int = COALESCE_GAP_BYTES,
+        retry: RetryPolicy | None = None,
+        deadline_s: float = DEADLINE_S,
+        weights_only: bool | None = None,
+    ) -> None:
+        _check_options(chunk_size, max_workers, 1, deadline_s)
+        if coalesce_gap < 0:
+            raise ValueError(f"coalesce_gap must not be negative, not {coalesce_gap}")
+        super().__init__(path, weights_only=weights_only)
+        self.chunk_size, self.max_workers, self.coalesce_gap = chunk_size, max_workers, coalesce_gap
+        self.deadline_s = deadline_s
+        self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+
+    storage_info_types = (GcsItemInfo,)
+
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        return _checkpoint_path(checkpoint_id).uri
+
+    def _object(self, name: str) -> GcsPath:
+        base = _checkpoint_path(self.checkpoint_id)
+        return GcsPath(base.bucket, f"{base.key}/{name}")
+
+    def _read(self, name: str) -> bytes | None:
+        return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))
+
+    # Planning -----------------------------------------------------------------------------------
+    def _request(self, item: ReadItem, planner: LoadPlanner) -> _Request:
+        info = self.storage_data[item.storage_index]
+        base = info.offset
+        if item.type == LoadItemType.BYTE_IO or not isinstance(info, GcsItemInfo) or info.dtype is None:
+            return _Request(item, info, info.relative_path, base, base + info.length)
+        where = f"{self.checkpoint_id}: item {item.storage_index.fqn}"
+        dtype = _dtype(info.dtype, where)
+        element = torch.empty((), dtype=dtype).element_size()
+        first, last, exact = _tensor_byte_range(info, item, element)
+        # Whole crc blocks, so that every byte used is verified.
+        start = first // info.block_size * info.block_size
+        end = min(-(-last // info.block_size) * info.block_size, info.length)
+        target = planner.resolve_tensor(item).detach()
+        direct = (exact and (start, end) == (first, last) and target.device.type == "cpu"
+                  and target.dtype == dtype and target.is_contiguous() and target.numel() * element == end - start)
+        request = _Request(item, info, info.relative_path, base + start, base + end, target, direct)
+        if direct:
+            request.dest = _flat_bytes(target)
+        return request
+
+    def _gets(self, requests: list[_Request]) -> list[_Get]:
+        """Coalesce neighbouring requests of one object into GETs of at most ``chunk_size`` bytes
+        (gaps included); a request larger than that is split over several GETs."""
+        gets: list[_Get] = []
+        current: _Get | None = None
+        for request in sorted(requests, key=lambda r: (r.name, r.start)):
+            position = request.start
+            while position < request.end:
+                room = 0
+                if (current is not None and current.name == request.name and current.end <= position
+                        and position - current.end <= self.coalesce_gap):
+                    room = self.chunk_size - (position - current.start)
+                if room <= 0:
+                    current = _Get(request.name, position, position, [])
+                    gets.append(current)
+                    room = self.chunk_size
+                assert current is not None
+                take = min(request.end - position, room)
+                current.parts.append((request, position, take))
+                current.end = position + take
+                position += take
+        for get in gets:
+            for request in _requests_of(get):
+                request.pending += 1
+        return gets
+
+    # Reading ------------------------------------------------------------------------------------
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        requests = [self._request(item, planner) for item in plan.items]
+        for request in requests:
+            if request.size == 0:
+                self._use(request, planner)
+        gets = self._gets(requests)
+        budget = max(2 * self.max_workers * self.chunk_size, 1)
+        in_flight: dict[Future[None], _Get] = {}
+        buffered = 0  # bytes of temporary destinations alive
+        gcs, deadline = self._connection.gcs, Deadline(self.deadline_s, "load", self.checkpoint_id)
+        with ThreadPoolExecutor(self.max_workers, thread_name_prefix="dataflux-dcp-read") as pool:
+            try:
+                for get in gets:
+                    fresh = [r for r in _requests_of(get) if r.dest is None]
+                    need = sum(r.size for r in fresh)
+                    while in_flight and buffered + need > budget:
+                        buffered -= self._complete(in_flight, planner)
+                    for request in fresh:
+                        request.dest = torch.empty(request.size, dtype=torch.uint8)
+                    buffered += need
+                    in_flight[pool.submit(self._fetch, gcs, get, deadline)] = get
+                while in_flight:
+                    buffered -= self._complete(in_flight, planner)
+            except BaseException:
+                for future in in_flight:
+                    future.cancel()
+                raise
+
+    def _complete(self, in_flight: dict[Future[None], _Get], planner: LoadPlanner) -> int:
+        """Wait for at least one GET; use every request it completed; returns the bytes freed."""
+        done, _ = wait(list(in_flight), return_when=FIRST_COMPLETED)
+        freed = 0
+        for future in done:
+            get = in_flight.pop(future)
+            future.result()
+            for request in _requests_of(get):
+                request.pending -= 1
+                if request.pending == 0:
+                    self._use(request, planner)
+                    if not request.direct:
+                        freed += request.size
+                    request.dest = None
+        return freed
+
+    def _fetch(self, gcs: Gcs, get: _Get, deadline: Deadline) -> None:
+        path = self._object(get.name)
+        what = f"download of bytes {get.start}-{get.end - 1} of {path.uri}"
+        url = gcs.media_url(*path)
+        scratch = memoryview(bytearray(min(SCRATCH_BYTES, get.end - get.start)))
+
+        def once() -> None:
+            headers = {"Range": f"bytes={get.start}-{get.end - 1}", "Accept-Encoding": "identity"}
+            with gcs.request("GET", url, what, deadline, ok=(200, 206), headers=headers, stream=True) as response:
+                if response.status_code == 200 and get.start != 0:
+                    raise HttpStatusError(200, f"{what}: the server ignored the Range header")
+                source = raw_body_reader(response)
+                position = get.start
+                for request, offset, length in get.parts:
+                    if offset > position:  # a gap between coalesced items: read and drop
+                        _read_exactly(source, None, offset - position, scratch, what)
+                    assert request.dest is not None
+                    dest = memoryview(request.dest.numpy())[offset - request.start : offset - request.start + length]
+                    _read_exactly(source, dest, length, scratch, what)
+                    position = offset + length
+
+        try:
+            gcs.retry.call(once, what, deadline)
+        except HttpStatusError as err:
+            if err.status == 404:
+                raise FileNotFoundError(f"{path.uri} is missing; the checkpoint {self.checkpoint_id} "
+                                        "references it") from err
+            raise TransferError(f"{what} failed: {err}") from err
+        except (DataCorruptionError, FileNotFoundError, TransferError):  # deadline errors included
+            raise
+        except Exception as err:
+            raise TransferError(f"{what} failed: {err}") from err
+
+    def _use(self, request: _Request, planner: LoadPlanner) -> None:
+        """Verify the request's bytes and hand them to the planner."""
+        item, info = request.item, request.info
+        where = f"{self.checkpoint_id}/{request.name}: item {item.storage_index.fqn}"
+        data = request.dest if request.dest is not None else torch.empty(0, dtype=torch.uint8)
+        if isinstance(info, GcsItemInfo):
+            _verify(info, request.start - info.offset, data, where)
+        if item.type == LoadItemType.BYTE_IO:
+            view = memoryview(data.numpy())
+            self.check_bytes(view, item.storage_index)
+            planner.load_bytes(item, io.BytesIO(view))
+            return
+        target = request.target if request.target is not None else planner.resolve_tensor(item).detach()
+        if not request.direct:
+            if isinstance(info, GcsItemInfo) and info.dtype is not None:
+                stored = _sub_block(info, item, data, request.start - info.offset, where)
+            else:  # a torch.save item (FsspecWriter / FileSystemWriter layout)
+                loaded = torch.load(io.BytesIO(memoryview(data.numpy())), map_location="cpu", weights_only=True)
+                stored = narrow(loaded, item.storage_offsets, item.lengths)
+            if stored.size() != target.size():
+                raise ValueError(f"{where}: stored block {tuple(stored.size())} does not fit the target "
+                                 f"{tuple(target.size())}")
+            target.copy_(stored)
+        planner.commit_tensor(item, target)
+
+
+def _read_exactly(source: Any, dest: memoryview | None, length: int, scratch: memoryview, what: str) -> None:
+    got = 0
+    while got < length:
+        if dest is None:
+            window = scratch[: min(scratch.nbytes, length - got)]
+        else:
+            window = dest[got:]
+        n = source.readinto(window)
+        if not n:
+            raise ConnectionError(f"{what}: connection closed early ({got} of {length} bytes of a range)")
+        got += n
+
+
+def _verify(info: GcsItemInfo, start: int, data: torch.Tensor, where: str) -> None:
+    """Check the item-relative bytes ``[start, start + len(data))`` (whole blocks) against their crc32c."""
+    view = memoryview(data.numpy())
+    block = info.block_size
+    for offset in range(0, view.nbytes, block):
+        index = (start + offset) // block
+        if index >= len(info.crc32c):
+            raise DataCorruptionError(f"{where}: no crc32c recorded for block {index}")
+        actual = crc32c_extend(0, view[offset : offset + block])
+        if actual != info.crc32c[index]:
+            raise DataCorruptionError(
+                f"{where}: bytes {info.offset + start + offset}-{info.offset + start + offset + block - 1} "
+                f"have crc32c {actual:#010x}, the checkpoint recorded {info.crc32c[index]:#010x}"
+            )
+
+
+def _sub_block(info: GcsItemInfo, item: ReadItem, data: torch.Tensor, start: int, where: str) -> torch.Tensor:
+    """The requested sub-block as a view of ``data`` (item-relative bytes from ``start``)."""
+    dtype = _dtype(info.dtype or "", where)
+    element = torch.empty((), dtype=dtype).element_size()
+    first, last, _ = _tensor_byte_range(info, item, element)
+    elements = data.narrow(0, first - start, last - first).view(dtype)
+    return torch.as_strided(elements, list(item.lengths), _c_strides(info.shape or ()), elements.storage_offset())

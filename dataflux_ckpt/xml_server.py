@@ -1,0 +1,885 @@
+"""GCS's XML API multipart uploads, served locally in front of fake-gcs-server.
+
+fake-gcs-server speaks the JSON API but not XML API multipart uploads, the upload path real GCS
+offers for parallel parts. :class:`XmlMultipartServer` runs a small threaded HTTP server (in a child
+process) that serves them itself and forwards every other request, streamed, to fake-gcs-server:
+
+    with FakeGcsServer() as gcs, XmlMultipartServer(gcs) as front, front.activated():
+        front.create_bucket("ckpts")
+        ...  # clients pointed at ``front.url`` see both APIs
+
+Served, as GCS serves them (path-style URLs, ``/{bucket}/{object}``):
+
+* ``POST /{bucket}/{object}?uploads``: initiate; answers ``InitiateMultipartUploadResult``;
+* ``PUT /{bucket}/{object}?partNumber=N&uploadId=U``: upload part N (1..10000); answers the part's
+  ``ETag`` (its MD5) and ``x-goog-hash`` (crc32c and MD5); a part whose bytes do not match the
+  ``x-goog-hash`` or ``Content-MD5`` the client sent is refused with ``400 BadDigest``;
+* ``GET /{bucket}/{object}?uploadId=U``: list parts (``max-parts``, ``part-number-marker``);
+* ``POST /{bucket}/{object}?uploadId=U``: complete with the listed ``PartNumber``/``ETag`` pairs, in
+  ascending order; a part missing or named with another ETag is refused with ``400 InvalidPart``;
+  parts other than the last smaller than ``min_part_bytes`` with ``400 EntityTooSmall``. The object
+  is then written to fake-gcs-server in one streamed request and its crc32c checked against the
+  parts'; the answer carries ``x-goog-generation`` and ``x-goog-hash`` of the new object;
+* ``DELETE /{bucket}/{object}?uploadId=U``: abort; ``GET /{bucket}?uploads``: list uploads in progress.
+
+An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``. Parts are
+kept in memory until the upload completes or is aborted. Redirects of resumable uploads
+(``Location``) are rewritten to point here, so whole sessions pass through this server.
+
+It also enforces the JSON API's ``ifGenerationMatch`` precondition where fake-gcs-server ignores
+it (media uploads, compose, delete, and the last request of a resumable upload): a request whose
+precondition does not hold gets ``412``, as from GCS. Writes to one object are serialized while a
+precondition is checked, so concurrent writers see GCS's compare-and-swap behaviour. A compose onto
+an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import hashlib
+import http.client
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
+from dataflux_ckpt.emulator import LocalGcsService
+from lightning_storage_plugins.services import ManagedProcess, free_port
+
+log = logging.getLogger(__name__)
+
+__all__ = ["XmlMultipartServer", "serve"]
+
+S3_NAMESPACE = "http://s3.amazonaws.com/doc/2006-03-01/"
+GCS_MIN_PART_BYTES = 5 * 2**20
+MAX_PART_NUMBER = 10_000
+MAX_LISTED_PARTS = 1000
+BLOCK_BYTES = 1 << 20
+UPSTREAM_TIMEOUT_S = 120.0
+# Hop-by-hop headers, and those http.client sets itself for the upstream request.
+HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                         "upgrade", "host", "content-length", "expect"})
+JSON_API_PREFIXES = ("/storage/", "/upload/", "/download/", "/batch/", "/_internal/")
+
+
+class _Reply(Exception):
+    """An answer ready to send (an XML error, typically) raised out of a handler."""
+
+    def __init__(self, status: int, code: str, message: str, details: str = "") -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+    def body(self) -> bytes:
+        root = ElementTree.Element("Error")
+        for tag, text in (("Code", self.code), ("Message", self.message), ("Details", self.details)):
+            ElementTree.SubElement(root, tag).text = text
+        return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+@dataclass
+class _Part:
+    number: int
+    data: bytearray
+    crc: int
+    md5: bytes
+    modified: float
+
+    @property
+    def etag(self) -> str:
+        return f'"{self.md5.hex()}"'
+
+
+@dataclass
+class _Upload:
+    upload_id: str
+    bucket: str
+    key: str
+    content_type: str
+    initiated: float
+    parts: dict[int, _Part] = field(default_factory=dict)
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(timestamp)) + f".{int(timestamp % 1 * 1000):03d}Z"
+
+
+def _xml(tag: str, children: Sequence[tuple[str, Any]]) -> bytes:
+    root = ElementTree.Element(tag, xmlns=S3_NAMESPACE)
+    _fill(root, children)
+    return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
+
+
+def _fill(parent: ElementTree.Element, children: Sequence[tuple[str, Any]]) -> None:
+    for tag, value in children:
+        child = ElementTree.SubElement(parent, tag)
+        if isinstance(value, list):
+            _fill(child, value)
+        else:
+            child.text = str(value)
+
+
+def _normalize_etag(etag: str) -> str:
+    return etag.strip().strip('"')
+
+
+def _declared_hashes(headers: Any) -> dict[str, str]:
+    """``{"crc32c": b64, "md5": b64}`` from ``x-goog-hash`` (repeated or comma-separated) and ``Content-MD5``."""
+    declared: dict[str, str] = {}
+    for value in headers.get_all("x-goog-hash") or []:
+        for item in value.split(","):
+            name, _, digest = item.strip().partition("=")
+            if digest:
+                declared[name.lower()] = digest
+    if headers.get("Content-MD5"):
+        declared.setdefault("md5", headers["Content-MD5"].strip())
+    return declared
+
+
+class _Upstream:
+    """Keep-alive connections to fake-gcs-server, one per server thread."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream must be an http:// URL, not {url!r}")
+        self.url = url.rstrip("/")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self._timeout_s = timeout_s
+        self._local = threading.local()
+
+    def connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self._timeout_s)
+        return conn
+
+    def discard(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def start(self, method: str, path: str, headers: dict[str, str], length: int | None) -> http.client.HTTPConnection:
+        """Send the request line and headers; the caller sends ``length`` body bytes, then reads the response."""
+        for attempt in (1, 2):
+            conn = self.connection()
+            try:
+                conn.putrequest(method, path, skip_accept_encoding=True)
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                if length is not None:
+                    conn.putheader("Content-Length", str(length))
+                conn.endheaders()
+                return conn
+            except (OSError, http.client.HTTPException):
+                # A kept-alive connection the server closed meanwhile: one fresh try.
+                self.discard()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def call(self, method: str, path: str, headers: dict[str, str] | None = None,
+             body: bytes = b"") -> tuple[int, bytes]:
+        """A small request with a small answer (metadata, bucket look-ups)."""
+        conn = self.start(method, path, headers or {}, len(body) if body or method in ("POST", "PUT") else None)
+        try:
+            if body:
+                conn.send(body)
+            response = conn.getresponse()
+            return response.status, response.read()
+        except BaseException:
+            self.discard()
+            raise
+
+
+class _ObjectLocks:
+    """One lock per object name, held from a precondition check until the write it guards is done."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], list[Any]] = {}  # name -> [lock, users]
+        self._mutex = threading.Lock()
+
+    @contextmanager
+    def held(self, bucket: str, name: str) -> Iterator[None]:
+        key = (bucket, name)
+        with self._mutex:
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._mutex:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locks[key]
+
+
+class _MultipartState:
+    """Uploads in progress, resumable sessions and per-object locks, shared by the server's threads."""
+
+    def __init__(self, upstream: _Upstream, min_part_bytes: int) -> None:
+        self.upstream = upstream
+        self.min_part_bytes = min_part_bytes
+        self.object_locks = _ObjectLocks()
+        # Resumable sessions opened with a generation precondition: upload_id -> (bucket, name, generation).
+        self.sessions: dict[str, tuple[str, str, int]] = {}
+        self._uploads: dict[str, _Upload] = {}
+        self._lock = threading.Lock()
+
+    def generation(self, bucket: str, name: str) -> int:
+        """The generation of ``bucket/name`` upstream now; 0 when there is none."""
+        status, payload = self.upstream.call(
+            "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?fields=generation")
+        if status == 404:
+            return 0
+        if status != 200:
+            raise _Reply(502, "BadGateway", f"looking up {bucket}/{name} upstream answered HTTP {status}")
+        return int(json.loads(payload).get("generation") or 0)
+
+    def create(self, bucket: str, key: str, content_type: str) -> _Upload:
+        status, _ = self.upstream.call("GET", f"/storage/v1/b/{quote(bucket, safe='')}?fields=name")
+        if status == 404:
+            raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", bucket)
+        if status != 200:
+            raise _Reply(502, "BadGateway", f"looking up bucket {bucket} upstream answered HTTP {status}")
+        upload = _Upload(uuid.uuid4().hex, bucket, key, content_type, time.time())
+        with self._lock:
+            self._uploads[upload.upload_id] = upload
+        return upload
+
+    def get(self, upload_id: str, bucket: str, key: str | None) -> _Upload:
+        with self._lock:
+            upload = self._uploads.get(upload_id)
+        if upload is None or upload.bucket != bucket or (key is not None and upload.key != key):
+            raise _Reply(404, "NoSuchUpload", "The requested upload was not found.", upload_id)
+        return upload
+
+    def take(self, upload_id: str, bucket: str, key: str) -> _Upload:
+        """Remove and return the upload: a completion or abort owns it from now on."""
+        with self._lock:
+            upload = self._uploads.get(upload_id)
+            if upload is None or upload.bucket != bucket or upload.key != key:
+                raise _Reply(404, "NoSuchUpload", "The requested upload was not found.", upload_id)
+            del self._uploads[upload_id]
+        return upload
+
+    def put_back(self, upload: _Upload) -> None:
+        with self._lock:
+            self._uploads.setdefault(upload.upload_id, upload)
+
+    def in_bucket(self, bucket: str, prefix: str) -> list[_Upload]:
+        with self._lock:
+            uploads = [u for u in self._uploads.values() if u.bucket == bucket and u.key.startswith(prefix)]
+        return sorted(uploads, key=lambda u: (u.key, u.initiated))
+
+
+def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequestHandler]:
+    upstream = state.upstream
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "dataflux-xml-multipart"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
+            log.debug("%s " + format, self.address_string(), *args)
+
+        # Dispatch ----------------------------------------------------------------------------
+        def _dispatch(self) -> None:
+            self._body_read = False
+            try:
+                split = urlsplit(self.path)
+                query = parse_qs(split.query, keep_blank_values=True)
+                multipart = not split.path.startswith(JSON_API_PREFIXES) and ("uploads" in query or "uploadId" in query)
+                if multipart:
+                    self._multipart(split.path, query)
+                else:
+                    self._forward()
+            except _Reply as reply:
+                self._drain()
+                self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
+            except (ConnectionError, TimeoutError, http.client.HTTPException) as exc:
+                log.warning("%s %s failed: %s", self.command, self.path, exc)
+                upstream.discard()
+                self.close_connection = True
+                try:
+                    self._send(502, _Reply(502, "BadGateway", str(exc)).body(), {"Content-Type": "application/xml"})
+                except OSError:
+                    pass
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _dispatch
+
+        # Bodies ------------------------------------------------------------------------------
+        def _length(self) -> int | None:
+            value = self.headers.get("Content-Length")
+            if value is None:
+                return None
+            try:
+                length = int(value)
+            except ValueError:
+                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}") from None
+            if length < 0:
+                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}")
+            return length
+
+        def _chunked(self) -> bool:
+            return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+
+        def _read_body(self) -> bytearray:
+            """The whole request body, received straight into one buffer."""
+            if self._chunked():
+                return bytearray(b"".join(self._chunks()))
+            length = self._length() or 0
+            body = bytearray(length)
+            view, got = memoryview(body), 0
+            while got < length:
+                n = self.rfile.readinto(view[got:])
+                if not n:
+                    raise ConnectionError(f"client closed the connection after {got} of {length} body bytes")
+                got += n
+            self._body_read = True
+            return body
+
+        def _chunks(self) -> Iterator[bytes]:
+            while True:
+                size_line = self.rfile.readline(1024)
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass
+                    self._body_read = True
+                    return
+                yield self.rfile.read(size)
+                self.rfile.readline(1024)
+
+        def _drain(self) -> None:
+            """Consume an unread request body, so that the connection can carry the next request."""
+            if getattr(self, "_body_read", False):
+                return
+            self._body_read = True
+            if self._chunked():
+                for _ in self._chunks():
+                    pass
+                return
+            remaining = self._length() or 0
+            if remaining > 64 * BLOCK_BYTES:
+                self.close_connection = True  # cheaper to drop than to read
+                return
+            while remaining:
+                chunk = self.rfile.read(min(remaining, BLOCK_BYTES))
+                if not chunk:
+                    return
+                remaining -= len(chunk)
+
+        def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(payload)
+
+        # Forwarding ----------------------------------------------------------------------------
+        def _forward(self) -> None:
+            written = self._written_object()
+            if written is None:
+                return self._forward_now()
+            bucket, name, required = written
+            compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
+            with state.object_locks.held(bucket, name):
+                current = state.generation(bucket, name) if required is not None or compose else 0
+                if required is not None and current != required:
+                    self._drain()
+                    return self._precondition_failed(bucket, name, required, current)
+                if compose and current:
+                    return self._compose_over(bucket, name)
+                self._forward_now()
+            session = parse_qs(urlsplit(self.path).query).get("upload_id")
+            if session:
+                with state._lock:
+                    state.sessions.pop(session[0], None)
+
+        def _written_object(self) -> tuple[str, str, int | None] | None:
+            """The object this JSON API request writes or deletes, and the generation it requires.
+
+            fake-gcs-server ignores ``ifGenerationMatch`` on media uploads, compose, delete and
+            resumable uploads; these are checked here, under a lock per object, against what is
+            upstream. Every write to an object takes its lock, conditional or not.
+            """
+            split = urlsplit(self.path)
+            query = parse_qs(split.query)
+            required = query.get("ifGenerationMatch", [None])[0]
+            segments = [unquote(p) for p in split.path.split("/")]
+            method = self.command
+            if split.path.startswith("/upload/storage/v1/b/") and len(segments) >= 7:
+                bucket = segments[5]
+                upload_type = query.get("uploadType", [""])[0]
+                if method == "POST" and upload_type == "media" and query.get("name"):
+                    return bucket, query["name"][0], _int_or_none(required)
+                if method == "PUT" and query.get("upload_id") and self._finishes_session():
+                    session = state.sessions.get(query["upload_id"][0])
+                    if session is not None:
+                        return session[0], session[1], session[2]
+                return None
+            if split.path.startswith("/storage/v1/b/") and len(segments) >= 7 and segments[5] == "o":
+                bucket, rest = segments[4], segments[6:]
+                if method == "POST" and len(rest) >= 2 and rest[-1] == "compose":
+                    return bucket, "/".join(rest[:-1]), _int_or_none(required)
+                if method == "DELETE":
+                    return bucket, "/".join(rest), _int_or_none(required)
+            return None
+
+        def _compose_over(self, bucket: str, name: str) -> None:
+            """Compose onto an existing object with a new generation, as GCS does.
+
+            fake-gcs-server's compose keeps the generation of the object it replaces, so that
+            generations no longer tell writes apart; compose into a temporary object and copy that
+            (a copy gets a new generation) instead.
+            """
+            body = bytes(self._read_body())
+            b = quote(bucket, safe="")
+            temporary = f"{name}.compose-{uuid.uuid4().hex}"
+            status, payload = upstream.call("POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/compose",
+                                            {"Content-Type": "application/json"}, body)
+            try:
+                if status == 200:
+                    status, payload = upstream.call(
+                        "POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/copyTo/b/{b}/o/{quote(name, safe='')}",
+                        {"Content-Type": "application/json"}, b"{}")
+            finally:
+                upstream.call("DELETE", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}")
+            self._send(status, payload, {"Content-Type": "application/json; charset=UTF-8"})
+
+        def _finishes_session(self) -> bool:
+            """Whether a resumable upload request carries the total size (its last request)."""
+            content_range = self.headers.get("Content-Range", "")
+            return "/" in content_range and not content_range.rstrip().endswith("/*")
+
+        def _precondition_failed(self, bucket: str, name: str, required: int, current: int) -> None:
+            message = "At least one of the pre-conditions you specified did not hold."
+            body = json.dumps({"error": {"code": 412, "message": message, "errors": [{
+                "domain": "global", "reason": "conditionNotMet", "locationType": "header",
+                "location": "If-Match", "message": f"{message} ({bucket}/{name}: generation {current}, "
+                                                   f"required {required})"}]}}).encode()
+            self._send(412, body, {"Content-Type": "application/json; charset=UTF-8"})
+
+        def _forward_now(self) -> None:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            if self._chunked():
+                body: bytes | None = b"".join(self._chunks())
+                length: int | None = len(body)
+            else:
+                body, length = None, self._length()
+                if length is None and self.command in ("POST", "PUT", "PATCH"):
+                    length = 0
+            conn = upstream.start(self.command, self.path, headers, length)
+            try:
+                if body is not None:
+                    conn.send(body)
+                elif length:
+                    self._pump_request(conn, length)
+                self._body_read = True
+                response = conn.getresponse()
+                self._relay(response)
+            except BaseException:
+                upstream.discard()
+                raise
+            if response.will_close:
+                upstream.discard()
+
+        def _pump_request(self, conn: http.client.HTTPConnection, length: int) -> None:
+            block = bytearray(min(length, BLOCK_BYTES))
+            view, remaining = memoryview(block), length
+            while remaining:
+                n = self.rfile.readinto(view[: min(remaining, len(block))])
+                if not n:
+                    raise ConnectionError(f"client closed the connection with {remaining} body bytes unsent")
+                conn.send(view[:n])
+                remaining -= n
+
+        def _remember_session(self, location: str) -> None:
+            """Keep the generation precondition of a resumable upload for its last request."""
+            query = parse_qs(urlsplit(self.path).query)
+            required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
+            session = parse_qs(urlsplit(location).query)
+            if required is not None and session.get("upload_id") and session.get("name"):
+                bucket = unquote(urlsplit(self.path).path.split("/")[5])
+                with state._lock:
+                    state.sessions[session["upload_id"][0]] = (bucket, session["name"][0], required)
+
+        def _relay(self, response: http.client.HTTPResponse) -> None:
+            self.send_response_only(response.status, response.reason)
+            self.send_header("Date", self.date_time_string())
+            length = response.getheader("Content-Length")
+            for name, value in response.getheaders():
+                lowered = name.lower()
+                if lowered in HOP_HEADERS or lowered == "date":
+                    continue
+                if lowered == "location" and value.startswith(upstream.url):
+                    value = public_url + value[len(upstream.url):]
+                    self._remember_session(value)
+                self.send_header(name, value)
+            no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
+            if no_body:
+                if length is not None:
+                    self.send_header("Content-Length", length)
+                self.end_headers()
+                response.read()
+                return
+            if length is not None:
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                remaining = int(length)
+                block = bytearray(min(remaining, BLOCK_BYTES) or 1)
+                view = memoryview(block)
+                while remaining:
+                    n = response.readinto(view[: min(remaining, len(block))])
+                    if not n:
+                        raise ConnectionError(f"upstream closed the connection with {remaining} bytes unsent")
+                    self.wfile.write(view[:n])
+                    remaining -= n
+                return
+            # No length upstream: relay as it arrives, in chunks.
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            while True:
+                chunk = response.read1(BLOCK_BYTES) if hasattr(response, "read1") else response.read(BLOCK_BYTES)
+                if not chunk:
+                    break
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
+
+        # XML multipart ---------------------------------------------------------------------------
+        def _multipart(self, path: str, query: dict[str, list[str]]) -> None:
+            bucket, _, key = path.lstrip("/").partition("/")
+            bucket, key = unquote(bucket), unquote(key)
+            upload_id = query.get("uploadId", [""])[0]
+            method = self.command
+            if not bucket:
+                raise _Reply(400, "InvalidBucketName", "no bucket in the request path")
+            if method == "GET" and "uploads" in query and not key:
+                return self._list_uploads(bucket, query)
+            if not key:
+                raise _Reply(400, "InvalidArgument", "no object name in the request path")
+            if method == "POST" and "uploads" in query:
+                return self._initiate(bucket, key)
+            if not upload_id:
+                raise _Reply(400, "InvalidArgument", "uploadId is empty")
+            if method == "PUT":
+                return self._upload_part(bucket, key, upload_id, query)
+            if method == "GET":
+                return self._list_parts(bucket, key, upload_id, query)
+            if method == "POST":
+                return self._complete(bucket, key, upload_id)
+            if method == "DELETE":
+                state.take(upload_id, bucket, key)
+                self._drain()
+                return self._send(204, b"", {})
+            raise _Reply(405, "MethodNotAllowed", f"{method} is not allowed on a multipart upload")
+
+        def _ok_xml(self, payload: bytes, extra: dict[str, str] | None = None) -> None:
+            self._drain()
+            self._send(200, payload, {"Content-Type": "application/xml", **(extra or {})})
+
+        def _initiate(self, bucket: str, key: str) -> None:
+            content_type = self.headers.get("Content-Type") or "application/octet-stream"
+            upload = state.create(bucket, key, content_type)
+            self._ok_xml(_xml("InitiateMultipartUploadResult",
+                              [("Bucket", bucket), ("Key", key), ("UploadId", upload.upload_id)]))
+
+        def _upload_part(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
+            try:
+                number = int(query.get("partNumber", [""])[0])
+            except ValueError:
+                number = 0
+            if not 1 <= number <= MAX_PART_NUMBER:
+                raise _Reply(400, "InvalidArgument", f"partNumber must be an integer from 1 to {MAX_PART_NUMBER}")
+            upload = state.get(upload_id, bucket, key)
+            if not self._chunked() and self._length() is None:
+                raise _Reply(411, "MissingContentLength", "a part needs a Content-Length")
+            data = self._read_body()
+            crc = crc32c_extend(0, data)
+            md5 = hashlib.md5(data).digest()
+            actual = {"crc32c": crc32c_b64(crc), "md5": base64.b64encode(md5).decode()}
+            for name, digest in _declared_hashes(self.headers).items():
+                if name in actual and not _same_digest(digest, actual[name]):
+                    raise _Reply(400, "BadDigest",
+                                 f"the {name} you specified did not match what was received",
+                                 f"declared {name}={digest}, received {name}={actual[name]} "
+                                 f"(part {number} of upload {upload_id})")
+            part = _Part(number, data, crc, md5, time.time())
+            upload.parts[number] = part  # a part sent again replaces the earlier one
+            self._send(200, b"", {"ETag": part.etag,
+                                  "x-goog-hash": f"crc32c={actual['crc32c']},md5={actual['md5']}"})
+
+        def _list_parts(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
+            upload = state.get(upload_id, bucket, key)
+            marker = _int_param(query, "part-number-marker", 0)
+            limit = min(_int_param(query, "max-parts", MAX_LISTED_PARTS), MAX_LISTED_PARTS)
+            numbers = sorted(n for n in list(upload.parts) if n > marker)
+            shown, truncated = numbers[:limit], len(numbers) > limit
+            parts: list[tuple[str, Any]] = [
+                ("Part", [("PartNumber", p.number), ("LastModified", _iso(p.modified)), ("ETag", p.etag),
+                          ("Size", len(p.data))])
+                for p in (upload.parts[n] for n in shown)
+            ]
+            self._ok_xml(_xml("ListPartsResult", [
+                ("Bucket", bucket), ("Key", key), ("UploadId", upload_id), ("PartNumberMarker", marker),
+                ("NextPartNumberMarker", shown[-1] if shown else marker), ("MaxParts", limit),
+                ("IsTruncated", "true" if truncated else "false"), *parts,
+            ]))
+
+        def _list_uploads(self, bucket: str, query: dict[str, list[str]]) -> None:
+            prefix = query.get("prefix", [""])[0]
+            uploads: list[tuple[str, Any]] = [
+                ("Upload", [("Key", u.key), ("UploadId", u.upload_id), ("Initiated", _iso(u.initiated))])
+                for u in state.in_bucket(bucket, prefix)
+            ]
+            self._ok_xml(_xml("ListMultipartUploadsResult", [
+                ("Bucket", bucket), ("Prefix", prefix), ("IsTruncated", "false"), *uploads,
+            ]))
+
+        def _complete(self, bucket: str, key: str, upload_id: str) -> None:
+            body = bytes(self._read_body())
+            state.get(upload_id, bucket, key)  # NoSuchUpload before MalformedXML, as GCS
+            listed = _parse_completion(body)
+            upload = state.take(upload_id, bucket, key)
+            try:
+                chosen = _chosen_parts(upload, listed, state.min_part_bytes)
+            except _Reply:
+                state.put_back(upload)  # the client may correct the list and complete again
+                raise
+            crc, size = 0, 0
+            for part in chosen:
+                crc = crc32c_combine(crc, part.crc, len(part.data))
+                size += len(part.data)
+            meta = self._publish(upload, chosen, size)
+            stored = meta.get("crc32c", "")
+            if stored != crc32c_b64(crc):
+                raise _Reply(500, "InternalError",
+                             f"stored crc32c {stored} != crc32c of the parts {crc32c_b64(crc)}", key)
+            etag = hashlib.md5(b"".join(p.md5 for p in chosen)).hexdigest() + f"-{len(chosen)}"
+            location = f"{public_url}/{quote(bucket, safe='')}/{quote(key, safe='/')}"
+            self._ok_xml(
+                _xml("CompleteMultipartUploadResult",
+                     [("Location", location), ("Bucket", bucket), ("Key", key), ("ETag", f'"{etag}"')]),
+                {"x-goog-generation": str(meta.get("generation", "")), "x-goog-metageneration": "1",
+                 "x-goog-hash": f"crc32c={stored}", "x-goog-stored-content-length": str(size),
+                 "ETag": f'"{etag}"'},
+            )
+
+        def _publish(self, upload: _Upload, parts: list[_Part], size: int) -> dict[str, Any]:
+            """Write the parts as one object upstream (one streamed request); its metadata."""
+            path = (f"/upload/storage/v1/b/{quote(upload.bucket, safe='')}/o"
+                    f"?uploadType=media&name={quote(upload.key, safe='')}")
+            with state.object_locks.held(upload.bucket, upload.key):
+                conn = upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
+                try:
+                    for part in parts:
+                        conn.send(memoryview(part.data))
+                    response = conn.getresponse()
+                    payload = response.read()
+                except BaseException:
+                    upstream.discard()
+                    raise
+            if response.status == 404:
+                raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", upload.bucket)
+            if response.status != 200:
+                raise _Reply(response.status, "InternalError", f"writing {upload.key} upstream answered "
+                             f"HTTP {response.status}", payload.decode(errors="replace")[:300])
+            return json.loads(payload)
+
+    return Handler
+
+
+def _int_or_none(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise _Reply(400, "InvalidArgument", f"ifGenerationMatch must be an integer, not {text!r}") from None
+
+
+def _same_digest(declared: str, actual: str) -> bool:
+    try:
+        return base64.b64decode(declared, validate=True) == base64.b64decode(actual)
+    except (binascii.Error, ValueError):
+        return False
+
+
+def _int_param(query: dict[str, list[str]], name: str, default: int) -> int:
+    try:
+        return int(query.get(name, [str(default)])[0])
+    except ValueError:
+        raise _Reply(400, "InvalidArgument", f"{name} must be an integer") from None
+
+
+def _parse_completion(body: bytes) -> list[tuple[int, str]]:
+    """The ``(PartNumber, ETag)`` pairs of a ``CompleteMultipartUpload`` body (namespaced or not)."""
+    try:
+        root = ElementTree.fromstring(body)
+        listed = []
+        for element in root:
+            if element.tag.rpartition("}")[2] != "Part":
+                continue
+            fields = {child.tag.rpartition("}")[2]: (child.text or "") for child in element}
+            listed.append((int(fields["PartNumber"]), _normalize_etag(fields["ETag"])))
+    except (ElementTree.ParseError, KeyError, ValueError) as exc:
+        raise _Reply(400, "MalformedXML", f"the completion request is not a valid part list: {exc}") from None
+    if not listed:
+        raise _Reply(400, "MalformedXML", "the completion request lists no parts")
+    return listed
+
+
+def _chosen_parts(upload: _Upload, listed: list[tuple[int, str]], min_part_bytes: int) -> list[_Part]:
+    numbers = [number for number, _ in listed]
+    if numbers != sorted(numbers) or len(set(numbers)) != len(numbers):
+        raise _Reply(400, "InvalidPartOrder", "the parts must be listed in ascending order, each once")
+    chosen = []
+    for number, etag in listed:
+        part = upload.parts.get(number)
+        if part is None or _normalize_etag(part.etag) != etag:
+            raise _Reply(400, "InvalidPart", "one or more of the specified parts could not be found or its "
+                         "ETag did not match", f"part {number}, ETag {etag}")
+        chosen.append(part)
+    for part in chosen[:-1]:
+        if len(part.data) < min_part_bytes:
+            raise _Reply(400, "EntityTooSmall", f"part {part.number} has {len(part.data)} bytes; every part "
+                         f"but the last needs at least {min_part_bytes}")
+    return chosen
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+
+def serve(
+    upstream: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    min_part_bytes: int = GCS_MIN_PART_BYTES,
+    upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+    public_url: str | None = None,
+) -> ThreadingHTTPServer:
+    """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
+
+    The caller runs it (``serve_forever()``) and closes it (``shutdown()``, ``server_close()``).
+    :class:`XmlMultipartServer` runs one in a child process.
+
+    Args:
+        upstream: base URL of fake-gcs-server (``http://host:port``).
+        min_part_bytes: the smallest part (other than the last) a completion accepts; GCS's 5 MiB.
+        upstream_timeout_s: how long a request to ``upstream`` may wait for it.
+        public_url: the base URL clients reach this server by, where that is not its own address
+            (a proxy in front of it); resumable-upload session locations point there.
+
+    Raises:
+        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL.
+        OSError: the address cannot be bound.
+    """
+    if public_url is not None and not public_url.startswith("http://"):
+        raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
+    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes)
+    server = _Server((host, port), BaseHTTPRequestHandler)
+    public_url = (public_url or f"http://{host}:{server.server_address[1]}").rstrip("/")
+    server.RequestHandlerClass = _handler_class(state, public_url)
+    return server
+
+
+class XmlMultipartServer(LocalGcsService):
+    """The XML multipart server in a child process, in front of a fake-gcs-server at ``upstream``.
+
+    Clients talk to :attr:`url` for both the JSON API (forwarded) and XML multipart uploads (served).
+    The process is stopped by :meth:`stop`, at interpreter exit, or with its parent.
+
+    Args:
+        upstream: a running :class:`~dataflux_ckpt.FakeGcsServer`, or its base URL.
+        host: loopback address to listen on.
+        port: port to listen on; a free one by default.
+        min_part_bytes: the smallest part (other than the last) a completion accepts. GCS's 5 MiB by
+            default; 0 lets small test uploads through.
+        upstream_timeout_s: how long a forwarded request may wait for fake-gcs-server.
+        public_url: the base URL clients reach the server by, where a proxy stands in front of it;
+            resumable-upload session locations point there. :attr:`url` by default.
+        startup_timeout_s: how long :meth:`start` waits for the server to answer.
+
+    Raises:
+        ServiceStartError: (from :meth:`start`) the server did not come up; the message has its log.
+    """
+
+    def __init__(
+        self,
+        upstream: Any,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        *,
+        min_part_bytes: int = GCS_MIN_PART_BYTES,
+        upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
+        public_url: str | None = None,
+        startup_timeout_s: float = 30.0,
+    ) -> None:
+        self.upstream = upstream if isinstance(upstream, str) else upstream.url
+        if not self.upstream.startswith("http://"):
+            raise ValueError(f"upstream must be an http:// URL, not {self.upstream!r}")
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        package_root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        self._process = ManagedProcess(
+            "xml-multipart-server",
+            [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
+             "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
+             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else [])],
+            ready=self._answers,
+            env=env,
+            startup_timeout_s=startup_timeout_s,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dataflux_ckpt.xml_server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--upstream", required=True, help="fake-gcs-server base URL, http://host:port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
+    parser.add_argument("--min-part-bytes", type=int, default=GCS_MIN_PART_BYTES,
+                        help="smallest part but the last a completion accepts (default: %(default)s, GCS's)")
+    parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S,
+                        help="seconds a forwarded request may wait for the upstream (default: %(default)s)")
+    parser.add_argument("--public-url", default=None,
+                        help="base URL clients reach this server by, where a proxy fronts it (default: its own)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
+                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url)
+    print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
+          f"in front of {args.upstream}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The few C library calls Python's ``os`` module lacks: ``fallocate`` (reserve file blocks without
+writing them) and ``madvise`` (ask for transparent huge pages)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+def fallocate(fd: int, offset: int, length: int) -> int:
+    """``fallocate(fd, 0, offset, length)``: 0, or the errno (ENOSYS where libc has no fallocate)."""
+    lib = _libc()
+    if lib is None:
+        return errno.ENOSYS
+    if lib.fallocate(fd, 0, offset, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def madvise_hugepage(address: int, length: int) -> bool:
+    """Advise transparent huge pages for ``[address, address + length)``; whether the kernel agreed."""
+    lib = _libc()
+    return lib is not None and lib.madvise(address, length, MADV_HUGEPAGE) == 0

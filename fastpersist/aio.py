@@ -1,0 +1,99 @@
+"""DeepSpeed's asynchronous I/O ops: the ``async_io`` (libaio) and ``gds`` (GPUDirect Storage) handles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fastpersist import _deepspeed_compat
+from fastpersist.memory import MiB
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """Tuning of a DeepSpeed aio/gds handle; the names are those of the ds_config ``"aio"`` block.
+
+    Args:
+        block_size: bytes per submitted I/O request.
+        queue_depth: requests in flight per thread.
+        intra_op_parallelism: threads that split one transfer between them.
+        single_submit: submit requests one at a time instead of in batches.
+        overlap_events: overlap submission and completion.
+    """
+
+    block_size: int = 1 * MiB
+    queue_depth: int = 128
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    @classmethod
+    def from_ds_config(cls, aio: dict[str, Any] | None) -> AioConfig:
+        """The settings of a ds_config ``"aio"`` block; keys it leaves out keep fastpersist's defaults.
+
+        Raises:
+            ValueError: a value has the wrong type or is not positive.
+        """
+        fields = {}
+        for name, default in cls().__dict__.items():
+            if aio and aio.get(name) is not None:
+                value = aio[name]
+                if isinstance(default, bool) != isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(
+                        f'ds_config "aio.{name}" must be {type(default).__name__}, got {value!r}'
+                    )
+                if not isinstance(value, bool) and value <= 0:
+                    raise ValueError(f'ds_config "aio.{name}" must be positive, got {value}')
+                fields[name] = value
+        return cls(**fields)
+
+    def handle_args(self) -> tuple[int, int, bool, bool, int]:
+        # Positional: the keyword names changed across DeepSpeed releases.
+        return (
+            self.block_size,
+            self.queue_depth,
+            self.single_submit,
+            self.overlap_events,
+            self.intra_op_parallelism,
+        )
+
+
+def aio_unavailable_reason() -> str | None:
+    """Why DeepSpeed's ``async_io`` op cannot be used here, or ``None`` when it can."""
+    return _deepspeed_compat.aio_op()[1]
+
+
+def gds_unavailable_reason() -> str | None:
+    """Why DeepSpeed's ``gds`` op cannot be used here, or ``None`` when it can."""
+    return _deepspeed_compat.gds_op()[1]
+
+
+def get_aio_handle(
+    block_size: int = AioConfig.block_size,
+    queue_depth: int = AioConfig.queue_depth,
+    single_submit: bool = AioConfig.single_submit,
+    overlap_events: bool = AioConfig.overlap_events,
+    intra_op_parallelism: int = AioConfig.intra_op_parallelism,
+) -> Any:
+    """A new DeepSpeed aio handle (arguments as DeepSpeed's ``aio_handle``).
+
+    Raises:
+        RuntimeError: DeepSpeed's ``async_io`` op cannot be loaded (the message says why).
+    """
+    op, reason = _deepspeed_compat.aio_op()
+    if op is None:
+        raise RuntimeError(f"DeepSpeed async_io op is unavailable: {reason}")
+    config = AioConfig(block_size, queue_depth, intra_op_parallelism, single_submit, overlap_events)
+    return op.aio_handle(*config.handle_args())
+
+
+def new_gds_handle(config: AioConfig) -> Any:
+    """A new DeepSpeed GPUDirect Storage handle.
+
+    Raises:
+        RuntimeError: DeepSpeed's ``gds`` op cannot be loaded (the message says why).
+    """
+    op, reason = _deepspeed_compat.gds_op()
+    if op is None:
+        raise RuntimeError(f"DeepSpeed gds op is unavailable: {reason}")
+    return op.gds_handle(*config.handle_args())

@@ -1,0 +1,502 @@
+"""What the plugins' ``torch.distributed.checkpoint`` (DCP) storage layers share.
+
+A checkpoint is a directory (or an object prefix) holding
+
+* ``__<rank>_0.<token>.distcp``: what one rank wrote, one file per rank; ``token`` names the save;
+* ``.metadata``: DCP's ``Metadata`` (pickled), written last, by the coordinator, in one atomic step.
+
+So a checkpoint is visible only once complete. Because every save writes files of its own token, an
+earlier checkpoint at the same path stays loadable until the new ``.metadata`` replaces it; then the
+coordinator deletes the files it no longer references (also those a crashed save left there).
+
+:class:`ShardedStorageWriter` and :class:`ShardedStorageReader` hold that protocol; each plugin adds
+how one rank's file is written and read. Every use of DCP API that changed between torch 2.6 and the
+newest torch (``set_up_storage_writer``/``read_metadata`` keyword arguments, ``Metadata.version``,
+``_StorageInfo``, ``StorageMeta``) lives in this module.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import re
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "METADATA_NAME",
+    "check_bytes_item",
+    "is_swept",
+    "narrow",
+    "stamp_version",
+    "ShardPlan",
+    "ShardedStorageReader",
+    "ShardedStorageWriter",
+    "StorageInfo",
+    "load_metadata",
+    "shard_name",
+]
+
+METADATA_NAME = ".metadata"
+SHARD_SUFFIX = ".distcp"
+TOKEN_HEX_DIGITS = 12
+# Names a save of ours (or torch's FileSystemWriter) puts in a checkpoint directory: shard files,
+# their temporaries and part objects, and temporaries of ``.metadata``. Only these are ever swept.
+_SWEPT = re.compile(r"^\.?__\d+_\d+(\.[0-9a-f]+)?\.distcp([./].*)?$|^\.metadata\..+$")
+
+# The storage info torch's FileSystemReader expects for every item (relative_path, offset, length).
+StorageInfo = _dcp_filesystem._StorageInfo
+
+
+def shard_name(rank: int, token: str, index: int = 0) -> str:
+    """The file that rank ``rank`` writes for the save ``token``."""
+    return f"__{rank}_{index}.{token}{SHARD_SUFFIX}"
+
+
+def is_swept(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint) is a shard file, a shard's leftover, or a metadata
+    temporary: the only names a save deletes when its ``.metadata`` does not reference them."""
+    return _SWEPT.match(name) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """``SavePlan.storage_data`` of one rank: the save's token and the rank's index in the plan."""
+
+    rank: int
+    token: str
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The block of ``tensor`` at ``offsets`` with ``lengths`` (a view), as DCP's readers cut items."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def stamp_version(metadata: Metadata) -> None:
+    """Set ``metadata.version`` as torch's FileSystemWriter does, where this torch has versions."""
+    version = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
+    if version is not None and hasattr(metadata, "version"):
+        metadata.version = version
+
+
+# Metadata loading ---------------------------------------------------------------------------------
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and refuses every other global, so reading it never runs stored code."""
+
+    def __init__(self, data: io.BytesIO, where: str, allowed: frozenset[tuple[str, str]]) -> None:
+        super().__init__(data)
+        self._where = where
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module, name) in self._allowed:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"{self._where}: refusing to load global {module}.{name} from checkpoint metadata (it is not "
+            "DCP metadata); pass weights_only=False to the reader only if you trust the checkpoint's source"
+        )
+
+
+def load_metadata(
+    data: bytes, where: str, *, weights_only: bool | None = None,
+    allowed: Iterable[tuple[str, str]] = (),
+) -> Metadata:
+    """Unpickle a ``.metadata`` file; unless ``weights_only`` is ``False``, only DCP's metadata
+    classes (and ``allowed``) may appear in it.
+
+    Raises:
+        pickle.UnpicklingError: the file holds anything else, or is not a pickle (``where`` named).
+    """
+    try:
+        if weights_only is False:
+            metadata = pickle.loads(data)
+        else:
+            metadata = _MetadataUnpickler(io.BytesIO(data), where, frozenset(allowed)).load()
+    except pickle.UnpicklingError:
+        raise
+    except Exception as err:
+        raise pickle.UnpicklingError(f"{where}: not DCP checkpoint metadata ({err})") from err
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def check_bytes_item(data: bytes | memoryview, where: str, weights_only: bool | None) -> None:
+    """Refuse a pickled (``BYTE_IO``) item that ``torch.load(weights_only=...)`` refuses.
+
+    DCP's default load planner unpickles these items without restriction; this check runs first, so
+    with ``weights_only`` left to torch's default a payload that would run code is never unpickled.
+
+    Raises:
+        pickle.UnpicklingError: naming ``where``.
+    """
+    if weights_only is False:
+        return
+    try:
+        torch.load(io.BytesIO(data), weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise pickle.UnpicklingError(
+            f"{where}: refused by torch.load(weights_only=True): {err}. Pass weights_only=False to the "
+            "reader only if you trust the checkpoint's source."
+        ) from None
+
+
+# Writer -------------------------------------------------------------------------------------------
+class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
+    """The save protocol of the plugins' DCP writers; subclasses add the storage.
+
+    Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name)
+    and the small file operations :meth:`_publish`, :meth:`_read`, :meth:`_list`, :meth:`_size` and
+    :meth:`_delete`, plus :meth:`_normalize` (which also answers :meth:`validate_checkpoint_id`).
+
+    Args:
+        path: the checkpoint (may be ``None`` when ``dcp.save(checkpoint_id=...)`` supplies it).
+        overwrite: when ``False``, a save to a path that holds a checkpoint raises ``FileExistsError``.
+        cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save`` staging).
+    """
+
+    #: The plugin's own ``StorageInfo`` subclasses, which its checkpoints' metadata may hold.
+    storage_info_types: tuple[type, ...] = ()
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None, *, overwrite: bool = True, cache_staged_state_dict: bool = False
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.path = self._normalize(path) if path is not None else None
+        self.overwrite = overwrite
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._token: str | None = None
+
+    # Storage operations (relative names inside the checkpoint) --------------------------------
+    @staticmethod
+    @abc.abstractmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        """The canonical form of a checkpoint id (raises ``ValueError`` for one of another storage)."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a checkpoint in this storage."""
+        try:
+            cls._normalize(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Write ``items`` into the file ``name``; nothing appears under ``name`` unless complete."""
+
+    @abc.abstractmethod
+    def _publish(self, name: str, data: bytes) -> None:
+        """Atomically create or replace ``name`` with ``data``, durably."""
+
+    @abc.abstractmethod
+    def _read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or ``None`` if there is no such file."""
+
+    @abc.abstractmethod
+    def _list(self) -> list[str]:
+        """Every name in the checkpoint (part objects and temporaries included)."""
+
+    @abc.abstractmethod
+    def _size(self, name: str) -> int | None:
+        """The size of ``name``, or ``None`` if there is no such file."""
+
+    @abc.abstractmethod
+    def _delete(self, names: Sequence[str]) -> None:
+        """Delete ``names``; missing ones are fine."""
+
+    def _prepare(self) -> None:
+        """Make the checkpoint location ready for writing (every rank, before planning)."""
+
+    def _remove_location(self) -> None:
+        """Remove what is left of the checkpoint location once its files are deleted."""
+
+    # StorageWriter ------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, to ``checkpoint_id`` when given."""
+        if checkpoint_id:
+            self.path = self._normalize(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._token = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Called by DCP on every rank before planning.
+
+        Raises:
+            ValueError: ``dcp.save(use_collectives=False)``: rank-local metadata is not supported.
+        """
+        self._require_path()
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError(
+                f"{type(self).__name__} writes one .metadata for all ranks: use dcp.save(use_collectives=True)"
+            )
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Make the checkpoint location ready (every rank); the plan is unchanged."""
+        self._prepare()
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give every rank the save's token (the coordinator's save id) and its file."""
+        if not self.overwrite and self._read(METADATA_NAME) is not None:
+            raise FileExistsError(f"a checkpoint exists at {self.checkpoint_id} and overwrite=False")
+        token = self.save_id[:TOKEN_HEX_DIGITS]
+        return [dataclasses.replace(plan, storage_data=ShardPlan(rank, token)) for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into its own file (none when it has no items)."""
+        shard: ShardPlan = plan.storage_data
+        self._token = shard.token
+        if not plan.items:
+            return _done([])
+        name = shard_name(shard.rank, shard.token)
+        return _done(self._write_shard(name, plan.items, planner))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Publish ``.metadata`` (coordinator only), after checking that every file it references is
+        there; then delete the files that no checkpoint references any more.
+
+        Raises:
+            FileNotFoundError: a rank's file is missing or short (nothing is published).
+        """
+        storage: dict[MetadataIndex, Any] = {}
+        ends: dict[str, int] = {}
+        for rank_results in results:
+            for result in rank_results:
+                storage[result.index] = result.storage_data
+                info = result.storage_data
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            size = self._size(name)
+            if size is None or size < end:
+                raise FileNotFoundError(
+                    f"{self.checkpoint_id}/{name} is {'missing' if size is None else f'{size} bytes'}, "
+                    f"expected {end}: not publishing this checkpoint"
+                )
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        stamp_version(metadata)
+        self._publish(METADATA_NAME, pickle.dumps(metadata))
+        log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
+        self._sweep(set(ends))
+
+    def storage_meta(self) -> StorageMeta | None:
+        """The checkpoint id and this save's id, recorded in the metadata."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """Where this writer saves."""
+        return self._require_path()
+
+    # Clean-up -----------------------------------------------------------------------------------
+    def _sweep(self, keep: set[str]) -> None:
+        stale = [name for name in self._list() if is_swept(name) and not _under(name, keep)]
+        if stale:
+            log.debug("deleting %d files no checkpoint at %s references", len(stale), self.checkpoint_id)
+            self._delete(stale)
+
+    def abort(self) -> None:
+        """Remove what the current save wrote, once ``dcp.save``/``dcp.async_save`` has failed.
+
+        Does nothing when the save's ``.metadata`` was published after all (the checkpoint is
+        complete). Otherwise deletes the files of this save, those of other ranks included (a rank
+        killed mid-save cannot clean up after itself); safe to call on every rank. A later save to
+        the same path deletes anything left over, too.
+        """
+        token = self._token
+        if token is None or self.path is None:
+            return
+        published = self._read(METADATA_NAME)
+        allowed = _qualified(self.storage_info_types)
+        if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
+            return
+        own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
+        log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
+        self._delete(own)
+        self._token = None
+
+    def remove(self) -> None:
+        """Delete the checkpoint at this writer's path: ``.metadata`` first (so that it is no longer a
+        checkpoint), then everything under the path."""
+        self._delete([METADATA_NAME])
+        self._delete(self._list())
+        self._remove_location()
+
+    def _require_path(self) -> str:
+        if self.path is None:
+            raise ValueError(f"{type(self).__name__} has no path: pass one, or dcp.save(checkpoint_id=...)")
+        return self.path
+
+
+def _under(name: str, keep: set[str]) -> bool:
+    """Whether ``name`` is one of ``keep`` or lies inside one of them (a referenced file's parts)."""
+    return any(name == kept or name.startswith(kept + "/") for kept in keep)
+
+
+def _qualified(types: Iterable[type]) -> tuple[tuple[str, str], ...]:
+    return tuple((cls.__module__, cls.__qualname__) for cls in types)
+
+
+def _referenced_tokens(data: bytes, where: str, allowed: Iterable[tuple[str, str]]) -> set[str]:
+    try:
+        metadata = load_metadata(data, where, allowed=allowed)
+    except pickle.UnpicklingError:
+        return set()
+    names = {getattr(info, "relative_path", "") for info in (metadata.storage_data or {}).values()}
+    return {part for name in names for part in name.split(".")[1:-1]}
+
+
+# Reader -------------------------------------------------------------------------------------------
+class ShardedStorageReader(StorageReader, abc.ABC):
+    """The load protocol of the plugins' DCP readers; subclasses add how items are read.
+
+    Args:
+        path: the checkpoint (may be ``None`` when ``dcp.load(checkpoint_id=...)`` supplies it).
+        weights_only: ``None`` (torch's default, restricted) or ``True``: the metadata may only hold
+            DCP's classes and pickled items must pass ``torch.load(weights_only=True)``; ``False``
+            unpickles them without restriction (only for checkpoints from a trusted source).
+    """
+
+    #: The plugin's own ``StorageInfo`` subclasses, which the metadata it reads may hold.
+    storage_info_types: tuple[type, ...] = ()
+
+    def __init__(self, path: str | os.PathLike[str] | None, *, weights_only: bool | None = None) -> None:
+        StorageReader.__init__(self)
+        self.path = self._normalize(path) if path is not None else None
+        self.weights_only = weights_only
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, Any] = {}
+
+    @staticmethod
+    @abc.abstractmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        """The canonical form of a checkpoint id (raises ``ValueError`` for one of another storage)."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` names a checkpoint in this storage."""
+        try:
+            cls._normalize(checkpoint_id)
+        except ValueError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def _read(self, name: str) -> bytes | None:
+        """The bytes of ``name``, or ``None`` if there is no such file."""
+
+    @abc.abstractmethod
+    def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Read every item of ``plan`` and hand it to ``planner``."""
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load, from ``checkpoint_id`` when given."""
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = self._normalize(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata (see ``weights_only``).
+
+        Raises:
+            FileNotFoundError: there is no complete checkpoint at the path.
+            pickle.UnpicklingError: the metadata holds something other than DCP metadata.
+        """
+        if kwargs.get("rank") is not None:  # newer torch asks after the global metadata failed
+            raise FileNotFoundError(f"{type(self).__name__} reads one {METADATA_NAME} for all ranks, "
+                                    f"not rank-local metadata ({self.checkpoint_id})")
+        where = f"{self.checkpoint_id}/{METADATA_NAME}"
+        data = self._read(METADATA_NAME)
+        if data is None:
+            raise FileNotFoundError(f"no checkpoint at {self.checkpoint_id} (no {METADATA_NAME})")
+        metadata = load_metadata(data, where, weights_only=self.weights_only,
+                                 allowed=_qualified(self.storage_info_types))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def exists(self) -> bool:
+        """Whether a complete checkpoint is at the path (its ``.metadata`` is there)."""
+        return self._read(METADATA_NAME) is not None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Keep where every item lies (from the metadata)."""
+        if metadata.storage_data is None:
+            raise ValueError(f"{self.checkpoint_id}/{METADATA_NAME} has no storage data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The plans, unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items (see the plugin) and hand them to ``planner``; a completed future."""
+        self._read_items(plan, planner)
+        return _done(None)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """Where this reader loads from."""
+        if self.path is None:
+            raise ValueError(f"{type(self).__name__} has no path: pass one, or dcp.load(checkpoint_id=...)")
+        return self.path
+
+    def check_bytes(self, data: bytes | memoryview, index: MetadataIndex) -> None:
+        """Apply ``weights_only`` to a pickled item before DCP's planner unpickles it."""
+        check_bytes_item(data, f"{self.checkpoint_id}: item {index.fqn}", self.weights_only)
+
+

@@ -1,0 +1,32 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 on 2 real processes (CPU, gloo): ``save_checkpoint`` goes through
+``FastPersistCheckpointEngine``, every file loads with plain ``torch.load``, ``load_checkpoint`` restores
+the weights, and state that every data-parallel rank holds in full is written by one rank only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.dcp_ranks import run
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.mark.slow
+def test_zero_stages_save_through_fastpersist(nvme_root: Path, tmp_path: Path) -> None:
+    stages = [1, 2, 3]
+    reports = run([{"op": "deepspeed", "stages": stages, "root": str(nvme_root)}], 2, tmp_path, timeout_s=300)
+    for index, stage in enumerate(stages):
+        by_rank = [report["steps"][index] for report in reports]
+        assert all(outcome["perturbed"] and outcome["restored"] for outcome in by_rank), stage
+        written = [name for outcome in by_rank for name in outcome["written"]]
+        assert len(written) == len(set(written)), f"ZeRO-{stage}: a file written by two ranks: {written}"
+        if stage < 3:  # model states are replicated on every rank: rank 0 writes them, once
+            assert "step1/mp_rank_00_model_states.pt" in by_rank[0]["written"]
+            assert not any("model_states" in name for name in by_rank[1]["written"])
+        for rank, outcome in enumerate(by_rank):
+            assert any(f"zero_pp_rank_{rank}_" in name and "optim_states" in name for name in outcome["written"])
+        for name in written:
+            assert isinstance(torch.load(nvme_root / f"zero{stage}" / name, weights_only=False), dict)

@@ -1,0 +1,312 @@
+"""The DCP storage layers in one process: bit-exact round trips of every kind of item, interoperability
+with torch's own writers and readers, integrity (crc32c), safety of loading, failed and repeated saves,
+bad input, and the memory a gs:// save may take."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
+
+from dataflux_ckpt import DataCorruptionError, DatafluxStorageReader, DatafluxStorageWriter, parse_gcs_path
+from fastpersist import FastPersistStorageReader, FastPersistStorageWriter
+from lightning_storage_plugins.dcp import load_metadata
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group exists
+
+GS = {"chunk_size": 64 * 1024, "block_size": 4096, "max_workers": 3}
+GS_READ = {"chunk_size": 64 * 1024, "max_workers": 3, "coalesce_gap": 1024}
+
+
+def sample_state() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 40, generator=generator)
+    return {
+        "big": torch.randn(300, 333, generator=generator),
+        "bf16": torch.randn(17, 5, generator=generator).to(torch.bfloat16),
+        "int64": torch.randint(-(2**62), 2**62, (9,), generator=generator),
+        "bool": torch.rand(13, generator=generator) > 0.5,
+        "transposed": base.t(),  # not contiguous
+        "view": base[3:7],  # a view of a larger storage
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        "nested": {"step": 12, "name": "x", "lrs": [0.1, 0.2]},
+    }
+
+
+def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        out[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else {"step": 0, "name": "", "lrs": []}
+    return out
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key].contiguous().reshape(-1).view(torch.uint8),
+                               value.contiguous().reshape(-1).view(torch.uint8)), key
+        else:
+            assert got[key] == value, key
+
+
+def gs_objects(path: str) -> list[str]:
+    from google.cloud import storage
+
+    bucket, key = parse_gcs_path(path)
+    return sorted(blob.name[len(key) + 1 :] for blob in storage.Client().list_blobs(bucket, prefix=key + "/"))
+
+
+# Round trips and interoperability --------------------------------------------------------------------
+@pytest.mark.parametrize("storage", ["gs", "nvme"])
+def test_round_trip_is_bit_exact(storage: str, gs_root: str, nvme_root: Path) -> None:
+    state = sample_state()
+    if storage == "gs":
+        writer, reader = DatafluxStorageWriter(f"{gs_root}/a", **GS), DatafluxStorageReader(f"{gs_root}/a", **GS_READ)
+    else:
+        writer, reader = FastPersistStorageWriter(nvme_root, io_buffer_mb=1), FastPersistStorageReader(nvme_root)
+    dcp.save(state, storage_writer=writer)
+    loaded = zeros_like_state(state)
+    dcp.load(loaded, storage_reader=reader)
+    assert_same(loaded, state)
+
+
+def test_torch_reads_fastpersist_and_fastpersist_reads_torch(nvme_root: Path) -> None:
+    state = sample_state()
+    dcp.save(state, storage_writer=FastPersistStorageWriter(nvme_root / "ours", io_buffer_mb=1))
+    loaded = zeros_like_state(state)
+    dcp.load(loaded, storage_reader=FileSystemReader(nvme_root / "ours"))
+    assert_same(loaded, state)
+
+    dcp.save(state, storage_writer=FileSystemWriter(nvme_root / "torch"))
+    loaded = zeros_like_state(state)
+    dcp.load(loaded, storage_reader=FastPersistStorageReader(nvme_root / "torch"))
+    assert_same(loaded, state)
+
+
+def test_dataflux_reads_fsspec_checkpoints(gs_root: str) -> None:
+    try:
+        from torch.distributed.checkpoint import FsspecWriter
+    except ImportError:  # torch < 2.7 keeps it in a private module
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    state = sample_state()
+    dcp.save(state, storage_writer=FsspecWriter(f"{gs_root}/fsspec", sync_files=False))
+    loaded = zeros_like_state(state)
+    dcp.load(loaded, storage_reader=DatafluxStorageReader(f"{gs_root}/fsspec", **GS_READ))
+    assert_same(loaded, state)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 70_000), min_size=1, max_size=6), chunk=st.integers(1024, 40_000),
+       block=st.sampled_from([4, 512, 4096, 65536]), gap=st.integers(0, 50_000), workers=st.integers(1, 4))
+def test_gs_chunk_block_and_gap_boundaries(gs_root: str, sizes: list[int], chunk: int, block: int, gap: int,
+                                           workers: int) -> None:
+    """Any tensor sizes with any part size, crc block, coalescing gap and parallelism load bit-exactly."""
+    state = {f"t{i}": torch.randint(0, 255, (size,), dtype=torch.uint8) for i, size in enumerate(sizes)}
+    path = f"{gs_root}/{uuid.uuid4().hex[:8]}"
+    dcp.save(state, storage_writer=DatafluxStorageWriter(path, chunk_size=chunk, block_size=block, max_workers=workers))
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    dcp.load(loaded, storage_reader=DatafluxStorageReader(path, chunk_size=chunk, coalesce_gap=gap, max_workers=workers))
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
+# Integrity and safety -----------------------------------------------------------------------------------
+def _rewrite_object(path: str, name: str, change: Any) -> None:
+    from google.cloud import storage
+
+    bucket, key = parse_gcs_path(path)
+    blob = storage.Client().bucket(bucket).blob(f"{key}/{name}")
+    blob.upload_from_string(change(blob.download_as_bytes()))
+
+
+def test_gs_load_detects_a_changed_byte(gs_root: str) -> None:
+    path = f"{gs_root}/c"
+    state = {"w": torch.randn(5000)}
+    dcp.save(state, storage_writer=DatafluxStorageWriter(path, **GS))
+    shard = next(name for name in gs_objects(path) if name.endswith(".distcp"))
+    _rewrite_object(path, shard, lambda data: data[:7000] + bytes([data[7000] ^ 1]) + data[7001:])
+    # DCP wraps a rank's error in a CheckpointException (a BaseException) that carries its text.
+    with pytest.raises(CheckpointException, match=rf"{DataCorruptionError.__name__}: .*{re.escape(shard)}.*crc32c"):
+        dcp.load({"w": torch.zeros(5000)}, storage_reader=DatafluxStorageReader(path, **GS_READ))
+
+
+def test_gs_load_names_a_missing_shard(gs_root: str) -> None:
+    from google.cloud import storage
+
+    path = f"{gs_root}/m"
+    dcp.save({"w": torch.randn(10)}, storage_writer=DatafluxStorageWriter(path, **GS))
+    bucket, key = parse_gcs_path(path)
+    shard = next(name for name in gs_objects(path) if name.endswith(".distcp"))
+    storage.Client().bucket(bucket).blob(f"{key}/{shard}").delete()
+    with pytest.raises(CheckpointException, match=shard):
+        dcp.load({"w": torch.zeros(10)}, storage_reader=DatafluxStorageReader(path, **GS_READ))
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("storage", ["gs", "nvme"])
+def test_stored_pickles_never_run_code_unless_asked(storage: str, gs_root: str, nvme_root: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    if storage == "gs":
+        path: Any = f"{gs_root}/evil"
+        writer, reader = DatafluxStorageWriter(path, **GS), lambda **kw: DatafluxStorageReader(path, **GS_READ, **kw)
+    else:
+        path = nvme_root
+        writer, reader = FastPersistStorageWriter(path, io_buffer_mb=1), lambda **kw: FastPersistStorageReader(path, **kw)
+    dcp.save({"w": torch.randn(4), "obj": _RunsCode(str(marker))}, storage_writer=writer)
+    with pytest.raises(CheckpointException, match=r"UnpicklingError: .*obj.*weights_only"):
+        dcp.load({"w": torch.zeros(4), "obj": None}, storage_reader=reader())
+    assert not marker.exists()
+    dcp.load({"w": torch.zeros(4), "obj": None}, storage_reader=reader(weights_only=False))
+    assert marker.exists()  # the caller asked for it
+
+
+def test_metadata_with_a_foreign_global_is_refused(nvme_root: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    dcp.save({"w": torch.randn(4)}, storage_writer=FastPersistStorageWriter(nvme_root, io_buffer_mb=1))
+    (nvme_root / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(CheckpointException, match=r"refusing to load global \w+\.open"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=FastPersistStorageReader(nvme_root))
+    assert not marker.exists()
+
+
+def test_torch_metadata_loads_through_the_restricted_unpickler(nvme_root: Path) -> None:
+    """Every class torch's own FileSystemWriter puts in ``.metadata`` is one the restricted loader knows
+    (fails loudly when a torch release adds one)."""
+    state = {**sample_state(), "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)}
+    dcp.save(state, storage_writer=FileSystemWriter(nvme_root))
+    metadata = load_metadata((nvme_root / ".metadata").read_bytes(), "torch's metadata")
+    assert set(metadata.state_dict_metadata) >= {"big", "nested.step", "channels_last"}
+
+
+def test_torch_dcp_internals_the_storage_layers_use() -> None:
+    """The private DCP names the shared module relies on (fails loudly when torch changes them)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint import filesystem
+
+    fields = [field.name for field in dataclasses.fields(filesystem._StorageInfo)]
+    assert fields[:3] == ["relative_path", "offset", "length"]
+    assert all(field.default is None for field in dataclasses.fields(filesystem._StorageInfo)[3:])
+    assert getattr(filesystem, "CURRENT_DCP_VERSION", "1.0.0").count(".") == 2
+
+
+# Failed and repeated saves -------------------------------------------------------------------------------
+class _FailingPlanner(DefaultSavePlanner):
+    """Fails while the shard is being written, after its first tensor."""
+
+    calls = 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self.calls += 1
+        if self.calls > 2:
+            raise RuntimeError("injected failure mid-write")
+        return super().resolve_data(write_item)
+
+
+@pytest.mark.parametrize("storage", ["gs", "nvme"])
+def test_failed_save_leaves_previous_checkpoint_and_no_leftovers(storage: str, gs_root: str, nvme_root: Path) -> None:
+    state = sample_state()
+    if storage == "gs":
+        path: Any = f"{gs_root}/f"
+        make_writer = lambda: DatafluxStorageWriter(path, **GS)  # noqa: E731
+        make_reader = lambda: DatafluxStorageReader(path, **GS_READ)  # noqa: E731
+        listing = lambda: gs_objects(path)  # noqa: E731
+    else:
+        path = nvme_root
+        make_writer = lambda: FastPersistStorageWriter(path, io_buffer_mb=1)  # noqa: E731
+        make_reader = lambda: FastPersistStorageReader(path)  # noqa: E731
+        listing = lambda: sorted(os.listdir(path))  # noqa: E731
+    dcp.save(state, storage_writer=make_writer())
+    before = listing()
+    writer = make_writer()
+    with pytest.raises(CheckpointException, match="injected failure"):
+        dcp.save({k: v * 2 if isinstance(v, torch.Tensor) and v.dtype != torch.bool else v for k, v in state.items()},
+                 storage_writer=writer, planner=_FailingPlanner())
+    writer.abort()
+    assert listing() == before
+    loaded = zeros_like_state(state)
+    dcp.load(loaded, storage_reader=make_reader())
+    assert_same(loaded, state)
+
+
+@pytest.mark.parametrize("storage", ["gs", "nvme"])
+def test_saving_again_replaces_the_checkpoint_and_removes_old_files(storage: str, gs_root: str, nvme_root: Path) -> None:
+    if storage == "gs":
+        path: Any = f"{gs_root}/again"
+        writer, reader, listing = (lambda: DatafluxStorageWriter(path, **GS)), DatafluxStorageReader(path, **GS_READ), \
+            (lambda: gs_objects(path))
+    else:
+        path = nvme_root
+        writer, reader, listing = (lambda: FastPersistStorageWriter(path, io_buffer_mb=1)), \
+            FastPersistStorageReader(path), (lambda: sorted(os.listdir(path)))
+    dcp.save({"w": torch.ones(100)}, storage_writer=writer())
+    first = listing()
+    dcp.save({"w": torch.full((100,), 2.0)}, storage_writer=writer())
+    second = listing()
+    assert len(second) == 2 and set(first) & set(second) == {".metadata"}
+    loaded = {"w": torch.zeros(100)}
+    dcp.load(loaded, storage_reader=reader)
+    assert torch.equal(loaded["w"], torch.full((100,), 2.0))
+    with pytest.raises(CheckpointException, match=r"FileExistsError: a checkpoint exists"):
+        kind = DatafluxStorageWriter if storage == "gs" else FastPersistStorageWriter
+        options = GS if storage == "gs" else {"io_buffer_mb": 1}
+        dcp.save({"w": torch.ones(100)}, storage_writer=kind(path, overwrite=False, **options))
+
+
+# Bad input --------------------------------------------------------------------------------------------
+def test_bad_paths_are_refused_with_the_path_named(gs_root: str, nvme_root: Path) -> None:
+    with pytest.raises(ValueError, match="/not/a/bucket"):
+        DatafluxStorageWriter("/not/a/bucket")
+    with pytest.raises(ValueError, match="gs://b/x"):
+        FastPersistStorageWriter("gs://b/x")
+    assert DatafluxStorageWriter.validate_checkpoint_id("gs://b/x") and not DatafluxStorageReader.validate_checkpoint_id("/x")
+    assert FastPersistStorageReader.validate_checkpoint_id("/x") and not FastPersistStorageWriter.validate_checkpoint_id("gs://b/x")
+    with pytest.raises(CheckpointException, match=r"no checkpoint at .*nothing-here"):
+        dcp.load({"w": torch.zeros(1)}, storage_reader=DatafluxStorageReader(f"{gs_root}/nothing-here"))
+    with pytest.raises(CheckpointException, match=r"no checkpoint at .*nothing-here"):
+        dcp.load({"w": torch.zeros(1)}, storage_reader=FastPersistStorageReader(nvme_root / "nothing-here"))
+
+
+# Memory -------------------------------------------------------------------------------------------------
+def test_gs_save_memory_is_bounded_by_the_part_buffers(gs_root: str) -> None:
+    """A 192 MiB shard with 4 MiB parts on 2 workers adds far less than the shard to resident memory."""
+    from benchmarks.report import PeakRSS
+
+    chunk, workers = 4 * 2**20, 2
+    state = {f"t{i}": torch.randn(16 * 2**20 // 4 * 4) for i in range(3)}  # 3 x 64 MiB, already resident
+    with PeakRSS() as rss:
+        dcp.save(state, storage_writer=DatafluxStorageWriter(f"{gs_root}/mem", chunk_size=chunk, max_workers=workers))
+    extra_mib = (rss.peak_mb - rss.start_mb) * 1e6 / 2**20
+    assert extra_mib < (workers + 1) * chunk / 2**20 + 64, f"{extra_mib:.0f} MiB"
+
+
+def test_writers_and_readers_pickle_without_their_clients(gs_root: str, nvme_root: Path) -> None:
+    """``dcp.async_save`` may hand writers to another process: they pickle, clients stay behind."""
+    for obj in (DatafluxStorageWriter(f"{gs_root}/p", **GS), DatafluxStorageReader(f"{gs_root}/p"),
+                FastPersistStorageWriter(nvme_root), FastPersistStorageReader(nvme_root)):
+        copy = pickle.loads(pickle.dumps(obj))
+        assert copy.checkpoint_id == obj.checkpoint_id

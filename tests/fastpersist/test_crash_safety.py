@@ -1,0 +1,115 @@
+"""What a crash leaves and who cleans it, with real processes: a writer frozen (SIGSTOP) and killed
+(SIGKILL) mid-save; permission bits of replaced files; objects torch's skip_data cannot take."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save, remove_stale_temporaries
+from fastpersist.writer import TEMP_SUFFIX
+from tests.support.fp_compare import assert_same
+
+DEADLINE_S = 30
+WRITER = """
+import sys, torch
+from fastpersist import fastpersist_save
+state = {f"w{i}": torch.randn(4 * 1024**2) for i in range(16)}  # 256 MiB
+print("ready", flush=True)
+fastpersist_save(state, sys.argv[1], engine="python")
+print("saved", flush=True)
+"""
+
+
+def temporaries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(TEMP_SUFFIX))
+
+
+@pytest.fixture
+def frozen_writer(ckpt_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """A child process stopped (SIGSTOP) while its save's temporary file is being written."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(ckpt_dir / "big.pt")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        while (line := child.stdout.readline()) and line.strip() != "ready":
+            pass
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(p.stat().st_size > 0 for p in temporaries(ckpt_dir)):
+            assert child.poll() is None, "writer finished before it could be stopped"
+            assert time.monotonic() < deadline, "writer never started writing"
+            time.sleep(0.002)
+        child.send_signal(signal.SIGSTOP)
+        yield child
+    finally:
+        child.kill()
+        child.wait(timeout=DEADLINE_S)
+
+
+def test_a_live_writers_temporary_is_kept_and_a_killed_ones_is_removed(
+    ckpt_dir: Path, frozen_writer: subprocess.Popen[str]
+) -> None:
+    [left] = temporaries(ckpt_dir)
+    fastpersist_save({"small": torch.ones(3)}, ckpt_dir / "other.pt", engine="python")
+    assert temporaries(ckpt_dir) == [left], "a live (stopped) writer's temporary was removed"
+
+    frozen_writer.kill()
+    frozen_writer.wait(timeout=DEADLINE_S)
+    assert temporaries(ckpt_dir) == [left] and left.stat().st_size > 0  # the crash leaves it behind
+    stats = fastpersist_save({"small": torch.ones(3)}, ckpt_dir / "other.pt", engine="python")
+    assert temporaries(ckpt_dir) == [] and stats.bytes > 0
+    assert not (ckpt_dir / "big.pt").exists()  # the killed save never published a partial file
+
+
+def test_a_writer_resumed_after_a_stop_still_completes(
+    ckpt_dir: Path, frozen_writer: subprocess.Popen[str]
+) -> None:
+    assert remove_stale_temporaries(str(ckpt_dir)) == []
+    frozen_writer.send_signal(signal.SIGCONT)
+    output, _ = frozen_writer.communicate(timeout=DEADLINE_S)
+    assert frozen_writer.returncode == 0 and "saved" in output.splitlines()
+    assert temporaries(ckpt_dir) == []
+    assert len(torch.load(ckpt_dir / "big.pt", weights_only=True)) == 16
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o604])
+def test_a_replaced_file_keeps_its_permission_bits(ckpt_dir: Path, mode: int) -> None:
+    path = ckpt_dir / "ckpt.pt"
+    torch.save({"old": torch.ones(1)}, path)
+    os.chmod(path, mode)
+    fastpersist_save({"new": torch.ones(2)}, path, engine="python")
+    assert path.stat().st_mode & 0o7777 == mode
+
+
+def test_a_new_file_follows_the_umask(ckpt_dir: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        fastpersist_save({"new": torch.ones(2)}, ckpt_dir / "new.pt", engine="python")
+    finally:
+        os.umask(old)
+    assert (ckpt_dir / "new.pt").stat().st_mode & 0o777 == 0o640
+
+
+def test_nested_tensors_and_other_skip_data_refusals_are_saved(
+    ckpt_dir: Path, small_context: FastPersistContext
+) -> None:
+    nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    obj = {"nested": nested, "dense": torch.randn(7), "sparse": torch.eye(4).to_sparse()}
+    path = ckpt_dir / "nested.pt"
+    fastpersist_save(obj, path, context=small_context)
+    loaded = torch.load(path, weights_only=False)
+    for got, want in zip(loaded["nested"].unbind(), nested.unbind(), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(loaded["sparse"].to_dense(), torch.eye(4))
+    again = fastpersist_load(path, weights_only=False, context=small_context)
+    assert_same(again["dense"], obj["dense"])
+    assert torch.equal(again["nested"].unbind()[1], torch.arange(5.0))

@@ -1,0 +1,94 @@
+"""Engine choice and fallback on this machine: unknown names, gds without CUDA, unlocked memory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save
+from fastpersist.aio import aio_unavailable_reason
+from fastpersist.memory import PAGE_BYTES, aligned_empty
+
+
+def test_unknown_engine_is_refused_by_name(ckpt_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown fastpersist engine 'nvme-magic'"):
+        fastpersist_save({"w": torch.ones(1)}, ckpt_dir / "x.pt", engine="nvme-magic")
+    with pytest.raises(ValueError, match="unknown fastpersist engine"):
+        FastPersistContext(engine="fast")
+    assert not list(ckpt_dir.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback on machines without CUDA")
+def test_gds_without_cuda_falls_back_with_one_warning_naming_the_reason(
+    ckpt_dir: Path, caplog: pytest.LogCaptureFixture, aio_engine: str
+) -> None:
+    with (
+        caplog.at_level(logging.WARNING, logger="fastpersist"),
+        FastPersistContext(io_buffer_mb=1, engine="gds") as context,
+    ):
+        stats = [
+            fastpersist_save({"w": torch.randn(1000)}, ckpt_dir / f"{i}.pt", context=context)
+            for i in range(2)
+        ]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("fastpersist")
+    ]
+    assert [s.engine for s in stats] == ["aio", "aio"]
+    assert len(warnings) == 1 and "CUDA is not available" in warnings[0]
+
+
+def test_unlocked_staging_memory_falls_back_to_the_python_engine(ckpt_dir: Path) -> None:
+    if aio_unavailable_reason() is not None:
+        pytest.skip(aio_unavailable_reason())
+    buffer = aligned_empty(1 << 20)
+    assert buffer.data_ptr() % PAGE_BYTES == 0
+    with FastPersistContext(engine="aio", pinned_buffer=buffer) as context:
+        stats = fastpersist_save({"w": torch.randn(300_000)}, ckpt_dir / "x.pt", context=context)
+        loaded = fastpersist_load(ckpt_dir / "x.pt", context=context, engine="aio")
+    assert stats.engine == "python" and loaded["w"].shape == (300_000,)
+
+
+def test_a_context_pickles_its_settings_not_its_resources() -> None:
+    import pickle
+
+    from fastpersist import AioConfig
+
+    with FastPersistContext(engine="python", io_buffer_mb=2, aio=AioConfig(queue_depth=4)) as context:
+        context.staging_buffer("cpu", pinned=False)
+        copy = pickle.loads(pickle.dumps(context))
+    assert (copy.engine, copy.io_buffer_mb, copy.aio.queue_depth) == ("python", 2, 4)
+    assert copy.staging_buffer("cpu", pinned=False).numel() == 2 * 1024**2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(aio_unavailable_reason() is not None, reason="DeepSpeed async_io op unavailable")
+def test_aio_engine_reads_part_of_a_file_at_an_offset(ckpt_dir: Path) -> None:
+    """A read of some blocks in the middle of a file returns exactly those bytes (and never hangs)."""
+    from fastpersist.engines import Transfer, open_file
+
+    data = torch.randint(0, 256, (3 * 2**20,), dtype=torch.uint8)
+    path = ckpt_dir / "blocks.bin"
+    path.write_bytes(data.numpy().tobytes())
+    context = FastPersistContext(io_buffer_mb=2, engine="aio")
+    buffer = context.staging_buffer().narrow(0, 0, 2**20)
+    engine = context.io_engine("aio", str(ckpt_dir))
+    file = open_file(str(path), write=False)
+    try:
+        engine.submit(Transfer(file, buffer, 2**20, write=False))
+        engine.wait()
+    finally:
+        file.close()
+    assert torch.equal(buffer, data[2**20 : 2 * 2**20])
+    loaded = fastpersist_load(_saved(ckpt_dir), engine="aio", weights_only=True)
+    assert torch.equal(loaded["b"], torch.arange(2**20, dtype=torch.float32))
+
+
+def _saved(directory: Path) -> str:
+    path = str(directory / "two.pt")
+    fastpersist_save({"a": torch.ones(3 * 2**18), "b": torch.arange(2**20, dtype=torch.float32)}, path)
+    return path
