@@ -15,6 +15,10 @@ PY_OLDEST := $(VENV_OLDEST)/bin/python
 TOOLS_BIN := .tools/bin
 FAKE_GCS_SERVER_VERSION := v1.52.2
 TOXIPROXY_VERSION := v2.12.0
+# The published Dataflux package, the main job's peer row: it needs google-cloud-storage 2.x, which
+# cannot share an environment with ours (3.x), so it lives in its own directory for the peer's worker.
+PEER_DIR := .tools/gcs-torch-dataflux
+PEER_PINS := gcs-torch-dataflux==1.4.0 absl-py==2.5.1 google-cloud-storage==2.19.0 google-resumable-media==2.7.2
 APT_PACKAGES := libaio-dev redis-server redis-tools fio openmpi-bin libopenmpi-dev
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # The oldest releases we support, tested in their own environment: FastPersist's validated torch and
@@ -31,13 +35,14 @@ export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E '
 endif
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
+export DATAFLUX_PEER_PATH ?= $(abspath $(PEER_DIR))
 
 .PHONY: setup setup-newest setup-oldest apt-packages tools test test-newest test-oldest lint bench clean
 
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
 setup: setup-newest setup-oldest
 
-setup-newest: apt-packages tools $(VENV)/.installed $(VENV)/.async-io-built
+setup-newest: apt-packages tools $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed
 setup-oldest: apt-packages tools $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
 tools: $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION)
 
@@ -80,6 +85,11 @@ $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION):
 	@mkdir -p $(TOOLS_BIN)
 	GOBIN=$(abspath $(TOOLS_BIN)) go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION)
 	mv -f $(TOOLS_BIN)/server $(TOOLS_BIN)/toxiproxy-server
+	@touch $@
+
+$(PEER_DIR)/.installed: Makefile | $(VENV)/bin/python
+	@echo ">> installing the peer package ($(PEER_PINS)) into $(PEER_DIR)"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(PEER_DIR) $(PEER_PINS)
 	@touch $@
 
 # DeepSpeed JIT-builds the op into torch's extension cache, one per Python and torch version.

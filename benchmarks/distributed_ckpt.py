@@ -46,8 +46,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-# gcsfs reads this once, at import: its bucket-type probe over gRPC stalls against an emulator.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+from dataflux_ckpt.emulator import configure_gcsfs_for_emulator  # noqa: E402
+
+configure_gcsfs_for_emulator()  # before anything imports gcsfs
+
+from benchmarks.lightning_peer import PEER_INSTALL_HINT, default_peer_path  # noqa: E402
 
 log = logging.getLogger("benchmarks.distributed_ckpt")
 
@@ -57,8 +60,6 @@ RAW_CHUNK_BYTES = 16 * MiB
 RAW_THREADS = 4
 COLLECTIVE_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 600.0
-PEER_PATH_ENV = "DATAFLUX_PEER_PATH"
-PEER_PINS = "gcs-torch-dataflux==1.4.0 absl-py==2.5.1 google-cloud-storage==2.19.0 google-resumable-media==2.7.2"
 EMULATOR_PROJECT = "test-project"
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -251,7 +252,7 @@ def peer_worker(spec: dict[str, Any], rank: int) -> int:
         versions = {"gcs-torch-dataflux": version("gcs-torch-dataflux"),
                     "google-cloud-storage": version("google-cloud-storage")}
     except ImportError as err:
-        send({"ok": False, "error": f"{err}; install it with pip install --no-deps --target DIR {PEER_PINS}"})
+        send({"ok": False, "error": f"{err}; {PEER_INSTALL_HINT}"})
         return 1
     _make_close_idempotent(DatafluxCheckpointBuffer)
     world = spec["world"]
@@ -528,14 +529,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gcs-root", default=None,
                         help="gs://bucket/prefix on real GCS (default: a local fake-gcs-server behind the XML server)")
     parser.add_argument("--project", default=None, help="GCS project (real GCS)")
-    parser.add_argument("--peer-path", default=os.environ.get(PEER_PATH_ENV),
-                        help=f"directory holding gcs-torch-dataflux 1.4.0 and its google-cloud-storage 2.x "
-                             f"(pip install --no-deps --target DIR {PEER_PINS}); default: ${PEER_PATH_ENV}")
+    parser.add_argument("--peer-path", default=default_peer_path(),
+                        help="directory holding gcs-torch-dataflux 1.4.0 and its google-cloud-storage 2.x "
+                             "(default: $DATAFLUX_PEER_PATH, else .tools/gcs-torch-dataflux after `make setup`)")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
     args = parser.parse_args(argv)
     if "peer" in args.rows and not args.peer_path:
-        log.warning("no --peer-path: skipping the gcs-torch-dataflux rows (pip install --no-deps --target DIR %s)",
-                    PEER_PINS)
+        log.warning("no --peer-path: skipping the gcs-torch-dataflux rows (%s)", PEER_INSTALL_HINT)
         args.rows = [row for row in args.rows if row != "peer"]
     return args
 

@@ -47,6 +47,7 @@ from benchmarks.lightning_peer import (  # noqa: E402
     PEER_VARIANTS,
     PeerProcess,
     PeerUnavailableError,
+    default_peer_path,
 )
 from benchmarks.network import NetworkModel, parse_network  # noqa: E402
 from benchmarks.plugins import (  # noqa: E402
@@ -481,16 +482,15 @@ def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]
         return [{**r, "save_range": _range(r, "save"), "load_range": _range(r, "load")} for r in items]
 
     def shown(items: list[dict[str, Any]], columns: dict[str, str]) -> str:
-        # A column with no value in any row (no peer in this run, no async row...) is left out.
+        # A column with no value in any row (no peer in this run, no async row...) is left out, and a
+        # table left with its name column alone (no baseline, peer or ceiling in this run) with it.
         kept = {key: title for key, title in columns.items() if any(r.get(key) is not None for r in items)}
-        return table(items, kept)
+        return table(items, kept) if len(kept) > 1 else ""
 
-    parts = [shown(ranged(rows), TABLE_COLUMNS)]
-    if len(rows) > 1 or ceiling_rows:
-        parts.append(shown(rows, RATIO_COLUMNS))
+    parts = [shown(ranged(rows), TABLE_COLUMNS), shown(rows, RATIO_COLUMNS)]
     if ceiling_rows:
         parts.append(shown(ranged(ceiling_rows), CEILING_COLUMNS))
-    return "\n\n".join(parts)
+    return "\n\n".join(filter(None, parts))
 
 
 def write_chart(path: str | os.PathLike[str], rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]],
@@ -635,9 +635,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="loopback (default), or every GCS client connection through a toxiproxy model: "
                              "MBPS per connection in each direction and a round trip of RTT_MS "
                              "(cloud alone: 100 MB/s, 4 ms)")
-    parser.add_argument("--peer-path", default=env.get(PEER_PATH_ENV) or None,
+    parser.add_argument("--peer-path", default=default_peer_path(),
                         help=f"directory holding gcs-torch-dataflux 1.4.0 and its google-cloud-storage 2.x "
-                             f"for the peer rows (env {PEER_PATH_ENV}; default: this environment)")
+                             f"for the peer rows (default: ${PEER_PATH_ENV}, else .tools/gcs-torch-dataflux "
+                             f"after `make setup`, else this environment)")
     parser.add_argument("--gcs-emulator-backend", choices=EMULATOR_BACKENDS, default="filesystem",
                         help="storage of the embedded fake-gcs-server: objects on disk in a temporary "
                              "directory, like a real object store (default), or in the emulator's memory")

@@ -37,12 +37,22 @@ PEER_PATH_ENV = "DATAFLUX_PEER_PATH"
 PEER_PINS = ("gcs-torch-dataflux==1.4.0", "absl-py==2.5.1", "google-cloud-storage==2.19.0",
              "google-resumable-media==2.7.2")
 PEER_INSTALL_HINT = (f"install it in its own directory, `pip install --no-deps --target DIR {' '.join(PEER_PINS)}`, "
-                f"and pass --peer-path DIR (or set ${PEER_PATH_ENV})")
+                f"and pass --peer-path DIR (or set ${PEER_PATH_ENV}); `make setup` installs it into "
+                f".tools/gcs-torch-dataflux")
 START_TIMEOUT_S = 600.0  # imports, model build and one training step (LAYERS=1000 takes minutes)
 OP_TIMEOUT_S = 1800.0
 STOP_TIMEOUT_S = 30.0
 EMULATOR_PROJECT = "test-project"
 CHECKOUT = Path(__file__).resolve().parents[1]
+# Where the checkout's set-up (`make setup`) installs the peer.
+CHECKOUT_PEER_PATH = CHECKOUT / ".tools" / "gcs-torch-dataflux"
+
+
+def default_peer_path() -> str | None:
+    """The peer's directory: ``$DATAFLUX_PEER_PATH``, else the checkout's set-up's, else none (this environment)."""
+    if os.environ.get(PEER_PATH_ENV):
+        return os.environ[PEER_PATH_ENV]
+    return str(CHECKOUT_PEER_PATH) if (CHECKOUT_PEER_PATH / "dataflux_pytorch").is_dir() else None
 
 
 @dataclass(frozen=True)

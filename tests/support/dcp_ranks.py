@@ -288,7 +288,9 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
 def launch(spec: dict[str, Any]) -> int:
     """Import once, fork the ranks, wait for them; 0 when every rank exited 0 (or was killed)."""
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+    configure_gcsfs_for_emulator()
     import warnings
 
     warnings.simplefilter("ignore")  # DCP warns about things these runs do on purpose
