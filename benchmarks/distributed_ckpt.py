@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dataflux_ckpt.emulator import configure_gcsfs_for_emulator  # noqa: E402
+from dataflux_ckpt.emulator import EMULATOR_PROJECT, configure_gcsfs_for_emulator  # noqa: E402
 
 configure_gcsfs_for_emulator()  # before anything imports gcsfs
 
@@ -60,7 +60,6 @@ RAW_CHUNK_BYTES = 16 * MiB
 RAW_THREADS = 4
 COLLECTIVE_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 600.0
-EMULATOR_PROJECT = "test-project"
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 

@@ -3,7 +3,7 @@
 ``python -m benchmarks.fastpersist tensor|model|deepspeed --folder DIR [--device cuda] [--json PATH]``
 
 Rows run interleaved in rounds (A B C A B C ...), ``--repeat`` rounds; each row reports the median
-(and min/max) of its rounds, printed as ``test_save -- 14.23 GB, 11.40 secs, 1.25 GB/s`` lines and a
+(and min/max) of its rounds, printed as ``test_save -- 14.23 GB, 11.40 secs, 1.25 GB/s`` lines (GB: 10^9 bytes) and a
 table with ratios to the baseline (torch.save / torch.load, durable with durable) and to the ceiling
 (raw sequential O_DIRECT transfers of the same byte count, through the same aio handle, in the same
 run). With ``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned
@@ -37,14 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.report import PeakRSS, configure_logging, format_table, ratio, write_json
+from benchmarks.report import GB, PeakRSS, configure_logging, format_table, ratio, write_json
 from fastpersist import FastPersistContext, _deepspeed_compat, fastpersist_load, fastpersist_save
 from fastpersist.aio import aio_unavailable_reason
 from fastpersist.memory import ALIGNMENT_BYTES, MiB
 
 log = logging.getLogger("benchmarks.fastpersist")
 
-GB = 1024**3  # DeepNVMe's "GB" (2**30 bytes)
 RSS_ALLOWANCE_MB = 64  # extra RSS during a save stays within pinned buffer + 64 MiB
 VOCAB_SIZE = 50257
 CONTEXT = 1024

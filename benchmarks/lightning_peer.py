@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dataflux_ckpt.emulator import EMULATOR_PROJECT
 from lightning_storage_plugins.services import die_with_parent
 
 PEER_PACKAGE = "gcs-torch-dataflux"
@@ -42,7 +43,6 @@ PEER_INSTALL_HINT = (f"install it in its own directory, `pip install --no-deps -
 START_TIMEOUT_S = 600.0  # imports, model build and one training step (LAYERS=1000 takes minutes)
 OP_TIMEOUT_S = 1800.0
 STOP_TIMEOUT_S = 30.0
-EMULATOR_PROJECT = "test-project"
 CHECKOUT = Path(__file__).resolve().parents[1]
 # Where the checkout's set-up (`make setup`) installs the peer.
 CHECKOUT_PEER_PATH = CHECKOUT / ".tools" / "gcs-torch-dataflux"

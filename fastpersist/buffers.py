@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fastpersist.memory import ALIGNMENT_BYTES, round_down
+from fastpersist.memory import ALIGNMENT_BYTES, round_down, round_up
 
 Piece = bytes | bytearray | memoryview | torch.Tensor
 SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy_ call
@@ -84,7 +84,7 @@ class DoubleBuffer:
         tail = self._filled
         if not tail:
             return 0
-        padded = -(-tail // pad_to) * pad_to
+        padded = round_up(tail, pad_to)
         self.halves[self._index].narrow(0, tail, padded - tail).zero_()
         self._submit(padded)
         return padded - tail

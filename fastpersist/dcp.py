@@ -40,7 +40,7 @@ from fastpersist import _torch_compat
 from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error, open_file
-from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
+from fastpersist.memory import huge_page_empty, round_down, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
 
@@ -325,8 +325,8 @@ class _RangeRead:
         size = file.size()
         if self.end > size:
             raise io_error(errno.EIO, "read", file, size, f"file is {size} bytes, the checkpoint needs {self.end}")
-        self.first = self.start // ALIGNMENT_BYTES * ALIGNMENT_BYTES
-        aligned_size = size // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        self.first = round_down(self.start)
+        aligned_size = round_down(size)
         self.direct_end = max(self.first, min(round_up(self.end), aligned_size)) if file.direct else self.first
         self.whole = huge_page_empty(max(self.end, self.direct_end) - self.first)
         self.engine = None

@@ -1,6 +1,6 @@
 """Data aggregation scaling: producers fill an aggregation list, one consumer drains it.
 
-As the seed's ``aggregation_producer.cpp`` / ``aggregation_consumer.py``: each producer rank puts a
+As SmartSim-Scaling's ``aggregation_producer.cpp`` / ``aggregation_consumer.py``: each producer rank puts a
 dataset of ``tensors_per_dataset`` float32 tensors of ``tensor_bytes`` bytes once, then per
 iteration appends it to the list ``iteration_i`` (rank 0 first waits until the consumer has
 deleted the previous list). The consumer, with ``client_threads`` client threads, polls until the
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_int_list(parser, "--client_threads", default=[1, 2, 4],
                  help="consumer client threads (each reads a slice of the list); default: 1 2 4")
     parser.add_argument("--iterations", type=int, default=20,
-                        help="aggregation lists produced and consumed; default: 20 (the seed's)")
+                        help="aggregation lists produced and consumed; default: 20 (SmartSim-Scaling's)")
 
 
 def build_sweep(args: argparse.Namespace) -> Sweep:
@@ -118,7 +118,7 @@ def _connect(params: Mapping[str, Any], timings: Timings):
 
 
 def producer(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
-    """One producer rank (the seed's ``run_aggregation_production``)."""
+    """One producer rank (SmartSim-Scaling's ``run_aggregation_production``)."""
     from smartredis_io import Dataset
 
     client = _connect(params, timings)
@@ -154,7 +154,7 @@ def _slices(length: int, parts: int) -> list[tuple[int, int]]:
 
 
 def consumer(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
-    """The consumer (the seed's ``run_aggregation_consumer``), with ``client_threads`` client threads.
+    """The consumer (SmartSim-Scaling's ``run_aggregation_consumer``), with ``client_threads`` client threads.
 
     SmartRedis sizes its client's thread pool from ``SR_THR_COUNT``; ``smartredis_io`` has no such
     pool, so with more than one thread the consumer fans the list out itself: one client per thread,

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.smartsim_scaling COMMAND``: the seed driver's commands, on one machine or MPI.
+"""``python -m benchmarks.smartsim_scaling COMMAND``: the SmartSim-Scaling driver's commands, on one machine or MPI.
 
 The SmartSim-Scaling driver's command lines run unchanged: its command names (``throughput_scaling``,
 ``inference_standard``, ``inference_colocated``, ``aggregation_scaling``, ``process_scaling_results``),

@@ -1,6 +1,6 @@
 """Inference scaling: put an image batch, preprocess it with a script, run the model, read the result.
 
-As the seed's ``inference_scaling_imagenet.cpp``: the model (random weights, built in
+As SmartSim-Scaling's ``inference_scaling_imagenet.cpp``: the model (random weights, built in
 :mod:`.models`, serialized with ``torch.export`` unless ``--model_format torchscript``) and the preprocessing script are set once per run with ``set_model(...,
 batch_size=BATCH_SIZE)`` so that the execution workers batch concurrent requests as RedisAI does;
 each client then does one warm-up and ``iterations`` x (``put_tensor`` of an NHWC float32 image
@@ -104,7 +104,7 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 
 def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
-    """Set the model and the script (the seed's rank 0 does it; here the driver, before the clients)."""
+    """Set the model and the script (SmartSim-Scaling's rank 0 does it; here the driver, before the clients)."""
     from benchmarks.smartsim_scaling.models import model_bytes
     from smartredis_io import Client
 
@@ -137,7 +137,7 @@ def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:
 
 
 def inference_client(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
-    """One client rank (the seed's ``run_mnist``): one warm-up, then the measured iterations."""
+    """One client rank (SmartSim-Scaling's ``run_mnist``): one warm-up, then the measured iterations."""
     from smartredis_io import Client
 
     start = time.perf_counter()
@@ -148,7 +148,7 @@ def inference_client(comm: Comm, params: Mapping[str, Any], timings: Timings) ->
     n, size = params["images_per_request"], params["image_size"]
     images = np.random.default_rng(comm.rank).uniform(0, 255, (n, size, size, 3)).astype(np.float32)
     result = np.empty((n, NUM_CLASSES), dtype=np.float32)
-    # Keys per rank, overwritten each iteration (the seed makes one per iteration; this keeps memory flat).
+    # Keys per rank, overwritten each iteration (SmartSim-Scaling makes one per iteration; this keeps memory flat).
     prefix = f"{params['key_prefix']}rank_{comm.rank}"
     in_key, pre_key, out_key = f"{prefix}.input", f"{prefix}.preprocessed", f"{prefix}.output"
     steps = (

@@ -5,7 +5,7 @@ their consumer) that run at the same time against one database. Each application
 ``fn(comm, params, timing)`` run on ``nprocs`` ranks: as ``multiprocessing`` processes on one machine
 (``--launcher local``, the default) or as the ranks of ``mpirun -n N python -m
 benchmarks.smartsim_scaling.launch RUN_DIR APP`` with mpi4py (``--launcher mpi``), so the same code
-scales to many nodes. Every rank writes its timings as the seed's tests do: one CSV per rank, rows
+scales to many nodes. Every rank writes its timings as SmartSim-Scaling's tests do: one CSV per rank, rows
 ``rank,function,seconds``; the run's attributes, versions and applications are in ``run.json``.
 """
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 CLIENT_MODULES = [f"benchmarks.smartsim_scaling.{m}" for m in ("throughput", "inference", "aggregation")]
-# attribute -> tag in run directory names, as the seed names its sessions (N1-T4-DBN3-ITER100-TB1024)
+# attribute -> tag in run directory names, as SmartSim-Scaling names its sessions (N1-T4-DBN3-ITER100-TB1024)
 NAME_TAGS = {"client_nodes": "N", "clients_per_node": "T", "db_nodes": "DBN", "iterations": "ITER",
              "tensor_bytes": "TB"}
 TIMING_SUFFIX = "rank_{rank}_timing.csv"
@@ -135,7 +135,7 @@ def _resolve(target: str) -> Callable[[Comm, Mapping[str, Any], Timings], None]:
 
 
 def run_rank(app: App, comm: Comm, run_dir: Path) -> None:
-    """Run one rank of ``app`` and write its timing file, with ``main()`` as the seed records it."""
+    """Run one rank of ``app`` and write its timing file, with ``main()`` as SmartSim-Scaling records it."""
     start = time.perf_counter()
     timings = Timings(run_dir, comm.rank, app.prefix)
     _resolve(app.target)(comm, app.params, timings)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import format_markdown_table
+from benchmarks.report import GB, format_markdown_table
 from benchmarks.smartsim_scaling.launch import RUN_FILE, read_run
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,7 @@ RESULTS_DIR = "results"
 CSV_NAME = "scaling_results.csv"
 THROUGHPUT_TABLE = "throughput_table.md"
 STATS = ("min", "mean", "max", "median")
-GB = 1e9
-# attributes that tell runs apart in plot labels, with their short tags (the seed's run-name tags)
+# attributes that tell runs apart in plot labels, with their short tags (SmartSim-Scaling's run-name tags)
 LABEL_TAGS = {
     "db_nodes": "DBN", "workers": "W", "clients": "C", "client_threads": "THR", "batch_size": "BS",
     "tensors_per_dataset": "TPD", "tensor_bytes": "TB",
@@ -52,7 +51,7 @@ def read_timings(run_dir: Path) -> dict[str, list[float]]:
 
 
 def aggregate_gbps(nbytes: float, iterations: int, loop_times: Sequence[float]) -> float | None:
-    """The seed's aggregate throughput: ``nbytes * iterations / loop_time`` summed over clients, in GB/s."""
+    """SmartSim-Scaling's aggregate throughput: ``nbytes * iterations / loop_time`` summed over clients, in GB/s."""
     if not loop_times:
         return None
     return sum(nbytes * iterations / t for t in loop_times) / GB

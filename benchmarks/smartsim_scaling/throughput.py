@@ -1,6 +1,6 @@
 """Throughput scaling: each client loops ``put_tensor`` + ``unpack_tensor`` of one float32 tensor.
 
-As the seed's ``throughput_scaling.cpp``: every rank connects (``client()``), then runs
+As SmartSim-Scaling's ``throughput_scaling.cpp``: every rank connects (``client()``), then runs
 ``iterations`` x (``put_tensor`` of a tensor of ``tensor_bytes`` bytes under its own key, then
 ``unpack_tensor`` into a preallocated array), recording each call and the ``loop_time``. In the
 same processes, against the same server, the same loop with raw redis-py ``SET``/``GET`` of the
@@ -24,7 +24,7 @@ from benchmarks.smartsim_scaling.options import add_int_list, tensor_bytes
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
 COMMAND = "throughput"
-# The seed's sizes (1 KiB to 4 MiB) and iterations: the default sweep (11 sizes x {1, 4} clients x
+# SmartSim-Scaling's sizes (1 KiB to 4 MiB) and iterations: the default sweep (11 sizes x {1, 4} clients x
 # {standalone, 3-shard cluster}) takes about 2 minutes on this 2-core machine.
 DEFAULT_TENSOR_BYTES = [1024, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304]
 DEFAULT_ITERATIONS = 100
@@ -34,11 +34,11 @@ HELP = "put_tensor + unpack_tensor loop against tensor size and client count, wi
 DESCRIPTION = f"""{HELP}.
 
 Each permutation of --client_nodes x --clients_per_node x --tensor_bytes x --db_nodes is one run
-directory under --exp_dir. GB/s is the seed's aggregate throughput: tensor_bytes x iterations /
+directory under --exp_dir. GB/s is SmartSim-Scaling's aggregate throughput: tensor_bytes x iterations /
 loop_time summed over clients (each iteration moves the bytes twice, put and get). The ceiling is
 raw redis-py SET + GET of the same bytes in the same processes, taking turns with our loop in
 {ROUNDS} rounds; redis-py sends the value without copying it (its pure-Python packer: the hiredis
-one copies large values at ~0.1 GB/s). The default sweep is the seed's tensor sizes and 100
+one copies large values at ~0.1 GB/s). The default sweep is SmartSim-Scaling's tensor sizes and 100
 iterations with 1 and 4 clients on a standalone server and a 3-shard cluster: about 2 minutes on
 2 cores, well under 10."""
 TABLE = {
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_int_list(parser, "--db_nodes", default=[1, 3],
                  help="database shards: 1 = standalone, >= 3 = Redis Cluster; default: 1 3")
     add_int_list(parser, "--tensor_bytes", default=DEFAULT_TENSOR_BYTES,
-                 help="tensor sizes in bytes (multiples of 4); default: the seed's 1 KiB .. 4 MiB")
+                 help="tensor sizes in bytes (multiples of 4); default: SmartSim-Scaling's 1 KiB .. 4 MiB")
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
                         help=f"put/unpack loops per client; default: {DEFAULT_ITERATIONS}")
 
@@ -106,7 +106,7 @@ def alternating_loops(comm: Comm, iterations: int, loops: Sequence[tuple[Callabl
                       rounds: int = ROUNDS) -> list[Loop]:
     """Each loop's ``iterations`` x (put, get), timed call by call, in ``rounds`` alternating rounds.
 
-    Every loop first runs one untimed pair (it opens redis-py's lazy connections: the seed's C++
+    Every loop first runs one untimed pair (it opens redis-py's lazy connections: SmartSim-Scaling's C++
     client connects in its constructor, timed as ``client()``). Then the loops take turns, all ranks
     together (a barrier before each turn), so that on a shared machine both see the same load; a
     loop's time is the sum of its rounds' wall times.
@@ -130,7 +130,7 @@ def alternating_loops(comm: Comm, iterations: int, loops: Sequence[tuple[Callabl
 
 
 def throughput_client(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
-    """One rank of the throughput application (the seed's ``run_throughput``), and its ceiling."""
+    """One rank of the throughput application (SmartSim-Scaling's ``run_throughput``), and its ceiling."""
     from smartredis_io import Client
 
     start = time.perf_counter()
@@ -145,7 +145,7 @@ def throughput_client(comm: Comm, params: Mapping[str, Any], timings: Timings) -
     raw = raw_client(params["address"], params["cluster"])
     payload = array.tobytes()
     raw_key = f"{key}.raw"
-    # Keys are overwritten each iteration, as in the seed, so that memory stays flat.
+    # Keys are overwritten each iteration, as in SmartSim-Scaling, so that memory stays flat.
     ours, ceiling = alternating_loops(comm, params["iterations"], [
         (lambda: client.put_tensor(key, array), lambda: client.unpack_tensor(key, result)),
         (lambda: raw.set(raw_key, payload), lambda: raw.get(raw_key)),

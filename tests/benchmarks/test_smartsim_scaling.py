@@ -29,7 +29,7 @@ def _runs(exp_dir: Path) -> list[Path]:
 
 
 def _rows(path: Path) -> list[tuple[int, str, float]]:
-    """A timing file as the seed writes it: ``rank,function,seconds`` rows."""
+    """A timing file as SmartSim-Scaling writes it: ``rank,function,seconds`` rows."""
     with open(path) as f:
         return [(int(rank), function, float(seconds)) for rank, function, seconds in csv.reader(f)]
 
@@ -63,14 +63,14 @@ def test_every_command_has_help(capsys):
     assert all(c in out for c in ("throughput", "inference", "aggregation", "process_results"))
 
 
-def test_list_options_take_the_seed_syntax():
+def test_list_options_take_the_driver_syntax():
     assert int_list("1024") == [1024]
     assert int_list("1,2,4") == [1, 2, 4]
     assert int_list("[1, 2, 4]") == [1, 2, 4]
     assert int_list("[1,") == [1]  # "--flag=[1, 2]" split by the shell
 
 
-def test_throughput_writes_one_run_per_permutation_with_seed_timings(throughput_dir):
+def test_throughput_writes_one_run_per_permutation_with_smartsim_scaling_timings(throughput_dir):
     runs = _runs(throughput_dir)
     assert len(runs) == 4  # 2 tensor sizes x (standalone, cluster)
     for run_dir in runs:
@@ -166,7 +166,7 @@ def test_inference_end_to_end(tmp_path):
     assert all(r["run_model_ms"] > 0 and r["inferences_per_s"] > 0 for r in rows)
 
 
-def test_gbps_is_the_seeds_aggregate_over_clients():
+def test_gbps_is_smartsim_scalings_aggregate_over_clients():
     assert aggregate_gbps(1e6, 100, [1.0, 2.0]) == pytest.approx(0.1 + 0.05)
     row = derived({"tensor_bytes": 1e6, "iterations": 100}, {"loop_time": [1.0], "redis_loop_time": [0.5]})
     assert row["throughput_gbps"] == pytest.approx(0.1) and row["ratio_to_redis"] == pytest.approx(0.5)
