@@ -153,13 +153,15 @@ def save_file(
                     io_engine = ctx.python_engine()
                 size, num_storages, num_writes = _write(content, io_engine, file, buffer)
                 os.fsync(file.fd)
-                file.close()
+                # Renamed while the lock is held: unlocked, the finished temporary would look like a
+                # dead writer's to a clean-up in another process (another rank saving beside us).
                 os.replace(temp, path)
             except BaseException:
                 io_engine.abandon()
-                file.close()
                 _unlink_quietly(temp)
                 raise
+            finally:
+                file.close()
             _fsync_dir(os.path.dirname(path))
     finally:
         if owned:

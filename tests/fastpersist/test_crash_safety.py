@@ -81,6 +81,24 @@ def test_a_writer_resumed_after_a_stop_still_completes(
     assert len(torch.load(ckpt_dir / "big.pt", weights_only=True)) == 16
 
 
+def test_a_clean_up_at_the_moment_of_publishing_leaves_the_save_alone(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another writer's clean-up (another rank saving into the same directory) runs exactly between
+    # the finished write and the rename: the temporary must still be locked by its live writer.
+    rename = os.replace
+    removed: list[list[str]] = []
+
+    def clean_up_then_rename(src: str, dst: str) -> None:
+        removed.append(remove_stale_temporaries(str(ckpt_dir)))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", clean_up_then_rename)
+    fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
+    assert removed == [[]]
+    assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
+
+
 @pytest.mark.parametrize("mode", [0o600, 0o640, 0o604])
 def test_a_replaced_file_keeps_its_permission_bits(ckpt_dir: Path, mode: int) -> None:
     path = ckpt_dir / "ckpt.pt"
