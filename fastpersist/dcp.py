@@ -58,6 +58,26 @@ def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
     return os.path.abspath(text)
 
 
+class _DirectoryCheckpoint:
+    """What the writer and the reader share: a checkpoint is the files of one local directory."""
+
+    checkpoint_id: str
+
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        return _directory(checkpoint_id)
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.checkpoint_id, name)
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            with open(self._file(name), "rb") as stream:
+                return stream.read()
+        except FileNotFoundError:
+            return None
+
+
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
     """What ``FileSystemWriter`` stores for a tensor: itself, copied when it is a view of a larger
     storage (``torch.save`` would store the whole storage). A GPU tensor stays there: the staging
@@ -68,7 +88,7 @@ def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class FastPersistStorageWriter(ShardedStorageWriter):
+class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
     """A DCP ``StorageWriter`` that writes torch's checkpoint layout through FastPersist's engines.
 
     Args:
@@ -99,13 +119,6 @@ class FastPersistStorageWriter(ShardedStorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}  # handles and pinned memory stay in their process
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _directory(checkpoint_id)
-
-    def _file(self, name: str) -> str:
-        return os.path.join(self.checkpoint_id, name)
 
     def _prepare(self) -> None:
         os.makedirs(self.checkpoint_id, exist_ok=True)
@@ -151,13 +164,6 @@ class FastPersistStorageWriter(ShardedStorageWriter):
                 os.unlink(temp)
             raise
         _fsync_dir(self.checkpoint_id)
-
-    def _read(self, name: str) -> bytes | None:
-        try:
-            with open(self._file(name), "rb") as stream:
-                return stream.read()
-        except FileNotFoundError:
-            return None
 
     def _list(self) -> list[str]:
         try:
@@ -212,7 +218,7 @@ class _MemoryFile(io.RawIOBase):
         return count
 
 
-class FastPersistStorageReader(ShardedStorageReader):
+class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
     """A DCP ``StorageReader`` for checkpoint directories written by :class:`FastPersistStorageWriter`
     or torch's ``FileSystemWriter``, reading each file with parallel aligned O_DIRECT reads.
 
@@ -232,17 +238,6 @@ class FastPersistStorageReader(ShardedStorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _directory(checkpoint_id)
-
-    def _read(self, name: str) -> bytes | None:
-        try:
-            with open(os.path.join(self.checkpoint_id, name), "rb") as stream:
-                return stream.read()
-        except FileNotFoundError:
-            return None
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
@@ -266,7 +261,7 @@ class FastPersistStorageReader(ShardedStorageReader):
             if window and pair[1].offset + pair[1].length - window[0][1].offset > READ_WINDOW_BYTES:
                 windows.append([])
             windows[-1].append(pair)
-        path = os.path.join(self.checkpoint_id, name)
+        path = self._file(name)
         with context.lock:
             file = open_file(path, write=False)
             try:
