@@ -26,8 +26,6 @@ REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, lookin
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 
 def _check_device(device: str) -> str:
     typecheck(device, "device", str)
@@ -53,6 +51,13 @@ def _check_batching(batch_size: int, min_batch_size: int, min_batch_timeout: int
         log.warning("min_batch_timeout was not set when a non-zero min_batch_size was selected: a model waits "
                     "for min_batch_size requests without a time limit. Setting a small value (~10 ms) for "
                     "min_batch_timeout may improve performance.")
+
+
+def _function_source(function: Callable) -> str:
+    """The source of a function to store as a script (``TypeError`` as SmartRedis when not callable)."""
+    if not callable(function):
+        raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
+    return textwrap.dedent(inspect.getsource(function))
 
 
 def _check_file(path: str) -> str:
@@ -318,9 +323,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the function fails to set
         """
         typecheck(name, "name", str)
-        if not callable(function):
-            raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
-        self.set_script(name, textwrap.dedent(inspect.getsource(function)), device)
+        self.set_script(name, _function_source(function), device)
 
     def set_script_from_file(self, name: str, file: str, device: str = "CPU") -> None:
         """Put a TorchScript script from a file to the database

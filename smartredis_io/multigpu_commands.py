@@ -12,8 +12,6 @@ runs unchanged on a laptop.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
 from collections.abc import Callable
 
 from smartredis_io import export_policy, models
@@ -26,7 +24,7 @@ from smartredis_io.error import (
     RedisRuntimeError,
     RedisTimeoutError,
 )
-from smartredis_io.model_commands import ModelCommands, _check_file
+from smartredis_io.model_commands import ModelCommands, _check_file, _function_source
 
 __all__ = ["MultiGPUCommands", "gpu_key"]
 
@@ -285,9 +283,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(first_gpu, "first_gpu", int)
         typecheck(num_gpus, "num_gpus", int)
-        if not callable(function):
-            raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
-        self.set_script_multigpu(name, textwrap.dedent(inspect.getsource(function)), first_gpu, num_gpus)
+        self.set_script_multigpu(name, _function_source(function), first_gpu, num_gpus)
 
     @command
     def run_script_multigpu(
