@@ -60,6 +60,15 @@ def _function_source(function: Callable) -> str:
     return textwrap.dedent(inspect.getsource(function))
 
 
+def _checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
+    """The model's bytes, once its name is known not to be empty and the model safe to load."""
+    if not name:
+        raise ValueError("name is a required parameter of set_model.")
+    blob = bytes(model)
+    export_policy.check_model(blob, f"model {name!r}", method)
+    return blob
+
+
 def _check_file(path: str) -> str:
     path = os.path.abspath(path)
     if not os.path.isfile(path):
@@ -134,11 +143,7 @@ class ModelCommands(ClientBase):
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
-        if not name:
-            raise ValueError("name is a required parameter of set_model.")
-        blob = bytes(model)
-        export_policy.check_model(blob, f"model {name!r}", "set_model")
-        self._store(name, blob, manifest)
+        self._store(name, _checked_model(name, model, "set_model"), manifest)
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
