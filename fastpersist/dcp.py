@@ -43,6 +43,7 @@ from fastpersist.engines import OpenFile, Transfer, io_error, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, huge_page_empty, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
+from lightning_storage_plugins.memoryfile import MemoryFile
 
 log = logging.getLogger(__name__)
 
@@ -188,36 +189,6 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
         shutil.rmtree(self.checkpoint_id, ignore_errors=True)
 
 
-class _MemoryFile(io.RawIOBase):
-    """A seekable read-only file-like over a memoryview (no copy until read)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, target: Any) -> int:  # type: ignore[override]
-        out = memoryview(target).cast("B")
-        end = min(self._pos + out.nbytes, self._view.nbytes)
-        count = max(0, end - self._pos)
-        out[:count] = self._view[self._pos : end]
-        self._pos += count
-        return count
-
-
 class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
     """A DCP ``StorageReader`` for checkpoint directories written by :class:`FastPersistStorageWriter`
     or torch's ``FileSystemWriter``, reading each file with parallel aligned O_DIRECT reads.
@@ -301,7 +272,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
 def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) -> torch.Tensor:
     """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
     no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
-    reader = torch._C.PyTorchFileReader(_MemoryFile(data))
+    reader = torch._C.PyTorchFileReader(MemoryFile(data))
     tensor = _torch_compat.unpickle(reader, "cpu", True, where, overall_storage=storage)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")
