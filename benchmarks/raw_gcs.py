@@ -13,7 +13,6 @@ the way a client library's connection pool does, and does only what each protoco
 from __future__ import annotations
 
 import http.client
-import io
 import json
 import mmap
 import threading
@@ -21,10 +20,15 @@ import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, urlencode, urlsplit
 
+from lightning_storage_plugins.memoryfile import MemoryFile
+
 HTTP_TIMEOUT_S = 300.0
 MAX_COMPOSE_SOURCES = 32
 READ_BLOCK_BYTES = 4 * 2**20
 OCTET_STREAM = "application/octet-stream"
+
+#: A seekable read-only file over a download buffer (``torch.load`` reads the ceiling's bytes through it).
+MemoryReader = MemoryFile
 
 
 class RawGcsError(RuntimeError):
@@ -37,42 +41,6 @@ def _object_path(bucket: str, name: str) -> str:
 
 def _xml_path(bucket: str, name: str) -> str:
     return f"/{quote(bucket, safe='')}/{quote(name, safe='/')}"
-
-
-class MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a buffer, read with ``readinto`` (no copy besides the caller's)."""
-
-    def __init__(self, buffer: bytearray | memoryview | mmap.mmap) -> None:
-        super().__init__()
-        self._view = memoryview(buffer).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
-        start = min(self._pos, len(self._view))
-        end = min(start + memoryview(target).nbytes, len(self._view))
-        memoryview(target).cast("B")[: end - start] = self._view[start:end]
-        self._pos = end
-        return end - start
-
-    def close(self) -> None:
-        """Release the buffer (its owner may then close or resize it)."""
-        if not self.closed:
-            self._view.release()
-        super().close()
 
 
 class RawGcs:

@@ -18,6 +18,7 @@ Everything runs on embedded servers (redis-server, a 3-shard Redis Cluster, one 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import logging
 import statistics
@@ -32,7 +33,7 @@ import numpy as np
 import redis
 import torch
 
-from benchmarks.report import configure_logging, format_table, ratio, write_json
+from benchmarks.report import configure_logging, format_table, latencies_seconds, ratio, write_json
 from benchmarks.smartsim_scaling.launch import raw_client
 from smartredis_io import Client, Orchestrator, RedisCluster
 
@@ -169,15 +170,8 @@ def _echo(raw: redis.Redis) -> Callable[[], None]:
 
 
 def _latencies(fn: Callable[[], object], calls: int) -> Callable[[], list[float]]:
-    def run() -> list[float]:
-        times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return times
-
-    return run
+    """A round of ``calls`` timed calls of ``fn``, to run later (rows are interleaved in rounds)."""
+    return functools.partial(latencies_seconds, fn, calls)
 
 
 def tiny_models() -> tuple[torch.nn.Module, dict[str, bytes]]:

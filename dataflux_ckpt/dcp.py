@@ -110,13 +110,28 @@ class _Connection:
             return self._gcs
 
 
+class _GcsCheckpoint:
+    """What the writer and the reader share: a checkpoint is the objects under ``gs://bucket/prefix/``."""
+
+    storage_info_types = (GcsItemInfo,)
+    checkpoint_id: str
+
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        return _checkpoint_path(checkpoint_id).uri
+
+    def _object(self, name: str) -> GcsPath:
+        base = _checkpoint_path(self.checkpoint_id)
+        return GcsPath(base.bucket, f"{base.key}/{name}")
+
+
 def _check_options(chunk_size: int, max_workers: int, block_size: int, deadline_s: float) -> None:
     if chunk_size <= 0 or max_workers <= 0 or block_size <= 0 or not deadline_s > 0:
         raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}), block_size ({block_size}) "
                          f"and deadline_s ({deadline_s}) must be positive")
 
 
-class DatafluxStorageWriter(ShardedStorageWriter):
+class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
     """A DCP ``StorageWriter`` for ``gs://bucket/prefix`` checkpoints.
 
     Args:
@@ -159,16 +174,6 @@ class DatafluxStorageWriter(ShardedStorageWriter):
         self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
         self.upload_mode, self.deadline_s = upload_mode, deadline_s
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
-
-    storage_info_types = (GcsItemInfo,)
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _checkpoint_path(checkpoint_id).uri
-
-    def _object(self, name: str) -> GcsPath:
-        base = _checkpoint_path(self.checkpoint_id)
-        return GcsPath(base.bucket, f"{base.key}/{name}")
 
     def _deadline(self) -> Deadline:
         return Deadline(self.deadline_s, "save", self.checkpoint_id)
@@ -350,7 +355,7 @@ def _tensor_byte_range(info: GcsItemInfo, item: ReadItem, element: int) -> tuple
     return first * element, (last + 1) * element, last + 1 - first == count
 
 
-class DatafluxStorageReader(ShardedStorageReader):
+class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
     """A DCP ``StorageReader`` for ``gs://bucket/prefix`` checkpoints (ours, or ``FsspecWriter``'s).
 
     Args:
@@ -389,16 +394,6 @@ class DatafluxStorageReader(ShardedStorageReader):
         self.chunk_size, self.max_workers, self.coalesce_gap = chunk_size, max_workers, coalesce_gap
         self.deadline_s = deadline_s
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
-
-    storage_info_types = (GcsItemInfo,)
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _checkpoint_path(checkpoint_id).uri
-
-    def _object(self, name: str) -> GcsPath:
-        base = _checkpoint_path(self.checkpoint_id)
-        return GcsPath(base.bucket, f"{base.key}/{name}")
 
     def _read(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))

@@ -43,6 +43,7 @@ from fastpersist.engines import OpenFile, Transfer, io_error, open_file
 from fastpersist.memory import huge_page_empty, round_down, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
+from lightning_storage_plugins.memoryfile import MemoryFile
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,26 @@ def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
     return os.path.abspath(text)
 
 
+class _DirectoryCheckpoint:
+    """What the writer and the reader share: a checkpoint is the files of one local directory."""
+
+    checkpoint_id: str
+
+    @staticmethod
+    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
+        return _directory(checkpoint_id)
+
+    def _file(self, name: str) -> str:
+        return os.path.join(self.checkpoint_id, name)
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            with open(self._file(name), "rb") as stream:
+                return stream.read()
+        except FileNotFoundError:
+            return None
+
+
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
     """What ``FileSystemWriter`` stores for a tensor: itself, copied when it is a view of a larger
     storage (``torch.save`` would store the whole storage). A GPU tensor stays there: the staging
@@ -68,7 +89,7 @@ def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class FastPersistStorageWriter(ShardedStorageWriter):
+class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
     """A DCP ``StorageWriter`` that writes torch's checkpoint layout through FastPersist's engines.
 
     Args:
@@ -99,13 +120,6 @@ class FastPersistStorageWriter(ShardedStorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}  # handles and pinned memory stay in their process
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _directory(checkpoint_id)
-
-    def _file(self, name: str) -> str:
-        return os.path.join(self.checkpoint_id, name)
 
     def _prepare(self) -> None:
         os.makedirs(self.checkpoint_id, exist_ok=True)
@@ -152,13 +166,6 @@ class FastPersistStorageWriter(ShardedStorageWriter):
             raise
         _fsync_dir(self.checkpoint_id)
 
-    def _read(self, name: str) -> bytes | None:
-        try:
-            with open(self._file(name), "rb") as stream:
-                return stream.read()
-        except FileNotFoundError:
-            return None
-
     def _list(self) -> list[str]:
         try:
             return os.listdir(self.checkpoint_id)
@@ -182,37 +189,7 @@ class FastPersistStorageWriter(ShardedStorageWriter):
         shutil.rmtree(self.checkpoint_id, ignore_errors=True)
 
 
-class _MemoryFile(io.RawIOBase):
-    """A seekable read-only file-like over a memoryview (no copy until read)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, target: Any) -> int:  # type: ignore[override]
-        out = memoryview(target).cast("B")
-        end = min(self._pos + out.nbytes, self._view.nbytes)
-        count = max(0, end - self._pos)
-        out[:count] = self._view[self._pos : end]
-        self._pos += count
-        return count
-
-
-class FastPersistStorageReader(ShardedStorageReader):
+class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
     """A DCP ``StorageReader`` for checkpoint directories written by :class:`FastPersistStorageWriter`
     or torch's ``FileSystemWriter``, reading each file with parallel aligned O_DIRECT reads.
 
@@ -232,17 +209,6 @@ class FastPersistStorageReader(ShardedStorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "context": None}
-
-    @staticmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        return _directory(checkpoint_id)
-
-    def _read(self, name: str) -> bytes | None:
-        try:
-            with open(os.path.join(self.checkpoint_id, name), "rb") as stream:
-                return stream.read()
-        except FileNotFoundError:
-            return None
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}
@@ -266,7 +232,7 @@ class FastPersistStorageReader(ShardedStorageReader):
             if window and pair[1].offset + pair[1].length - window[0][1].offset > READ_WINDOW_BYTES:
                 windows.append([])
             windows[-1].append(pair)
-        path = os.path.join(self.checkpoint_id, name)
+        path = self._file(name)
         with context.lock:
             file = open_file(path, write=False)
             try:
@@ -306,7 +272,7 @@ class FastPersistStorageReader(ShardedStorageReader):
 def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) -> torch.Tensor:
     """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
     no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
-    reader = torch._C.PyTorchFileReader(_MemoryFile(data))
+    reader = torch._C.PyTorchFileReader(MemoryFile(data))
     tensor = _torch_compat.unpickle(reader, "cpu", True, where, overall_storage=storage)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")

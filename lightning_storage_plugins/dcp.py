@@ -184,35 +184,16 @@ def check_bytes_item(data: bytes | memoryview, where: str, weights_only: bool | 
         ) from None
 
 
-# Writer -------------------------------------------------------------------------------------------
-class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
-    """The save protocol of the plugins' DCP writers; subclasses add the storage.
+# Writer and reader --------------------------------------------------------------------------------
+class _CheckpointStorage(abc.ABC):
+    """What the writer and the reader of a plugin share: its checkpoint ids and its storage infos.
 
-    Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name)
-    and the small file operations :meth:`_publish`, :meth:`_read`, :meth:`_list`, :meth:`_size` and
-    :meth:`_delete`, plus :meth:`_normalize` (which also answers :meth:`validate_checkpoint_id`).
-
-    Args:
-        path: the checkpoint (may be ``None`` when ``dcp.save(checkpoint_id=...)`` supplies it).
-        overwrite: when ``False``, a save to a path that holds a checkpoint raises ``FileExistsError``.
-        cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save`` staging).
+    It comes first among their bases, so that its :meth:`validate_checkpoint_id` is the one DCP finds.
     """
 
     #: The plugin's own ``StorageInfo`` subclasses, which its checkpoints' metadata may hold.
     storage_info_types: tuple[type, ...] = ()
 
-    def __init__(
-        self, path: str | os.PathLike[str] | None, *, overwrite: bool = True, cache_staged_state_dict: bool = False
-    ) -> None:
-        StorageWriter.__init__(self)
-        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        self.path = self._normalize(path) if path is not None else None
-        self.overwrite = overwrite
-        self.save_id = uuid.uuid4().hex
-        self.is_coordinator = False
-        self._token: str | None = None
-
-    # Storage operations (relative names inside the checkpoint) --------------------------------
     @staticmethod
     @abc.abstractmethod
     def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -227,6 +208,33 @@ class ShardedStorageWriter(StorageWriter, BlockingAsyncStager, abc.ABC):
             return False
         return True
 
+
+# Writer -------------------------------------------------------------------------------------------
+class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStager):
+    """The save protocol of the plugins' DCP writers; subclasses add the storage.
+
+    Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name)
+    and the small file operations :meth:`_publish`, :meth:`_read`, :meth:`_list`, :meth:`_size` and
+    :meth:`_delete`, plus :meth:`_normalize` (which also answers :meth:`validate_checkpoint_id`).
+
+    Args:
+        path: the checkpoint (may be ``None`` when ``dcp.save(checkpoint_id=...)`` supplies it).
+        overwrite: when ``False``, a save to a path that holds a checkpoint raises ``FileExistsError``.
+        cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save`` staging).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None, *, overwrite: bool = True, cache_staged_state_dict: bool = False
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.path = self._normalize(path) if path is not None else None
+        self.overwrite = overwrite
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self._token: str | None = None
+
+    # Storage operations (relative names inside the checkpoint) --------------------------------
     @abc.abstractmethod
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         """Write ``items`` into the file ``name``; nothing appears under ``name`` unless complete."""
@@ -395,7 +403,7 @@ def _referenced_tokens(data: bytes, where: str, allowed: Iterable[tuple[str, str
 
 
 # Reader -------------------------------------------------------------------------------------------
-class ShardedStorageReader(StorageReader, abc.ABC):
+class ShardedStorageReader(_CheckpointStorage, StorageReader):
     """The load protocol of the plugins' DCP readers; subclasses add how items are read.
 
     Args:
@@ -405,29 +413,12 @@ class ShardedStorageReader(StorageReader, abc.ABC):
             unpickles them without restriction (only for checkpoints from a trusted source).
     """
 
-    #: The plugin's own ``StorageInfo`` subclasses, which the metadata it reads may hold.
-    storage_info_types: tuple[type, ...] = ()
-
     def __init__(self, path: str | os.PathLike[str] | None, *, weights_only: bool | None = None) -> None:
         StorageReader.__init__(self)
         self.path = self._normalize(path) if path is not None else None
         self.weights_only = weights_only
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
-
-    @staticmethod
-    @abc.abstractmethod
-    def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
-        """The canonical form of a checkpoint id (raises ``ValueError`` for one of another storage)."""
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` names a checkpoint in this storage."""
-        try:
-            cls._normalize(checkpoint_id)
-        except ValueError:
-            return False
-        return True
 
     @abc.abstractmethod
     def _read(self, name: str) -> bytes | None:

@@ -259,9 +259,10 @@ def pack_getrange_and_set(key: str, total: int, peek: int, px_ms: int | None = N
     return head, CRLF + b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> int:
+def _received(receive: Callable[..., int], *args: Any) -> int:
+    """The byte count of ``receive(*args)``; its failures and the server's close as redis-py's errors."""
     try:
-        n = sock.recv_into(view)
+        n = receive(*args)
     except TimeoutError:
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
     except OSError as exc:
@@ -271,9 +272,17 @@ def _recv_into(sock: socket.socket, view: memoryview) -> int:
     return n
 
 
+def _recv_into(sock: socket.socket, view: memoryview) -> int:
+    return _received(sock.recv_into, view)
+
+
 def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     while view.nbytes:
         view = view[_recv_into(sock, view):]
+
+
+def _recvmsg_into(sock: socket.socket, buffers: list[memoryview]) -> int:
+    return sock.recvmsg_into(buffers)[0]
 
 
 def _recv_exact_into_both(sock: socket.socket, first: memoryview, second: memoryview) -> None:
@@ -283,14 +292,7 @@ def _recv_exact_into_both(sock: socket.socket, first: memoryview, second: memory
         _recv_exact_into(sock, second)
         return
     while first.nbytes or second.nbytes:
-        try:
-            n = sock.recvmsg_into([first, second] if first.nbytes else [second])[0]
-        except TimeoutError:
-            raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
-        except OSError as exc:
-            raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc}") from None
-        if n == 0:
-            raise redis.exceptions.ConnectionError("Connection closed by server")
+        n = _received(_recvmsg_into, sock, [first, second] if first.nbytes else [second])
         taken = min(n, first.nbytes)
         first, second = first[taken:], second[n - taken:]
 

@@ -138,6 +138,18 @@ class ConfigOptions:
             return self._overrides[option_name]
         return os.environ.get(self._env_name(option_name))
 
+    def _required(self, option_name: str) -> str | int:
+        value = self._lookup(option_name)
+        if value is None:
+            raise RedisKeyError(f"Configuration option {self._env_name(option_name)} is not set")
+        return value
+
+    def _override(self, option_name: str, value: str | int, kind: type) -> None:
+        typecheck(option_name, "option_name", str)
+        typecheck(value, "value", kind)
+        self._check_factory()
+        self._overrides[option_name] = value
+
     def get_integer_option(self, option_name: str) -> int:
         """Retrieve the value of a numeric configuration option from the selected source
 
@@ -150,9 +162,7 @@ class ConfigOptions:
         :raises RedisRuntimeError: if the value is not an integer, or this object was not made by a
             factory method
         """
-        value = self._lookup(option_name)
-        if value is None:
-            raise RedisKeyError(f"Configuration option {self._env_name(option_name)} is not set")
+        value = self._required(option_name)
         try:
             return int(value)
         except ValueError:
@@ -169,10 +179,7 @@ class ConfigOptions:
         :raises RedisKeyError: if the option is not set
         :raises RedisRuntimeError: if this object was not made by a factory method
         """
-        value = self._lookup(option_name)
-        if value is None:
-            raise RedisKeyError(f"Configuration option {self._env_name(option_name)} is not set")
-        return str(value)
+        return str(self._required(option_name))
 
     def is_configured(self, option_name: str) -> bool:
         """Check whether a configuration option is set in the selected source or overridden
@@ -196,10 +203,7 @@ class ConfigOptions:
         :raises TypeError: if an argument has the wrong type
         :raises RedisRuntimeError: if this object was not made by a factory method
         """
-        typecheck(option_name, "option_name", str)
-        typecheck(value, "value", int)
-        self._check_factory()
-        self._overrides[option_name] = value
+        self._override(option_name, value, int)
 
     def override_string_option(self, option_name: str, value: str) -> None:
         """Override the value of a string configuration option, for this object only
@@ -211,10 +215,7 @@ class ConfigOptions:
         :raises TypeError: if an argument has the wrong type
         :raises RedisRuntimeError: if this object was not made by a factory method
         """
-        typecheck(option_name, "option_name", str)
-        typecheck(value, "value", str)
-        self._check_factory()
-        self._overrides[option_name] = value
+        self._override(option_name, value, str)
 
     def derived(self, **strings: str) -> ConfigOptions:
         """A new factory-made object with these options and string overrides (private helper)."""

@@ -26,8 +26,6 @@ REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, lookin
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 
 def _check_device(device: str) -> str:
     typecheck(device, "device", str)
@@ -53,6 +51,22 @@ def _check_batching(batch_size: int, min_batch_size: int, min_batch_timeout: int
         log.warning("min_batch_timeout was not set when a non-zero min_batch_size was selected: a model waits "
                     "for min_batch_size requests without a time limit. Setting a small value (~10 ms) for "
                     "min_batch_timeout may improve performance.")
+
+
+def _function_source(function: Callable) -> str:
+    """The source of a function to store as a script (``TypeError`` as SmartRedis when not callable)."""
+    if not callable(function):
+        raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
+    return textwrap.dedent(inspect.getsource(function))
+
+
+def _checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
+    """The model's bytes, once its name is known not to be empty and the model safe to load."""
+    if not name:
+        raise ValueError("name is a required parameter of set_model.")
+    blob = bytes(model)
+    export_policy.check_model(blob, f"model {name!r}", method)
+    return blob
 
 
 def _check_file(path: str) -> str:
@@ -129,11 +143,7 @@ class ModelCommands(ClientBase):
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
-        if not name:
-            raise ValueError("name is a required parameter of set_model.")
-        blob = bytes(model)
-        export_policy.check_model(blob, f"model {name!r}", "set_model")
-        self._store(name, blob, manifest)
+        self._store(name, _checked_model(name, model, "set_model"), manifest)
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
@@ -318,9 +328,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the function fails to set
         """
         typecheck(name, "name", str)
-        if not callable(function):
-            raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
-        self.set_script(name, textwrap.dedent(inspect.getsource(function)), device)
+        self.set_script(name, _function_source(function), device)
 
     def set_script_from_file(self, name: str, file: str, device: str = "CPU") -> None:
         """Put a TorchScript script from a file to the database

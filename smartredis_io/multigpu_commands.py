@@ -12,11 +12,9 @@ runs unchanged on a laptop.
 
 from __future__ import annotations
 
-import inspect
-import textwrap
 from collections.abc import Callable
 
-from smartredis_io import export_policy, models
+from smartredis_io import models
 from smartredis_io.client_base import command, names
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import (
@@ -26,7 +24,7 @@ from smartredis_io.error import (
     RedisRuntimeError,
     RedisTimeoutError,
 )
-from smartredis_io.model_commands import ModelCommands, _check_file
+from smartredis_io.model_commands import ModelCommands, _check_file, _checked_model, _function_source
 
 __all__ = ["MultiGPUCommands", "gpu_key"]
 
@@ -103,12 +101,9 @@ class MultiGPUCommands(ModelCommands):
         typecheck(backend, "backend", str)
         typecheck(model, "model", (bytes, bytearray, memoryview))
         gpus = _check_gpus(first_gpu, num_gpus)
-        blob = bytes(model)
         arguments = (batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs, "set_model_multigpu")
         general = self._model_manifest(backend, "GPU", *arguments)
-        if not name:
-            raise ValueError("name is a required parameter of set_model.")
-        export_policy.check_model(blob, f"model {name!r}", "set_model_multigpu")
+        blob = _checked_model(name, model, "set_model_multigpu")
         for gpu in gpus:
             self._store(gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
         self._store(name, blob, general)
@@ -285,9 +280,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(first_gpu, "first_gpu", int)
         typecheck(num_gpus, "num_gpus", int)
-        if not callable(function):
-            raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
-        self.set_script_multigpu(name, textwrap.dedent(inspect.getsource(function)), first_gpu, num_gpus)
+        self.set_script_multigpu(name, _function_source(function), first_gpu, num_gpus)
 
     @command
     def run_script_multigpu(

@@ -27,6 +27,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+from tests.support.direct_io import o_direct_dir
+
 
 @dataclass
 class Storage:
@@ -48,16 +50,6 @@ class Storage:
         return sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(root, detail=False) if p.endswith(".ckpt"))
 
 
-def _o_direct_dir(tmp_path: Path) -> Path:
-    probe = tmp_path / ".probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
-    probe.unlink()
-    return tmp_path
-
-
 @pytest.fixture(params=["dataflux_ckpt", "fastpersist", "smartredis_io"])
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     run = uuid.uuid4().hex[:10]
@@ -69,7 +61,7 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
     elif request.param == "fastpersist":
         from fastpersist import FastPersistCheckpointIO
 
-        root = _o_direct_dir(tmp_path) / run
+        root = o_direct_dir(tmp_path) / run
         root.mkdir()
         yield Storage(lambda: FastPersistCheckpointIO(io_buffer_mb=1), str(root), f"gs://bucket/{run}/x.ckpt")
     else:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.support.direct_io import o_direct_dir
 
 
 @pytest.fixture
@@ -18,11 +19,4 @@ def gs_root(gcs_bucket: str) -> str:
 @pytest.fixture
 def nvme_root(tmp_path: Path) -> Path:
     """A fresh directory on a filesystem that accepts O_DIRECT."""
-    probe = tmp_path / ".odirect"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
-    finally:
-        probe.unlink(missing_ok=True)
-    return tmp_path / "ckpt"
+    return o_direct_dir(tmp_path) / "ckpt"

@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,28 +13,16 @@ import pytest
 
 from fastpersist import FastPersistContext
 from fastpersist.aio import aio_unavailable_reason
+from tests.support.direct_io import o_direct_dir
 
 SMALL_BUFFER_MB = 1  # two 512 KiB halves: multi-megabyte tensors straddle several buffer turns
 ENGINES = ["aio", "python"]
 
 
-def o_direct_works(directory: Path) -> bool:
-    probe = directory / f".odirect-{uuid.uuid4().hex[:6]}"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 @pytest.fixture
 def ckpt_dir(tmp_path: Path) -> Path:
     """A fresh directory on a filesystem that accepts O_DIRECT."""
-    if not o_direct_works(tmp_path):
-        pytest.skip(f"{tmp_path} does not accept O_DIRECT")
-    return tmp_path
+    return o_direct_dir(tmp_path)
 
 
 def require_engine(name: str) -> str:
