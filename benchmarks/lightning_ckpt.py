@@ -70,6 +70,7 @@ from benchmarks.report import (  # noqa: E402
     format_markdown_table,
     format_table,
     per_second,
+    quiet_self_printing_loggers,
     ratio,
     spread,
     write_json,
@@ -666,14 +667,6 @@ def _network_arg(text: str) -> NetworkModel:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-# Libraries that print through handlers of their own, which the root logger's level does not reach.
-SELF_PRINTING_LOGGERS = ("DeepSpeed",)
-
-
-def _errors_only(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.ERROR
-
-
 def configure_console(verbose: bool) -> None:
     """Warnings only, unless ``verbose``: the console shows the progress bars and the tables (and
     DeepSpeed, which the FastPersist row loads, only its errors)."""
@@ -684,8 +677,7 @@ def configure_console(verbose: bool) -> None:
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     quiet_lightning()
     if not verbose:
-        for name in SELF_PRINTING_LOGGERS:
-            logging.getLogger(name).addFilter(_errors_only)  # kept when the library sets its level
+        quiet_self_printing_loggers()
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:

@@ -30,8 +30,23 @@ GiB = 2**30
 PROJECT_LOGGERS = ("benchmarks", "lightning_storage_plugins", "dataflux_ckpt", "fastpersist", "smartredis_io")
 
 
+# Libraries that print through handlers of their own, which the root logger's level does not reach.
+SELF_PRINTING_LOGGERS = ("DeepSpeed",)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+def quiet_self_printing_loggers() -> None:
+    """Let libraries that print through their own handlers (DeepSpeed) show only their errors."""
+    for name in SELF_PRINTING_LOGGERS:
+        logging.getLogger(name).addFilter(_errors_only)  # kept when the library sets its level
+
+
 def configure_logging(level: int = logging.INFO) -> None:
-    """Print this project's records at ``level`` and other libraries' warnings, each record once."""
+    """Print this project's records at ``level`` and other libraries' warnings, each record once
+    (DeepSpeed's own console output: errors only, unless ``level`` is DEBUG)."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     handler.addFilter(
@@ -42,6 +57,8 @@ def configure_logging(level: int = logging.INFO) -> None:
     root.setLevel(min(root.level or logging.WARNING, level))
     for name in PROJECT_LOGGERS:
         logging.getLogger(name).setLevel(level)
+    if level > logging.DEBUG:
+        quiet_self_printing_loggers()
 
 
 def timed(
