@@ -135,21 +135,29 @@ def handle_is_pinned(handle: Any, buffer: torch.Tensor) -> bool:
 
 
 def memory_is_locked(address: int, num_bytes: int) -> bool:
-    """Whether the mapping holding ``[address, address + num_bytes)`` is entirely mlock'ed."""
+    """Whether every page of ``[address, address + num_bytes)`` lies in mlock'ed mappings.
+
+    Read from the mappings' ``VmFlags`` (``lo``) in ``/proc/self/smaps``: their ``Locked:`` sizes are
+    proportional shares, which fall below the mapping's size once a page is shared with a forked child.
+    """
+    end_wanted = address + num_bytes
+    covered = 0
     try:
         with open("/proc/self/smaps") as smaps:
-            inside = False
+            overlap = 0
             for line in smaps:
                 head = line.split(maxsplit=1)[0] if line.strip() else ""
                 if "-" in head and not head.endswith(":"):
                     start, end = (int(part, 16) for part in head.split("-"))
-                    inside = start <= address and address + num_bytes <= end
-                    span = end - start
-                elif inside and head == "Locked:":
-                    return int(line.split()[1]) * 1024 >= span
+                    overlap = max(0, min(end, end_wanted) - max(start, address))
+                elif overlap and head == "VmFlags:":
+                    if "lo" not in line.split()[1:]:
+                        return False
+                    covered += overlap
+                    overlap = 0
     except (OSError, ValueError):
         return False
-    return False
+    return num_bytes > 0 and covered == num_bytes
 
 
 def commit_info_takes_object() -> bool:

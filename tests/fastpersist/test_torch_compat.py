@@ -256,6 +256,30 @@ def test_smaps_locked_memory_probe_used_where_deepspeed_cannot_tell(small_contex
     assert not _deepspeed_compat.memory_is_locked(unlocked.data_ptr(), size)
 
 
+def test_locked_memory_probe_holds_while_a_forked_child_shares_the_pages(small_context: FastPersistContext) -> None:
+    from fastpersist.aio import aio_unavailable_reason
+
+    if aio_unavailable_reason() is not None or torch.cuda.is_available():
+        pytest.skip("needs DeepSpeed-locked host memory on a machine without CUDA")
+    handle = small_context.aio_handle()
+    size = 64 * 1024**2
+    locked = handle.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+    locked.fill_(1)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # shares the pages copy-on-write until it exits
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    try:
+        os.close(read)
+        assert _deepspeed_compat.memory_is_locked(locked.data_ptr(), size)
+    finally:
+        os.close(write)
+        os.waitpid(child, 0)
+        handle.free_cpu_locked_tensor(locked)
+
+
 def test_writes_go_by_descriptor_or_path_as_this_deepspeed_takes_them(
     ckpt_dir: Path, small_context: FastPersistContext
 ) -> None:
