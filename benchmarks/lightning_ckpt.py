@@ -26,6 +26,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -518,9 +519,15 @@ def _progress(subjects: Sequence[Subject]) -> list[Any]:
                  dynamic_ncols=True) for i, s in enumerate(subjects)]
 
 
-def run_rounds(subjects: Sequence[Subject], steps: int) -> None:
+def run_rounds(subjects: Sequence[Subject], steps: int, stop: threading.Event | None = None) -> None:
     """``steps`` rounds: one save of every subject, then one load of every subject, then clean-up;
-    the order rotates by one each round."""
+    the order rotates by one each round. Once ``stop`` is set, the next operation raises
+    ``KeyboardInterrupt`` instead of starting."""
+
+    def check() -> None:
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt("stopped between operations")
+
     bars = _progress(subjects)
     for bar, subject in zip(bars, subjects, strict=True):
         bar.total = steps * (int(subject.does_save) + int(subject.does_load))
@@ -531,13 +538,16 @@ def run_rounds(subjects: Sequence[Subject], steps: int) -> None:
             order = order[step % len(order):] + order[: step % len(order)]
             for i in order:
                 if subjects[i].does_save:
+                    check()
                     subjects[i].saves.append(subjects[i].save(step))
                     bars[i].update()
             for i in order:
                 if subjects[i].does_load:
+                    check()
                     subjects[i].loads.append(subjects[i].load(step))
                     bars[i].update()
             for i in order:
+                check()
                 subjects[i].remove(step)
     finally:
         for bar in bars:
@@ -684,6 +694,31 @@ def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _stop_after_this_operation(stop: threading.Event) -> Callable[[int, object], None]:
+    """A SIGINT handler: the first Ctrl-C lets the running save or load finish (an interrupt inside a
+    library call can leave its connections and buffers half used), a second one stops at once."""
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt(f"signal {signum}")
+        stop.set()
+        print("stopping after the running operation (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+    return handler
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is, or was raised while handling, a KeyboardInterrupt (a clean-up failing
+    during the unwinding replaces it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__context__
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_console(args.verbose)
@@ -705,13 +740,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not subjects:
                 raise SystemExit("no row can run here")
             header = describe(args, services, args.network)
+            stop = threading.Event()
+            signal.signal(signal.SIGINT, _stop_after_this_operation(stop))
             print(header, flush=True)
-            run_rounds(subjects, args.steps)
+            run_rounds(subjects, args.steps, stop)
             context = {"layers": args.layers, "steps": args.steps, "network": args.network.name,
                        "network_mbps": args.network.mbps, "network_rtt_ms": args.network.rtt_ms}
             rows = [subject_row(s, context) for s in subjects if s.kind == "row"]
             ceiling_rows = [subject_row(s, context) for s in subjects if s.kind == "ceiling"]
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        if not _interrupted(exc):
+            raise
         print("interrupted; services stopped", file=sys.stderr)
         return 130
     add_ratios(rows, ceiling_rows)
