@@ -111,6 +111,16 @@ def reads_at_offset(handle: Any) -> bool:
     return writes_by_descriptor(handle)
 
 
+def writes_at_offset(handle: Any) -> bool:
+    """Whether ``handle.async_pwrite`` can write part of a file.
+
+    DeepSpeed 0.16's path-based write, like its read, can leave ``wait()`` blocked forever when the
+    buffer does not span the whole (preallocated) file, so there such a write must not be submitted
+    to it either.
+    """
+    return writes_by_descriptor(handle)
+
+
 def async_pwrite(handle: Any, buffer: torch.Tensor, fd: int, path: str, offset: int) -> int:
     """Queue one write on ``handle`` (by descriptor where DeepSpeed can, else by path)."""
     if writes_by_descriptor(handle):

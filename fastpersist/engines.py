@@ -259,7 +259,7 @@ class AioEngine(IOEngine):
         super().__init__()
         self.handle = handle
         self._locked_by_handle = locked_by_handle  # addresses of buffers this handle page-locked
-        self._read_here: list[Transfer] = []  # reads this DeepSpeed cannot do, done with preadv in wait()
+        self._move_here: list[Transfer] = []  # transfers this DeepSpeed cannot do, done with pwritev/preadv in wait()
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         if not file.direct:
@@ -273,6 +273,11 @@ class AioEngine(IOEngine):
     def _start(self, transfer: Transfer) -> None:
         file = transfer.file
         if transfer.write:
+            whole_file = transfer.offset == 0 and transfer.buffer.numel() >= file.size()
+            if not (whole_file or _deepspeed_compat.writes_at_offset(self.handle)):
+                self._queued.pop()
+                self._move_here.append(transfer)
+                return
             status = _deepspeed_compat.async_pwrite(
                 self.handle, transfer.buffer, file.fd, file.path, transfer.offset
             )
@@ -282,7 +287,7 @@ class AioEngine(IOEngine):
                 raise io_error(errno.EINVAL, "read", file, transfer.offset, "past end of file")
             if not _deepspeed_compat.reads_at_offset(self.handle):
                 self._queued.pop()
-                self._read_here.append(transfer)
+                self._move_here.append(transfer)
                 return
             status = self.handle.async_pread(transfer.buffer, file.path, transfer.offset)
         if status != 0:
@@ -291,8 +296,8 @@ class AioEngine(IOEngine):
             raise io_error(errno.EIO, what, file, transfer.offset, f"aio submit returned {status}")
 
     def wait(self) -> None:
-        read_here, self._read_here = self._read_here, []
-        for transfer in read_here:
+        move_here, self._move_here = self._move_here, []
+        for transfer in move_here:
             _move(transfer, 0, transfer.buffer.numel())
         super().wait()
 

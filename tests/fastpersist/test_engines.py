@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,25 @@ def test_aio_engine_reads_part_of_a_file_at_an_offset(ckpt_dir: Path) -> None:
     assert torch.equal(buffer, data[2**20 : 2 * 2**20])
     loaded = fastpersist_load(_saved(ckpt_dir), engine="aio", weights_only=True)
     assert torch.equal(loaded["b"], torch.arange(2**20, dtype=torch.float32))
+
+
+def test_aio_saves_of_many_tensors_through_a_small_staging_buffer_complete(ckpt_dir: Path, aio_engine: str) -> None:
+    """Writes land in the middle of the preallocated file, many of them per save; none may hang."""
+    path = ckpt_dir / "many.pt"
+    script = (
+        "import sys, torch\n"
+        "from fastpersist import FastPersistContext, fastpersist_save\n"
+        "with FastPersistContext(io_buffer_mb=2, engine='aio') as context:\n"
+        "    for step in range(3):\n"
+        "        state = {f'w{i}': torch.full((2**16,), float(step * 100 + i)) for i in range(16)}\n"
+        "        stats = fastpersist_save(state, sys.argv[1], context=context)\n"
+        "print(stats.engine)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "aio"
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[f"w{i}"], torch.full((2**16,), float(200 + i))) for i in range(16))
 
 
 def _saved(directory: Path) -> str:
