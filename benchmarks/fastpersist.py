@@ -191,7 +191,7 @@ def raw_odirect(path: Path, num_bytes: int, handle: Any, buffer: torch.Tensor, w
             )  # as fastpersist_save does: in-file O_DIRECT writes run async
         for offset in range(0, num_bytes, buffer.numel()):
             chunk = buffer.narrow(0, 0, min(buffer.numel(), num_bytes - offset))
-            if not write and not _deepspeed_compat.reads_at_offset(handle):
+            if not write and not _deepspeed_compat.partial_file_transfers(handle):
                 if os.preadv(fd, [memoryview(chunk.numpy())], offset) != chunk.numel():
                     raise OSError(f"raw O_DIRECT read failed at offset {offset} of {path}")
                 continue

@@ -102,21 +102,12 @@ def writes_by_descriptor(handle: Any) -> bool:
     return hasattr(handle, "get_alignment")
 
 
-def reads_at_offset(handle: Any) -> bool:
-    """Whether ``handle.async_pread`` can read part of a file.
+def partial_file_transfers(handle: Any) -> bool:
+    """Whether ``handle.async_pread`` / ``async_pwrite`` can move part of a file.
 
-    DeepSpeed 0.16's path-based read never completes unless the buffer spans the whole file (the call
-    blocks forever), so there a read of part of a file must not be submitted to it.
-    """
-    return writes_by_descriptor(handle)
-
-
-def writes_at_offset(handle: Any) -> bool:
-    """Whether ``handle.async_pwrite`` can write part of a file.
-
-    DeepSpeed 0.16's path-based write, like its read, can leave ``wait()`` blocked forever when the
-    buffer does not span the whole (preallocated) file, so there such a write must not be submitted
-    to it either.
+    DeepSpeed 0.16's path-based transfers can leave ``wait()`` blocked forever when the buffer does
+    not span the whole (preallocated) file: its reads always, its writes with many tensors through a
+    small staging buffer. There such a transfer must not be submitted to it.
     """
     return writes_by_descriptor(handle)
 

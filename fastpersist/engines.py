@@ -272,28 +272,29 @@ class AioEngine(IOEngine):
 
     def _start(self, transfer: Transfer) -> None:
         file = transfer.file
+        # DeepSpeed asserts (aborts) when a read runs past the end of the file: refuse it here.
+        if not transfer.write and transfer.offset + transfer.buffer.numel() > file.size():
+            raise io_error(errno.EINVAL, "read", file, transfer.offset, "past end of file")
+        if not self._handle_takes(transfer):
+            self._queued.pop()
+            self._move_here.append(transfer)
+            return
         if transfer.write:
-            whole_file = transfer.offset == 0 and transfer.buffer.numel() >= file.size()
-            if not (whole_file or _deepspeed_compat.writes_at_offset(self.handle)):
-                self._queued.pop()
-                self._move_here.append(transfer)
-                return
             status = _deepspeed_compat.async_pwrite(
                 self.handle, transfer.buffer, file.fd, file.path, transfer.offset
             )
         else:
-            # DeepSpeed asserts (aborts) when a read runs past the end of the file: refuse it here.
-            if transfer.offset + transfer.buffer.numel() > file.size():
-                raise io_error(errno.EINVAL, "read", file, transfer.offset, "past end of file")
-            if not _deepspeed_compat.reads_at_offset(self.handle):
-                self._queued.pop()
-                self._move_here.append(transfer)
-                return
             status = self.handle.async_pread(transfer.buffer, file.path, transfer.offset)
         if status != 0:
             self._queued.pop()
             what = "write" if transfer.write else "read"
             raise io_error(errno.EIO, what, file, transfer.offset, f"aio submit returned {status}")
+
+    def _handle_takes(self, transfer: Transfer) -> bool:
+        """Whether this DeepSpeed's handle can move ``transfer`` (else it is moved in :meth:`wait`)."""
+        if _deepspeed_compat.partial_file_transfers(self.handle):
+            return True
+        return transfer.write and transfer.offset == 0 and transfer.buffer.numel() >= transfer.file.size()
 
     def wait(self) -> None:
         move_here, self._move_here = self._move_here, []
