@@ -16,9 +16,9 @@ TOOLS_BIN := .tools/bin
 FAKE_GCS_SERVER_VERSION := v1.52.2
 TOXIPROXY_VERSION := v2.12.0
 # The published Dataflux package, the main job's peer row: it needs google-cloud-storage 2.x, which
-# cannot share an environment with ours (3.x), so it lives in its own directory for the peer's worker.
+# cannot share an environment with ours (3.x), so it lives in its own directory for the peer's worker
+# (pinned in benchmarks/lightning_peer.py, which also finds it there).
 PEER_DIR := .tools/gcs-torch-dataflux
-PEER_PINS := gcs-torch-dataflux==1.4.0 absl-py==2.5.1 google-cloud-storage==2.19.0 google-resumable-media==2.7.2
 APT_PACKAGES := libaio-dev redis-server redis-tools fio openmpi-bin libopenmpi-dev
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # The oldest releases we support, tested in their own environment: FastPersist's validated torch and
@@ -35,7 +35,6 @@ export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E '
 endif
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
-export DATAFLUX_PEER_PATH ?= $(abspath $(PEER_DIR))
 
 .PHONY: setup setup-newest setup-oldest apt-packages tools test test-newest test-oldest lint bench clean
 
@@ -87,9 +86,10 @@ $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION):
 	mv -f $(TOOLS_BIN)/server $(TOOLS_BIN)/toxiproxy-server
 	@touch $@
 
-$(PEER_DIR)/.installed: Makefile | $(VENV)/bin/python
-	@echo ">> installing the peer package ($(PEER_PINS)) into $(PEER_DIR)"
-	$(PY) -m pip install -q --no-deps --upgrade --target $(PEER_DIR) $(PEER_PINS)
+$(PEER_DIR)/.installed: benchmarks/lightning_peer.py | $(VENV)/.installed
+	@echo ">> installing the peer package into $(PEER_DIR)"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(PEER_DIR) \
+		$$($(PY) -c "from benchmarks.lightning_peer import PEER_PINS; print(*PEER_PINS)")
 	@touch $@
 
 # DeepSpeed JIT-builds the op into torch's extension cache, one per Python and torch version.

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from benchmarks import lightning_ckpt
-from benchmarks.lightning_peer import PEER_PATH_ENV
+from benchmarks.lightning_peer import PEER_PATH_ENV, default_peer_path
 from tests.support.processes import foreground_sigint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ ENV_KEYS = ("CKPT_DIR_PATH", "DATAFLUX_CKPT", "USE_TRANSFER_MANAGER", "LAYERS", 
 
 def _peer_available() -> str | None:
     """Why the peer rows cannot run here, or None."""
-    if os.environ.get(PEER_PATH_ENV):
+    if default_peer_path():
         return None
     try:
         importlib.import_module("dataflux_pytorch.lightning")
