@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -253,11 +253,12 @@ class Database:
         self.redis.close()
 
     def exchange(self, commands: Sequence[Command], raise_on_error: bool = True,
-                 block_s: float | None = None) -> list[Any]:
+                 block_s: float | None = None, before_block: Callable[[list[Any]], None] | None = None) -> list[Any]:
         """Run ``commands`` in one round trip, as ``pipeline(transaction=False).execute(raise_on_error)``.
 
         ``block_s``: the commands may block (BLPOP) this long; their replies are awaited that much
-        longer than other replies.
+        longer than other replies. ``before_block``: called with the replies of every command but
+        the last (the one that blocks) as soon as they are read, before the last one's is awaited.
 
         The replies are the server's, without redis-py's response callbacks (``SET`` gives b"OK",
         ``BLPOP`` a list). On one node the commands are packed and read on a pooled connection; a
@@ -268,24 +269,37 @@ class Database:
         self.check_deadline()
         pool = _redispy.shared_pool(self.redis, [command[1] for command in commands])
         if pool is None:
-            return self._pipeline(commands, raise_on_error)
+            if before_block is None:
+                return self._pipeline(commands, raise_on_error)
+            replies = self._pipeline(commands[:-1], raise_on_error) if len(commands) > 1 else []
+            before_block(replies)
+            return [*replies, *self._pipeline(commands[-1:], raise_on_error)]
         wait = None if block_s is None else block_s + self.settings.command_timeout_s
         conn = self._connections.take(pool)
         try:
             _redispy.send_commands(conn, commands)
-            replies = [_redispy.read_reply(conn, wait) for _ in commands]
+            if before_block is None:
+                replies = self._redirected(commands, [_redispy.read_reply(conn, wait) for _ in commands])
+            else:
+                replies = self._redirected(commands[:-1], [_redispy.read_reply(conn, wait) for _ in commands[1:]])
+                before_block(replies)
+                replies += self._redirected(commands[-1:], [_redispy.read_reply(conn, wait)])
         except BaseException:
             self._connections.discard(pool, conn)  # a reply may be half read
             raise
         self._connections.give(pool, conn)
-        redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]
-        if redirected:
-            for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
-                replies[i] = reply
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, redis.exceptions.ResponseError):
                     raise reply
+        return replies
+
+    def _redirected(self, commands: Sequence[Command], replies: list[Any]) -> list[Any]:
+        """``replies``, those the cluster redirected replaced by the replies of their commands run again."""
+        redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]
+        if redirected:
+            for i, reply in zip(redirected, self._pipeline([commands[i] for i in redirected], False), strict=True):
+                replies[i] = reply
         return replies
 
     def _pipeline(self, commands: Sequence[Command], raise_on_error: bool) -> list[Any]:

@@ -80,6 +80,8 @@ class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
     _model_timeout_s: float
+    #: whether this server runs ENQUEUE_LUA for this client (None: not tried yet; False: scripting refused)
+    _embeds: bool | None = None
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
 
@@ -428,14 +430,16 @@ class ModelCommands(ClientBase):
             [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
             time.time() + timeout_s, fn_name,
         )
-        # One round trip: both keys share the {srio} tag, and the pop blocks until the reply. The
-        # wait is cut in slices: between them, workers whose heartbeat stopped are reaped (their
-        # requests run again elsewhere, or are answered with an error), so a dead worker costs
-        # seconds, not the whole timeout.
+        # One round trip: on one node, the request carries the model's manifest and the inputs
+        # (the worker then needs no round trip before it runs the model); in a cluster those keys
+        # live elsewhere and the worker reads them. The request and the reply share the {srio} tag,
+        # and the pop blocks until the reply. The wait is cut in slices: between them, workers
+        # whose heartbeat stopped are reaped (their requests run again elsewhere, or are answered
+        # with an error), so a dead worker costs seconds, not the whole timeout.
         wait = min(REPLY_SLICE_S, timeout_s)
-        popped = self._db.exchange(
-            [("RPUSH", models.QUEUE_KEY, request.encode()), ("BLPOP", request.reply_key, wait)], block_s=wait
-        )[1]
+        pop = ("BLPOP", request.reply_key, wait)
+        enqueue = self._enqueue_command(request)
+        popped = self._db.exchange([pop] if enqueue is None else [enqueue, pop], block_s=wait)[-1]
         while popped is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -449,6 +453,22 @@ class ModelCommands(ClientBase):
         reply = json.loads(popped[1])
         if not reply["ok"]:
             raise RedisReplyError(reply["error"], method)
+
+    def _enqueue_command(self, request: models.Request) -> tuple | None:
+        """The command queueing ``request``, with its manifest and inputs where the server runs the
+        script for this client; None when it has been queued already."""
+        if self._db.cluster or self._embeds is False:
+            return ("RPUSH", models.QUEUE_KEY, request.encode())
+        if self._embeds is None:
+            # Tried alone once: a server (or ACL user) without scripting refuses it, and the
+            # reply's pop must not be sent behind a refused request.
+            refused = self._db.exchange([request.enqueue_command()], raise_on_error=False)[0]
+            self._embeds = not isinstance(refused, redis.exceptions.ResponseError)
+            if self._embeds:
+                return None
+            log.debug("requests are queued without their inputs: %s", refused)
+            return ("RPUSH", models.QUEUE_KEY, request.encode())
+        return request.enqueue_command()
 
     def _reap_dead_workers(self) -> None:
         try:

@@ -47,10 +47,9 @@ _DATA_COMMANDS = (
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
 _WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
-# Keys of the run_model protocol a client writes: its requests and its replies.
 # Keys of the run_model protocol a client writes: its requests and replies, and the registry it
 # cleans of dead workers while it waits.
-_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight")
+_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight.*")
 
 
 @dataclass(frozen=True)

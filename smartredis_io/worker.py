@@ -5,7 +5,8 @@
 Credentials, TLS and deadlines come from the environment as for a SmartRedis client (``SR_USERNAME``,
 ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CMD_TIMEOUT``), or from a ``redis://user:password@`` address.
 
-Each worker process blocks on the request list (BLPOP, no busy polling), loads the model or script
+Each worker process blocks on the request list (BLMOVE into its in-flight list, no busy polling),
+loads the model or script
 named by the request (cached, reloaded when its manifest shows a new version), runs it on the input
 tensors, writes the output tensors and pushes the reply the caller is blocked on. Requests for a
 model set with ``batch_size > 0`` are batched as RedisAI does: up to ``batch_size`` rows, waiting at
@@ -80,15 +81,15 @@ def _take_readonly_warning() -> None:
         torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 
-def _to_torch(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A tensor sharing ``array``'s memory (read-only inputs are not written by inference)."""
+def _to_torch(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor sharing ``array``'s memory (read-only inputs are not written by inference)."""
     if wire.is_bfloat16(array.dtype):
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array).to(device)
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().to("cpu").contiguous()
+    tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(wire.bfloat16)
     return tensor.numpy()
@@ -150,18 +151,20 @@ class _Heartbeat:
             self._db.close()
 
 
-def _output_heads(request: Request) -> list[Command]:
+def _output_heads(keys: Sequence[str]) -> list[Command]:
     """Commands reading the first bytes of every output key (to see what an output would replace)."""
-    return [("GETRANGE", key, 0, len(models.MANIFEST_PREFIX) - 1) for key in request.outputs]
+    return [("GETRANGE", key, 0, len(models.MANIFEST_PREFIX) - 1) for key in keys]
 
 
-def _check_outputs(request: Request, heads: Sequence[Any]) -> None:
-    """Refuse outputs that would overwrite a model, a script, or a protocol or chunk key.
+def _check_outputs(keys: Sequence[str], heads: Sequence[Any] | None = None) -> None:
+    """Refuse outputs that would overwrite a model, a script (``heads``: what the keys hold now), or
+    a protocol or chunk key.
 
     The worker writes with its own rights; without this, a client allowed to run models but not
-    to write models could have a worker replace one for it.
+    to write models could have a worker replace one for it. Without ``heads``, what the keys hold
+    is checked when they are written (``models.STORE_LUA``).
     """
-    for key, head in zip(request.outputs, heads, strict=True):
+    for key, head in zip(keys, heads or [None] * len(keys), strict=True):
         if models.is_internal_key(key):
             raise RunError(f"ERR output key {key!r} is reserved for stored values' parts and the run protocol")
         if isinstance(head, bytes) and head.startswith(models.MANIFEST_PREFIX):
@@ -195,6 +198,10 @@ class Worker:
         self._idle = False
         self._unregistering = False
         self._heartbeat = _Heartbeat(settings, self.name)
+        self._inflight = models.inflight_key(self.name)
+        # Replies not sent yet, with the output keys each one stores: they go out with the next pop
+        # (one write for both), and what they report is handled before that pop blocks.
+        self._answers: list[tuple[Command, str, list[str]]] = []  # (command, model key, output keys)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -209,40 +216,53 @@ class Worker:
         signal.signal(signal.SIGINT, self._on_signal)
         self._heartbeat.start()
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
-        next_reap = 0.0
         try:
-            while not self._stop:
-                self._idle = True
-                try:
-                    if self._stop:
-                        break
-                    popped = self.db.exchange([("BLPOP", models.QUEUE_KEY, POP_TIMEOUT_S)], block_s=POP_TIMEOUT_S)[0]
-                except redis.exceptions.ConnectionError:
-                    if self._stop:
-                        break  # the database went first (launcher stopping everything)
-                    raise
-                finally:
-                    self._idle = False
-                if popped:
-                    try:
-                        self.handle(popped[1])
-                    except (redis.exceptions.RedisError, ValueError, TypeError, KeyError):
-                        # A malformed request, or the database went away mid-request: the caller
-                        # times out at its deadline; this worker goes on with the next request.
-                        log.exception("request could not be handled")
-                        time.sleep(ERROR_BACKOFF_S)
-                elif time.monotonic() >= next_reap:
-                    self._idle = True
-                    try:
-                        self._reap()
-                    finally:
-                        self._idle = False
-                    next_reap = time.monotonic() + REAP_INTERVAL_S
+            with torch.inference_mode():  # once for every request: entering it per call costs more than a tiny model
+                self._take_requests()
         except _Stopped:
             log.info("worker %s stopping", self.name)
         finally:
+            self._send_answers()
             self._heartbeat.stop()
             self._unregister()
+
+    def _take_requests(self) -> None:
+        """Pop and run requests until asked to stop (the idle worker's part of reaping too)."""
+        next_reap = 0.0
+        while not self._stop:
+            self._idle = not self._answers  # with replies to send, idle once they are answered
+            try:
+                if self._stop:
+                    break
+                popped = self.db.exchange(
+                    [*self._answer_commands(),
+                     ("BLMOVE", models.QUEUE_KEY, self._inflight, "LEFT", "RIGHT", POP_TIMEOUT_S)],
+                    raise_on_error=False, block_s=POP_TIMEOUT_S, before_block=self._before_pop,
+                )[-1]
+            except redis.exceptions.ConnectionError:
+                if self._stop:
+                    break  # the database went first (launcher stopping everything)
+                raise
+            finally:
+                self._idle = False
+            if isinstance(popped, redis.exceptions.ResponseError):
+                raise popped
+            if popped:
+                try:
+                    self.handle(popped)
+                except (redis.exceptions.RedisError, ValueError, TypeError, KeyError):
+                    # A malformed request, or the database went away mid-request: the caller
+                    # times out at its deadline; this worker goes on with the next request.
+                    log.exception("request could not be handled")
+                    time.sleep(ERROR_BACKOFF_S)
+                    self._forget_inflight()
+            elif time.monotonic() >= next_reap:
+                self._idle = True
+                try:
+                    self._reap()
+                finally:
+                    self._idle = False
+                next_reap = time.monotonic() + REAP_INTERVAL_S
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self._stop and not self._idle and not self._unregistering:
@@ -285,21 +305,15 @@ class Worker:
         request = Request.decode(raw)
         if request.deadline < time.time():
             log.warning("dropping request %s for %s: its deadline passed", request.id, request.key)
+            self._forget_inflight()
             return
         try:
-            # One round trip for the bookkeeping, the manifest, the inputs and what the outputs replace.
-            _, first_manifest, *fetched = self.db.exchange(
-                [("HSET", models.INFLIGHT_KEY, self.name, request.encode()), ("GET", request.key),
-                 *(("GET", key) for key in request.inputs), *_output_heads(request)],
-                raise_on_error=False,
-            )
-            raw_inputs = fetched[:len(request.inputs)]
-            _check_outputs(request, fetched[len(request.inputs):])
-            manifest, runnable = self._load(request.key, request.kind, first_manifest)
+            raw_manifest, raw_inputs = self._fetch(request)
+            manifest, runnable = self._load(request.key, request.kind, raw_manifest)
             if request.kind == "model" and manifest.batch_size > 0:
                 batch = self._gather(request, manifest)
                 if not batch:  # handed over to the worker batching this model
-                    self.db.redis.hdel(models.INFLIGHT_KEY, self.name)
+                    self._forget_inflight()
                     return
                 self._run_batched(batch, runnable, manifest)
             else:
@@ -310,18 +324,91 @@ class Worker:
             log.exception("request %s on %s failed", request.id, request.key)
             self._reply(request, f"{type(exc).__name__}: {exc}")
 
-    def _reply(self, request: Request, error: str | None = None, before: Sequence[Command] = ()) -> list[Any]:
-        """Push the reply (after the commands ``before``, in the same round trip); all their replies."""
+    def _fetch(self, request: Request, manifest: bool = True) -> tuple[Any, list[Any]]:
+        """The raw manifest (if asked for) and inputs of ``request``: those it carries, the rest read
+        in one round trip.
+
+        A carried manifest is only used when it is the one this worker loaded its cached model
+        from: the worker never loads a model from a manifest a client could have written into its
+        request. In a cluster, what the outputs hold now is read in the same round trip and checked.
+        """
+        embedded = request.embedded or [None] * (1 + len(request.inputs))
+        cached = self._manifests.get(request.key)
+        raw_manifest = embedded[0] if cached is not None and embedded[0] == cached[0] else None
+        raw_inputs: list[Any] = list(embedded[1:])
+        missing = [i for i, value in enumerate(raw_inputs) if value is None]
+        manifest = manifest and raw_manifest is None
+        commands: list[Command] = [("GET", request.key)] if manifest else []
+        commands += [("GET", request.inputs[i]) for i in missing]
+        if self.db.cluster:
+            commands += _output_heads(request.outputs)
+        replies = self.db.exchange(commands, raise_on_error=False) if commands else []
+        if manifest:
+            raw_manifest, *replies = replies
+        for i, value in zip(missing, replies, strict=False):
+            raw_inputs[i] = value
+        _check_outputs(request.outputs, replies[len(missing):] if self.db.cluster else None)
+        return raw_manifest, raw_inputs
+
+    def _forget_inflight(self) -> None:
+        """Empty this worker's in-flight list (the request in it will not be run, or was answered)."""
+        try:
+            self.db.redis.delete(self._inflight)
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not clear %s: %s", self._inflight, exc)
+
+    def _reply(self, request: Request, error: str | None = None, outputs: Sequence[tuple[str, bytes]] = ()) -> None:
+        """Answer the caller, storing ``outputs`` (key, value) with the answer; sent with the next pop.
+
+        The outputs go through ``models.STORE_LUA``: what each one replaces is checked and written
+        atomically with the reply (if one of them holds a model, the caller gets an error and
+        nothing is stored).
+        """
         body = self._ok_reply if error is None else json.dumps({"ok": False, "error": error, "worker": self.name})
         if error is not None and request.key in self._cache:
-            self._count(request.key, errors=1)
-        return self.db.exchange([
-            *before,
-            ("RPUSH", request.reply_key, body),
-            ("PEXPIRE", request.reply_key, models.REPLY_TTL_MS),
-            ("HDEL", models.INFLIGHT_KEY, self.name),
-            *self._stats_commands(),  # after the reply: the caller does not wait for them
-        ])
+            self._pending_stats(request.key)["errors"] += 1
+        if outputs:
+            keys = [key for key, _ in outputs]
+            self._answers.append(((
+                "EVAL", models.STORE_LUA, len(outputs) + 1, *keys, request.reply_key, models.MANIFEST_PREFIX,
+                wire.HEADER_MAX_BYTES, models.REPLY_TTL_MS, body, self.name, *(value for _, value in outputs),
+            ), request.key, keys))
+        else:
+            self._answers.append((("RPUSH", request.reply_key, body), request.key, []))
+            self._answers.append((("PEXPIRE", request.reply_key, models.REPLY_TTL_MS), request.key, []))
+
+    def _answer_commands(self) -> list[Command]:
+        """The replies waiting to be sent, then this worker's in-flight list emptied and its statistics."""
+        if not self._answers:
+            return []
+        return [*(command for command, _, _ in self._answers), ("DEL", self._inflight), *self._stats_commands()]
+
+    def _answered(self, replies: list[Any]) -> None:
+        """Handle what the server said to the replies sent (``_answer_commands``): log failures,
+        count refused outputs as errors, remove the chunks of values the outputs replaced."""
+        answers, self._answers = self._answers, []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                log.error("a reply or its bookkeeping failed: %s", reply)
+        for (_, model, keys), replaced in zip(answers, replies, strict=False):
+            if keys and replaced is None:  # an output holds a model: the caller got an error
+                self._pending_stats(model)["errors"] += 1
+            for key, old in zip(keys, replaced if isinstance(replaced, list) else [], strict=False):
+                if old:
+                    wire.delete_replaced_chunks(self.db, key, old)
+
+    def _before_pop(self, replies: list[Any]) -> None:
+        self._answered(replies)
+        self._idle = True  # the replies are out: a signal now stops the worker at once
+
+    def _send_answers(self) -> None:
+        """Send the replies still waiting (a stopping worker answers what it has run)."""
+        if not self._answers:
+            return
+        try:
+            self._answered(self.db.exchange(self._answer_commands(), raise_on_error=False))
+        except (redis.exceptions.RedisError, RedisConnectionError) as exc:
+            log.warning("could not send %d replies: %s", len(self._answers), exc)
 
     def _finish(self, request: Request, outputs: Sequence[torch.Tensor]) -> None:
         """Store the outputs and reply; small outputs go in the reply's round trip."""
@@ -329,26 +416,34 @@ class Worker:
             raise RunError(
                 f"ERR {request.key!r} produced {len(outputs)} outputs but {len(request.outputs)} were named"
             )
-        stores: list[Command] = []
-        inline: list[str] = []
+        inline: list[tuple[str, bytes]] = []
+        large: list[tuple[str, np.ndarray]] = []
         for key, tensor in zip(request.outputs, outputs, strict=True):
             array = _to_numpy(tensor)
             value = wire.encode_inline(array) if array.nbytes <= PIPELINED_OUTPUT_MAX_BYTES else None
             if value is None:
-                wire.put_array(self.db, key, array)  # large: zero-copy path, before the reply
-                continue
-            stores += [("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1), ("SET", key, value)]
-            inline.append(key)
-        if self.db.cluster and inline:
-            # A cluster pipeline writes to every shard before reading any reply, so the reply could
-            # land before an output on another shard: store the outputs first, then answer.
-            results = self.db.exchange(stores)
-            self._reply(request)
-        else:
-            results = self._reply(request, before=stores)
-        for key, old in zip(inline, results[0:2 * len(inline):2], strict=True):
+                large.append((key, array))
+            else:
+                inline.append((key, value))
+        if large and not self.db.cluster:  # (in a cluster, checked before the run)
+            keys = [key for key, _ in large]
+            _check_outputs(keys, self.db.exchange(_output_heads(keys), raise_on_error=False))
+        for key, array in large:
+            wire.put_array(self.db, key, array)  # large: zero-copy path, before the reply
+        if not self.db.cluster:
+            self._reply(request, outputs=inline)
+            return
+        # A cluster pipeline writes to every shard before reading any reply, so the reply could land
+        # before an output on another shard: store the outputs first, then answer.
+        stores: list[Command] = [
+            command for key, value in inline
+            for command in (("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1), ("SET", key, value))
+        ]
+        replaced = self.db.exchange(stores)[0::2] if stores else []
+        for (key, _), old in zip(inline, replaced, strict=True):
             if old:
                 wire.delete_replaced_chunks(self.db, key, old)
+        self._reply(request)
 
     def _load(self, key: str, kind: str, raw_manifest: bytes | None) -> tuple[Manifest, Any]:
         for attempt in range(wire.READ_RETRIES):
@@ -370,7 +465,8 @@ class Worker:
                 blob = models.load_blob(self.db, key, manifest)
             except RedisKeyError:
                 continue  # replaced while loading: read the new manifest
-            runnable = self._compile(blob, kind, key, manifest.device)
+            with torch.inference_mode(False):  # loading builds modules, as outside a worker
+                runnable = self._compile(blob, kind, key, manifest.device)
             self._cache[key] = (manifest.version, runnable)
             log.info("loaded %s %s version %s", kind, key, manifest.version)
             return manifest, runnable
@@ -397,18 +493,16 @@ class Worker:
         torchscript_policy.check_ops(_torchscript.op_kinds(runnable), what)
         return runnable
 
-    def _inputs(self, request: Request, raw: Sequence[bytes | None] | None = None) -> list[torch.Tensor]:
-        """The request's input tensors, from values already fetched (``raw``) or read now."""
+    def _inputs(self, request: Request, raw: Sequence[Any]) -> list[torch.Tensor]:
+        """The request's input tensors, from their stored values (``raw``, as ``_fetch`` gives them)."""
         try:
-            if raw is None:
-                return [_to_torch(wire.get_array(self.db, key), _CPU) for key in request.inputs]
             tensors = []
             for key, value in zip(request.inputs, raw, strict=True):
                 if isinstance(value, Exception):
                     raise RunError(f"ERR reading tensor {key!r}: {value}")
                 if value is None:
                     raise RedisKeyError(f"The tensor {key!r} does not exist")
-                tensors.append(_to_torch(wire.decode_value(self.db, key, value), _CPU))
+                tensors.append(_to_torch(wire.decode_value(self.db, key, value)))
             return tensors
         except RedisKeyError as exc:
             raise RunError(f"ERR tensor key is empty: {exc}") from None
@@ -423,17 +517,23 @@ class Worker:
                 raise RunError(f"ERR function {request.fn!r} does not exist in script {request.key!r}")
             function = getattr(runnable, request.fn)
         start = time.perf_counter()
-        with torch.inference_mode():
+        if torch.is_inference_mode_enabled():  # serve() runs every request in inference mode
             outputs = _as_list(function(*inputs))
-        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
-        self._count(request.key, duration=round((time.perf_counter() - start) * 1e6), samples=rows, calls=1)
+        else:
+            with torch.inference_mode():
+                outputs = _as_list(function(*inputs))
+        pending = self._pending_stats(request.key)
+        pending["duration"] += round((time.perf_counter() - start) * 1e6)
+        pending["samples"] += inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+        pending["calls"] += 1
         return outputs
 
-    def _count(self, key: str, **increments: int) -> None:
-        """Add to the statistics of ``key`` (written with the next reply)."""
-        pending = self._stats.setdefault(key, dict.fromkeys(models.STATS_FIELDS, 0))
-        for field, value in increments.items():
-            pending[field] += value
+    def _pending_stats(self, key: str) -> dict[str, int]:
+        """The statistics of ``key`` not yet written (they go with the next reply)."""
+        pending = self._stats.get(key)
+        if pending is None:
+            pending = self._stats[key] = dict.fromkeys(models.STATS_FIELDS, 0)
+        return pending
 
     def _stats_commands(self) -> list[Command]:
         """The commands that add the pending statistics to their stats hashes."""
@@ -478,9 +578,7 @@ class Worker:
             if request.deadline < time.time():
                 continue
             try:
-                heads = _output_heads(request)
-                _check_outputs(request, self.db.exchange(heads, raise_on_error=False) if heads else [])
-                jobs.append(_Job(request, self._inputs(request)))
+                jobs.append(_Job(request, self._inputs(request, self._fetch(request, manifest=False)[1])))
             except RunError as exc:
                 self._reply(request, str(exc))
         while jobs:

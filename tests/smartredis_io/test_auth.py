@@ -100,6 +100,23 @@ def test_acl_users_write_only_their_keys_and_cannot_replace_a_model(uid: str) ->
         alice.close()
 
 
+def test_a_client_without_scripting_rights_still_runs_models(uid: str) -> None:
+    """Where the server refuses scripts to a client, its requests go without their inputs."""
+    with Orchestrator(workers=1) as orch:
+        with redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password) as plain:
+            plain.acl_setuser("noscript", enabled=True, passwords=["+noscript-pw"], keys=["*"],
+                              commands=["+@all", "-@scripting"])
+        client = Client(_options(orch.address, SR_USERNAME="noscript", SR_PASSWORD="noscript-pw"))
+        module = linear(0)
+        client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)))
+        for i in range(3):
+            client.put_tensor(uid + "x", X + i)
+            client.run_model(uid, uid + "x", uid + "y")
+            expected = module(torch.from_numpy(X + i)).detach().numpy()
+            np.testing.assert_allclose(client.get_tensor(uid + "y"), expected, rtol=1e-6)
+        client.close()
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory) -> TlsFiles:
     """A CA and a server certificate for 127.0.0.1 signed by it."""

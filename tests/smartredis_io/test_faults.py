@@ -19,7 +19,7 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO, wire
+from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO, models, wire
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
@@ -116,7 +116,8 @@ def _registry(orch: Orchestrator) -> tuple[dict[str, int], dict[str, bytes]]:
     settings = orch.settings()
     with redis.Redis(host="127.0.0.1", port=orch.database.port, password=settings.password) as plain:
         workers = {k.decode(): int(v) for k, v in plain.hgetall("{srio}.workers").items()}
-        inflight = {k.decode(): v for k, v in plain.hgetall("{srio}.inflight").items()}
+        inflight = {key.decode().removeprefix(models.INFLIGHT_PREFIX): plain.lindex(key, 0)
+                    for key in plain.scan_iter(match=models.INFLIGHT_PREFIX + "*")}
     return workers, inflight
 
 

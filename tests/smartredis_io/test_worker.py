@@ -6,12 +6,17 @@ import os
 import threading
 import time
 
+import json
+import uuid
+
 import numpy as np
 import pytest
 import redis
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from smartredis_io import Client, Orchestrator, models
+from smartredis_io import Client, ConfigOptions, Orchestrator, models, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 
@@ -42,6 +47,59 @@ def test_a_new_model_version_is_picked_up(orch_client: Client, orch_raw, uid: st
             orch_client.run_model(uid, uid + "x", uid + "y")
             np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
     assert len(orch_raw.keys(f"{{{uid}}}.blob.*")) == 1  # old versions' blobs are gone
+
+
+_BOUNDARY = models.EMBED_MAX_BYTES // 4  # float32 elements of an input the request can carry
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    first=st.sampled_from([1, 7, _BOUNDARY - 1, _BOUNDARY, _BOUNDARY + 1, 300_000]),
+    second=st.integers(1, 2 * _BOUNDARY),
+    chunked=st.booleans(),
+)
+def test_script_inputs_and_outputs_of_every_size(orch_client: Client, uid: str, monkeypatch, first: int,
+                                                 second: int, chunked: bool) -> None:
+    """Inputs the request carries, ones the worker reads (larger, or stored in chunks), and outputs
+    stored with the reply or on their own, in one call."""
+    monkeypatch.setenv(wire.BULK_LIMIT_ENV, str(64 * 1024 if chunked else wire.BULK_LIMIT_BYTES))
+    rng = np.random.default_rng(first + second)
+    a, b = rng.random(first, dtype=np.float32), rng.random(second, dtype=np.float32)
+    orch_client.set_script(uid, SCRIPT)
+    orch_client.put_tensor(uid + "a", a)
+    orch_client.put_tensor(uid + "b", b)
+    orch_client.run_script(uid, "double", [uid + "a"], [uid + "2a"])
+    np.testing.assert_array_equal(orch_client.get_tensor(uid + "2a"), 2 * a)
+    orch_client.run_script(uid, "add_and_sub", [uid + "b", uid + "b"], [uid + "sum", uid + "diff"])
+    np.testing.assert_array_equal(orch_client.get_tensor(uid + "sum"), b + b)
+    np.testing.assert_array_equal(orch_client.get_tensor(uid + "diff"), np.zeros_like(b))
+
+
+def _run_raw(raw: redis.Redis, request: models.Request, carried: list[bytes]) -> dict:
+    """Queue ``request`` as a client could, carrying ``carried`` as its manifest and inputs; the reply."""
+    values = b"".join(b"%d:%s" % (len(v), v) for v in carried)
+    raw.rpush(models.QUEUE_KEY, request.encode().encode() + b"\n" + values)
+    popped = raw.blpop([request.reply_key], timeout=30)
+    assert popped is not None, "no worker answered"
+    return json.loads(popped[1])
+
+
+def test_a_request_cannot_bring_its_own_model(orch_client: Client, orch_raw, uid: str) -> None:
+    """A manifest carried in a request is not trusted: workers run the model stored under the key."""
+    module, other = linear(0), linear(1)
+    orch_client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)))
+    orch_client.set_model(uid + "other", torchscript_bytes(other, torch.from_numpy(X)))
+    orch_client.put_tensor(uid + "x", X)
+    for _ in range(4):  # both workers have the model loaded
+        orch_client.run_model(uid, uid + "x", uid + "y")
+    forged = json.loads(orch_raw.get(uid + "other"))  # the other model's manifest, its blob named
+    forged["blob"] = models.blob_key(uid + "other", forged["version"])
+    manifest = json.dumps(forged).encode()
+    for _ in range(4):
+        request = models.Request(uuid.uuid4().hex, "model", uid, [uid + "x"], [uid + "y"], time.time() + 30)
+        reply = _run_raw(orch_raw, request, [manifest, orch_raw.get(uid + "x")])
+        assert reply["ok"], reply
+        np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
 
 
 def test_set_model_from_file_and_delete(orch_client: Client, uid: str, tmp_path) -> None:
