@@ -191,9 +191,11 @@ def raw_odirect(path: Path, num_bytes: int, handle: Any, buffer: torch.Tensor, w
             )  # as fastpersist_save does: in-file O_DIRECT writes run async
         for offset in range(0, num_bytes, buffer.numel()):
             chunk = buffer.narrow(0, 0, min(buffer.numel(), num_bytes - offset))
-            if not write and not _deepspeed_compat.partial_file_transfers(handle):
-                if os.preadv(fd, [memoryview(chunk.numpy())], offset) != chunk.numel():
-                    raise OSError(f"raw O_DIRECT read failed at offset {offset} of {path}")
+            if not _deepspeed_compat.partial_file_transfers(handle):
+                # This DeepSpeed's handle can hang on part of a file: the same transfer, synchronously.
+                view = [memoryview(chunk.numpy())]
+                if (os.pwritev(fd, view, offset) if write else os.preadv(fd, view, offset)) != chunk.numel():
+                    raise OSError(f"raw O_DIRECT {'write' if write else 'read'} failed at offset {offset} of {path}")
                 continue
             status = (
                 _deepspeed_compat.async_pwrite(handle, chunk, fd, str(path), offset)

@@ -425,9 +425,8 @@ class Worker:
                 large.append((key, array))
             else:
                 inline.append((key, value))
-        if large and not self.db.cluster:  # (in a cluster, checked before the run)
-            keys = [key for key, _ in large]
-            _check_outputs(keys, self.db.exchange(_output_heads(keys), raise_on_error=False))
+        if large and not self.db.cluster:  # every output, before any is written (in a cluster: before the run)
+            _check_outputs(request.outputs, self.db.exchange(_output_heads(request.outputs), raise_on_error=False))
         for key, array in large:
             wire.put_array(self.db, key, array)  # large: zero-copy path, before the reply
         if not self.db.cluster:

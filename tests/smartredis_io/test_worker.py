@@ -75,6 +75,20 @@ def test_script_inputs_and_outputs_of_every_size(orch_client: Client, uid: str, 
     np.testing.assert_array_equal(orch_client.get_tensor(uid + "diff"), np.zeros_like(b))
 
 
+@pytest.mark.parametrize("elements", [4, 300_000])  # outputs stored with the reply, and on their own
+def test_an_output_never_replaces_a_model(orch_client: Client, uid: str, elements: int) -> None:
+    module = linear(0)
+    orch_client.set_model(uid + "m", torchscript_bytes(module, torch.from_numpy(X)))
+    orch_client.set_script(uid, SCRIPT)
+    orch_client.put_tensor(uid + "a", np.ones(elements, np.float32))
+    with pytest.raises(RedisReplyError, match="holds a model"):
+        orch_client.run_script(uid, "add_and_sub", [uid + "a", uid + "a"], [uid + "sum", uid + "m"])
+    assert not orch_client.key_exists(uid + "sum"), "no output is stored when one is refused"
+    orch_client.put_tensor(uid + "x", X)
+    orch_client.run_model(uid + "m", uid + "x", uid + "y")
+    np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
+
+
 def _run_raw(raw: redis.Redis, request: models.Request, carried: list[bytes]) -> dict:
     """Queue ``request`` as a client could, carrying ``carried`` as its manifest and inputs; the reply."""
     values = b"".join(b"%d:%s" % (len(v), v) for v in carried)
