@@ -8,7 +8,6 @@ import logging
 import os
 import textwrap
 import time
-import uuid
 from collections.abc import Callable
 
 import redis
@@ -426,7 +425,7 @@ class ModelCommands(ClientBase):
         timeout_s = self._model_timeout_s
         deadline = time.monotonic() + timeout_s
         request = models.Request(
-            uuid.uuid4().hex, kind, self._get_key("model", name),
+            os.urandom(16).hex(), kind, self._get_key("model", name),
             [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
             time.time() + timeout_s, fn_name,
         )
@@ -450,9 +449,8 @@ class ModelCommands(ClientBase):
             self._reap_dead_workers()
             wait = min(REPLY_SLICE_S, remaining)
             popped = self._db.exchange([("BLPOP", request.reply_key, wait)], block_s=wait)[0]
-        reply = json.loads(popped[1])
-        if not reply["ok"]:
-            raise RedisReplyError(reply["error"], method)
+        if not popped[1].startswith(models.OK_REPLY_PREFIX):
+            raise RedisReplyError(json.loads(popped[1])["error"], method)
 
     def _enqueue_command(self, request: models.Request) -> tuple | None:
         """The command queueing ``request``, with its manifest and inputs where the server runs the

@@ -42,6 +42,7 @@ MAX_ATTEMPTS = 2  # a request whose worker dies is run once more
 INFLIGHT_PREFIX = "{srio}.inflight."  # + worker name: a list holding the request the worker is running
 REPLY_TTL_MS = 60_000  # a reply nobody collects (its caller timed out) expires after this
 SEPARATOR = "\n"
+OK_REPLY_PREFIX = b'{"ok": true,'  # how a success reply starts (``ok_reply``); any other reply carries an error
 EMBED_MAX_BYTES = 64 * 1024  # larger inputs are not copied into the request: the worker reads them
 
 # Queue a request: ARGV[1] is its entry; appended to it are the manifest at KEYS[2] and the inputs
@@ -169,6 +170,16 @@ for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
 end
 return removed
 """
+
+
+def ok_reply(worker: str) -> str:
+    """The reply of the worker named ``worker`` to a request it ran."""
+    return json.dumps({"ok": True, "error": "", "worker": worker})
+
+
+def error_reply(worker: str, error: str) -> str:
+    """The reply of the worker named ``worker`` to a request that failed with ``error``."""
+    return json.dumps({"ok": False, "error": error, "worker": worker})
 
 
 def inflight_key(worker: str) -> str:
@@ -302,7 +313,8 @@ class Request:
 
     def encode(self) -> str:
         """The queue entry without embedded values: the key's JSON, the attempt, the request's JSON, one per line."""
-        body = {k: v for k, v in vars(self).items() if k not in ("attempt", "embedded")}  # vars: asdict deep-copies
+        body = {"id": self.id, "kind": self.kind, "key": self.key, "inputs": self.inputs, "outputs": self.outputs,
+                "deadline": self.deadline, "fn": self.fn}
         return f"{queue_prefix(self.key)}{self.attempt}{SEPARATOR}{json.dumps(body)}"
 
     def enqueue_command(self) -> tuple[Any, ...]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import logging
 import multiprocessing
 import os
@@ -186,7 +185,7 @@ class Worker:
         self.db.redis.ping()  # the pooled connection is made now, with the rights the process starts with
         self.device = torch.device(device)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self._ok_reply = json.dumps({"ok": True, "error": "", "worker": self.name})
+        self._ok_reply = models.ok_reply(self.name)
         self._cache: dict[str, tuple[str, Any]] = {}  # key -> (version, loaded model or script)
         self._devices: dict[str, torch.device] = {}  # key -> device its model or script runs on
         self._stats: dict[str, dict[str, int]] = {}  # key -> statistics not yet added to its stats hash
@@ -364,7 +363,7 @@ class Worker:
         atomically with the reply (if one of them holds a model, the caller gets an error and
         nothing is stored).
         """
-        body = self._ok_reply if error is None else json.dumps({"ok": False, "error": error, "worker": self.name})
+        body = self._ok_reply if error is None else models.error_reply(self.name, error)
         if error is not None and request.key in self._cache:
             self._pending_stats(request.key)["errors"] += 1
         if outputs:

@@ -25,7 +25,9 @@ def test_every_row_with_its_ratio_and_bar(tmp_path, capsys) -> None:
             assert row["bar"] == (">= 1.0" if row["bytes"] >= 1 << 20 else ">= 0.9")
             assert all(len(times) == 2 for times in row["rounds"].values()), "the loops took turns in 2 rounds"
         if "run_model" in row["metric"]:
-            assert row["ours"] > 0 and row["ceiling"] > 0 and row["bar"] == "<= 0.5 ms"
+            assert row["ours"] > 0 and row["baseline"] > 0 and row["ceiling"] > 0 and row["bar"] == "<= 0.5 ms"
+            assert row["ratio"] == pytest.approx(row["ours"] / row["baseline"])
+            assert "hand-rolled redis-py worker" in row["metric"]
     copies = next(row for row in rows if "payload-sized" in row["metric"])
     assert copies["ours"] < 0.01 and copies["ok"]
     assert "smartredis_io" in capsys.readouterr().out
