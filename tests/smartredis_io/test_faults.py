@@ -19,7 +19,15 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO, models, wire
+from smartredis_io import (
+    Client,
+    ConfigOptions,
+    Orchestrator,
+    RedisServer,
+    SmartRedisCheckpointIO,
+    models,
+    wire,
+)
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT

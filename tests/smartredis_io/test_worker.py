@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
-
-import json
 import uuid
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import Client, ConfigOptions, Orchestrator, models, wire
+from smartredis_io import Client, Orchestrator, models, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 
