@@ -281,7 +281,8 @@ class Database:
             if before_block is None:
                 replies = self._redirected(commands, [_redispy.read_reply(conn, wait) for _ in commands])
             else:
-                replies = self._redirected(commands[:-1], [_redispy.read_reply(conn, wait) for _ in commands[1:]])
+                head = commands[:-1]
+                replies = self._redirected(head, [_redispy.read_reply(conn, wait) for _ in head])
                 before_block(replies)
                 replies += self._redirected(commands[-1:], [_redispy.read_reply(conn, wait)])
         except BaseException:

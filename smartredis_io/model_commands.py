@@ -75,6 +75,12 @@ def _check_file(path: str) -> str:
     return path
 
 
+def _raise_refused(replies: list) -> None:
+    """Raise the server's refusal of a request at once, rather than after the reply's pop times out."""
+    if replies and isinstance(replies[0], redis.exceptions.ResponseError):
+        raise replies[0]
+
+
 class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
@@ -438,7 +444,8 @@ class ModelCommands(ClientBase):
         wait = min(REPLY_SLICE_S, timeout_s)
         pop = ("BLPOP", request.reply_key, wait)
         enqueue = self._enqueue_command(request)
-        popped = self._db.exchange([pop] if enqueue is None else [enqueue, pop], block_s=wait)[-1]
+        popped = self._db.exchange([pop] if enqueue is None else [enqueue, pop], block_s=wait,
+                                   before_block=_raise_refused)[-1]
         while popped is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -319,7 +319,7 @@ class Request:
 
     def enqueue_command(self) -> tuple[Any, ...]:
         """The command that queues this request with its manifest and inputs (``ENQUEUE_LUA``), on one node."""
-        return ("EVAL", ENQUEUE_LUA, 1 + 1 + len(self.inputs), QUEUE_KEY, self.key, *self.inputs,
+        return ("EVAL", ENQUEUE_LUA, 2 + len(self.inputs), QUEUE_KEY, self.key, *self.inputs,
                 self.encode(), EMBED_MAX_BYTES)
 
     @classmethod

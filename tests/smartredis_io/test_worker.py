@@ -88,6 +88,25 @@ def test_an_output_never_replaces_a_model(orch_client: Client, uid: str, element
     np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
 
 
+def test_a_refused_request_fails_at_once(orch_client: Client, orch_raw, uid: str) -> None:
+    """A request the server does not queue (here: out of memory) fails without waiting for a reply."""
+    orch_client.set_model(uid, torchscript_bytes(linear(0), torch.from_numpy(X)))
+    orch_client.put_tensor(uid + "x", X)
+    orch_client.run_model(uid, uid + "x", uid + "y")
+    policy = orch_raw.config_get("maxmemory-policy")["maxmemory-policy"]
+    orch_raw.config_set("maxmemory-policy", "noeviction")
+    orch_raw.config_set("maxmemory", "1")
+    try:
+        start = time.monotonic()
+        with pytest.raises(RedisReplyError, match="maxmemory"):
+            orch_client.run_model(uid, uid + "x", uid + "y")
+        assert time.monotonic() - start < 0.5, "the refusal was not waited for"
+    finally:
+        orch_raw.config_set("maxmemory", "0")
+        orch_raw.config_set("maxmemory-policy", policy)
+    orch_client.run_model(uid, uid + "x", uid + "y")
+
+
 def _run_raw(raw: redis.Redis, request: models.Request, carried: list[bytes]) -> dict:
     """Queue ``request`` as a client could, carrying ``carried`` as its manifest and inputs; the reply."""
     values = b"".join(b"%d:%s" % (len(v), v) for v in carried)
