@@ -6,8 +6,8 @@ written last with one SET, publishes them: a worker loads either the old or the 
 a half-written one, and notices a new version by the manifest alone.
 
 Run requests go to one Redis list that every worker pops; each entry is
-``<model key as JSON>\n<attempt>\n<json>`` (the key's JSON form has no newline, so any key is
-carried), followed on a single node by ``\n<values>``: the manifest and the input tensors as they
+``<model key as JSON>\\n<attempt>\\n<json>`` (the key's JSON form has no newline, so any key is
+carried), followed on a single node by ``\\n<values>``: the manifest and the input tensors as they
 were when the request was queued (``ENQUEUE_LUA``), so that the worker needs no round trip before it
 runs the model. Replies go to a per-request list that the caller pops with BLPOP until the request's
 deadline. All protocol keys share the ``{srio}`` hash tag (one shard in a cluster).

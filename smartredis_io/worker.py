@@ -198,9 +198,6 @@ class Worker:
         self._unregistering = False
         self._heartbeat = _Heartbeat(settings, self.name)
         self._inflight = models.inflight_key(self.name)
-        # Replies not sent yet, with the output keys each one stores: they go out with the next pop
-        # (one write for both), and what they report is handled before that pop blocks.
-        self._answers: list[tuple[Command, str, list[str]]] = []  # (command, model key, output keys)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -221,7 +218,6 @@ class Worker:
         except _Stopped:
             log.info("worker %s stopping", self.name)
         finally:
-            self._send_answers()
             self._heartbeat.stop()
             self._unregister()
 
@@ -229,23 +225,20 @@ class Worker:
         """Pop and run requests until asked to stop (the idle worker's part of reaping too)."""
         next_reap = 0.0
         while not self._stop:
-            self._idle = not self._answers  # with replies to send, idle once they are answered
+            self._idle = True
             try:
                 if self._stop:
                     break
                 popped = self.db.exchange(
-                    [*self._answer_commands(),
-                     ("BLMOVE", models.QUEUE_KEY, self._inflight, "LEFT", "RIGHT", POP_TIMEOUT_S)],
-                    raise_on_error=False, block_s=POP_TIMEOUT_S, before_block=self._before_pop,
-                )[-1]
+                    [("BLMOVE", models.QUEUE_KEY, self._inflight, "LEFT", "RIGHT", POP_TIMEOUT_S)],
+                    block_s=POP_TIMEOUT_S,
+                )[0]
             except redis.exceptions.ConnectionError:
                 if self._stop:
                     break  # the database went first (launcher stopping everything)
                 raise
             finally:
                 self._idle = False
-            if isinstance(popped, redis.exceptions.ResponseError):
-                raise popped
             if popped:
                 try:
                     self.handle(popped)
@@ -357,7 +350,7 @@ class Worker:
             log.warning("could not clear %s: %s", self._inflight, exc)
 
     def _reply(self, request: Request, error: str | None = None, outputs: Sequence[tuple[str, bytes]] = ()) -> None:
-        """Answer the caller, storing ``outputs`` (key, value) with the answer; sent with the next pop.
+        """Answer the caller, storing ``outputs`` (key, value) in the same round trip.
 
         The outputs go through ``models.STORE_LUA``: what each one replaces is checked and written
         atomically with the reply (if one of them holds a model, the caller gets an error and
@@ -366,48 +359,24 @@ class Worker:
         body = self._ok_reply if error is None else models.error_reply(self.name, error)
         if error is not None and request.key in self._cache:
             self._pending_stats(request.key)["errors"] += 1
-        if outputs:
-            keys = [key for key, _ in outputs]
-            self._answers.append(((
-                "EVAL", models.STORE_LUA, len(outputs) + 1, *keys, request.reply_key, models.MANIFEST_PREFIX,
-                wire.HEADER_MAX_BYTES, models.REPLY_TTL_MS, body, self.name, *(value for _, value in outputs),
-            ), request.key, keys))
-        else:
-            self._answers.append((("RPUSH", request.reply_key, body), request.key, []))
-            self._answers.append((("PEXPIRE", request.reply_key, models.REPLY_TTL_MS), request.key, []))
-
-    def _answer_commands(self) -> list[Command]:
-        """The replies waiting to be sent, then this worker's in-flight list emptied and its statistics."""
-        if not self._answers:
-            return []
-        return [*(command for command, _, _ in self._answers), ("DEL", self._inflight), *self._stats_commands()]
-
-    def _answered(self, replies: list[Any]) -> None:
-        """Handle what the server said to the replies sent (``_answer_commands``): log failures,
-        count refused outputs as errors, remove the chunks of values the outputs replaced."""
-        answers, self._answers = self._answers, []
-        for reply in replies:
-            if isinstance(reply, Exception):
-                log.error("a reply or its bookkeeping failed: %s", reply)
-        for (_, model, keys), replaced in zip(answers, replies, strict=False):
-            if keys and replaced is None:  # an output holds a model: the caller got an error
-                self._pending_stats(model)["errors"] += 1
-            for key, old in zip(keys, replaced if isinstance(replaced, list) else [], strict=False):
-                if old:
-                    wire.delete_replaced_chunks(self.db, key, old)
-
-    def _before_pop(self, replies: list[Any]) -> None:
-        self._answered(replies)
-        self._idle = True  # the replies are out: a signal now stops the worker at once
-
-    def _send_answers(self) -> None:
-        """Send the replies still waiting (a stopping worker answers what it has run)."""
-        if not self._answers:
+        keys = [key for key, _ in outputs]
+        answer: list[Command] = [(
+            "EVAL", models.STORE_LUA, len(outputs) + 1, *keys, request.reply_key, models.MANIFEST_PREFIX,
+            wire.HEADER_MAX_BYTES, models.REPLY_TTL_MS, body, self.name, *(value for _, value in outputs),
+        )] if outputs else [("RPUSH", request.reply_key, body), ("PEXPIRE", request.reply_key, models.REPLY_TTL_MS)]
+        replies = self.db.exchange([
+            *answer,
+            ("DEL", self._inflight),
+            *self._stats_commands(),  # after the reply: the caller does not wait for them
+        ])
+        if not outputs:
             return
-        try:
-            self._answered(self.db.exchange(self._answer_commands(), raise_on_error=False))
-        except (redis.exceptions.RedisError, RedisConnectionError) as exc:
-            log.warning("could not send %d replies: %s", len(self._answers), exc)
+        if replies[0] is None:  # an output holds a model: the caller got an error
+            self._pending_stats(request.key)["errors"] += 1
+            return
+        for key, old in zip(keys, replies[0], strict=True):
+            if old:
+                wire.delete_replaced_chunks(self.db, key, old)
 
     def _finish(self, request: Request, outputs: Sequence[torch.Tensor]) -> None:
         """Store the outputs and reply; small outputs go in the reply's round trip."""
