@@ -130,6 +130,19 @@ def _socket(conn: Any) -> socket.socket:
     return conn._sock
 
 
+def socket_of(conn: Any) -> socket.socket:
+    """The socket of a redis-py connection (connected now if it is not), to wait on several with ``select``."""
+    return _socket(conn)
+
+
+def endpoint_of(client: redis.Redis | RedisCluster, key: str) -> tuple[str, int] | None:
+    """``(host, port)`` of the cluster node that serves ``key``; None for a standalone client."""
+    if not isinstance(client, RedisCluster):
+        return None
+    node = client.get_node_from_key(key)
+    return node.host, node.port
+
+
 def send_buffers(conn: Any, buffers: Sequence[bytes | memoryview]) -> None:
     """Send already packed RESP ``buffers`` in one system call (``sendmsg``), without joining them.
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import textwrap
-import time
 from collections.abc import Callable
 
 import redis
@@ -21,7 +19,6 @@ __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
 
 BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
 EXECUTABLE_BACKENDS = ("TORCH",)
-REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, looking for dead workers between
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +72,10 @@ def _check_file(path: str) -> str:
     return path
 
 
-def _raise_refused(replies: list) -> None:
-    """Raise the server's refusal of a request at once, rather than after the reply's pop times out."""
-    if replies and isinstance(replies[0], redis.exceptions.ResponseError):
-        raise replies[0]
-
-
 class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
     _model_timeout_s: float
-    #: whether this server runs ENQUEUE_LUA for this client (None: not tried yet; False: scripting refused)
-    _embeds: bool | None = None
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
 
@@ -428,55 +417,21 @@ class ModelCommands(ClientBase):
         self._run("script", name, fn_name, names(inputs, "inputs"), names(outputs, "outputs"), "run_script")
 
     def _run(self, kind: str, name: str, fn_name: str, inputs: list[str], outputs: list[str], method: str) -> None:
-        timeout_s = self._model_timeout_s
-        deadline = time.monotonic() + timeout_s
-        request = models.Request(
-            os.urandom(16).hex(), kind, self._get_key("model", name),
-            [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
-            time.time() + timeout_s, fn_name,
-        )
-        # One round trip: on one node, the request carries the model's manifest and the inputs
-        # (the worker then needs no round trip before it runs the model); in a cluster those keys
-        # live elsewhere and the worker reads them. The request and the reply share the {srio} tag,
-        # and the pop blocks until the reply. The wait is cut in slices: between them, workers
-        # whose heartbeat stopped are reaped (their requests run again elsewhere, or are answered
-        # with an error), so a dead worker costs seconds, not the whole timeout.
-        wait = min(REPLY_SLICE_S, timeout_s)
-        pop = ("BLPOP", request.reply_key, wait)
-        enqueue = self._enqueue_command(request)
-        popped = self._db.exchange([pop] if enqueue is None else [enqueue, pop], block_s=wait,
-                                   before_block=_raise_refused)[-1]
-        while popped is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RedisTimeoutError(
-                    f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms (SR_MODEL_TIMEOUT; "
-                    "no execution worker answered: is one running on this database?)", method,
-                )
-            self._reap_dead_workers()
-            wait = min(REPLY_SLICE_S, remaining)
-            popped = self._db.exchange([("BLPOP", request.reply_key, wait)], block_s=wait)[0]
-        if not popped[1].startswith(models.OK_REPLY_PREFIX):
-            raise RedisReplyError(json.loads(popped[1])["error"], method)
-
-    def _enqueue_command(self, request: models.Request) -> tuple | None:
-        """The command queueing ``request``, with its manifest and inputs where the server runs the
-        script for this client; None when it has been queued already."""
-        if self._db.cluster or self._embeds is False:
-            return ("RPUSH", models.QUEUE_KEY, request.encode())
-        if self._embeds is None:
-            # Tried alone once: a server (or ACL user) without scripting refuses it, and the
-            # reply's pop must not be sent behind a refused request.
-            refused = self._db.exchange([request.enqueue_command()], raise_on_error=False)[0]
-            self._embeds = not isinstance(refused, redis.exceptions.ResponseError)
-            if self._embeds:
-                return None
-            log.debug("requests are queued without their inputs: %s", refused)
-            return ("RPUSH", models.QUEUE_KEY, request.encode())
-        return request.enqueue_command()
-
-    def _reap_dead_workers(self) -> None:
-        try:
-            models.reap_dead_workers(self._db)
-        except redis.exceptions.RedisError as exc:  # e.g. an ACL user without the right: workers reap too
-            log.debug("could not look for dead workers: %s", exc)
+        """One round trip: the module checks the request against this user's ACL, queues it, and
+        answers once a worker has stored the outputs (or at the deadline)."""
+        timeout_ms = max(round(self._model_timeout_s * 1000), 1)
+        key = self._get_key("model", name)
+        command = models.execute_command(kind, key, fn_name, [self._get_key("tensor", t) for t in inputs],
+                                         [self._put_key("tensor", t) for t in outputs], timeout_ms)
+        reply = self._db.exchange([command], raise_on_error=False, block_s=timeout_ms / 1000)[0]
+        if not isinstance(reply, redis.exceptions.ResponseError):
+            return
+        text = str(reply)
+        if text.startswith("TIMEDOUT"):
+            raise RedisTimeoutError(f"{text} (SR_MODEL_TIMEOUT)", method)
+        if "unknown command" in text.lower():
+            raise RedisReplyError(f"{kind} {key!r} cannot run: the database does not serve AI.MODELEXECUTE; "
+                                  f"{models.MODULE_HINT}", method)
+        if isinstance(reply, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
+            raise RedisReplyError(f"NOPERM {text.removeprefix('NOPERM ')}", method)
+        raise RedisReplyError(text, method)

@@ -149,19 +149,15 @@ class NodeCommands(ClientBase):
         typecheck(reset_stat, "reset_stat", bool)
         for node in address:
             self._node_pool(node)
-        manifest = models.load_manifest(self._db, key)
-        if manifest is None:
-            raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
-        stats_key = models.stats_key(key)
+        command = ("AI.INFO", key, "RESETSTAT") if reset_stat else ("AI.INFO", key)
+        reply = self._db.exchange([command], raise_on_error=False)[0]  # on the node that holds the key
+        if isinstance(reply, redis.exceptions.ResponseError):
+            if models.load_manifest(self._db, key) is None:
+                raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
+            raise RedisRuntimeError(f"AI.INFO command failed on server: {reply}")
         if reset_stat:
-            self._db.redis.delete(stats_key)
             return [{} for _ in address]
-        counts = {_text(k): _text(v) for k, v in self._db.redis.hgetall(stats_key).items()}
-        info = {
-            "key": key, "type": manifest.kind.upper(), "backend": manifest.backend, "device": manifest.device,
-            "tag": manifest.tag,
-            **{field: counts.get(field, "0") for field in models.STATS_FIELDS},
-        }
+        info = {_text(k): _text(v) if isinstance(v, bytes) else str(v) for k, v in zip(reply[0::2], reply[1::2], strict=False)}
         return [dict(info) for _ in address]
 
     @command

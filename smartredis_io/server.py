@@ -1,8 +1,8 @@
 """Embedded redis-server launchers: standalone, a real N-shard Redis Cluster, and an Orchestrator with workers.
 
 Every launcher authenticates where asked to: a password for the default user, and ACL users with
-roles (``client``: data commands, writes only to its key patterns; ``worker``: what execution
-workers need; ``admin``: everything). A server that listens on anything but loopback must have one
+roles (``client``: data commands and RedisAI's commands, writes only to its key patterns;
+``worker``: what execution workers need; ``admin``: everything). A server that listens on anything but loopback must have one
 or the other. Secrets go to the server in a configuration file only its owner can read, never on a
 command line; TLS is used when ``tls`` files are given.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 import redis
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
-from smartredis_io.connection import ConnectionSettings, Database, plain_client
+from smartredis_io.connection import ConnectionSettings, plain_client
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -46,10 +46,16 @@ _DATA_COMMANDS = (
     "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous "
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
-_WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
-# Keys of the run_model protocol a client writes: its requests and replies, and the registry it
-# cleans of dead workers while it waits.
-_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight.*")
+# RedisAI's commands of the smartredis_io module a client may send (ACL categories do not cover module
+# commands: they are named one by one). AI.CONFIG changes the server for everyone: admins only.
+_CLIENT_MODULE_COMMANDS = (
+    "+ai.tensorset +ai.tensorget +ai.modelstore +ai.modelget +ai.modeldel +ai.modelexecute +ai.scriptset "
+    "+ai.scriptstore +ai.scriptget +ai.scriptdel +ai.scriptexecute +ai.scriptrun +ai.info"
+)
+# The module commands execution workers take requests and answer them with; no client has them.
+_WORKER_MODULE_COMMANDS = (
+    "+srio.pop +srio.take +srio.reply +srio.return +srio.pause +srio.heartbeat +srio.unregister"
+)
 
 
 @dataclass(frozen=True)
@@ -59,9 +65,9 @@ class AclUser:
     Args:
         name: the user name (clients set ``SR_USERNAME`` to it).
         password: its password (clients set ``SR_PASSWORD``).
-        role: ``"client"``: reads every key, writes only ``write_keys`` (and the run_model request
-            and reply keys); ``"worker"``: what execution workers need, on every key; ``"admin"``:
-            every command on every key.
+        role: ``"client"``: reads every key, writes only ``write_keys``, runs models and scripts
+            (RedisAI's commands; a run's outputs must be keys it may write); ``"worker"``: what
+            execution workers need, on every key; ``"admin"``: every command on every key.
         write_keys: glob patterns of the keys a ``client`` may write, e.g. ``("sim1.*",)`` for a
             client writing with ``SSKEYOUT=sim1``; the chunk keys of a large value (``{key}...``)
             are allowed with their key.
@@ -80,16 +86,17 @@ class AclUser:
         if not self.password:
             raise ValueError(f"ACL user {self.name!r} needs a password")
 
-    def rule(self) -> list[str]:
-        """The ACL rule of this user, as ``user`` directive tokens."""
+    def rule(self, module: bool = True) -> list[str]:
+        """The ACL rule of this user, as ``user`` directive tokens (``module``: the server loads the
+        smartredis_io module, whose commands the rule then names)."""
         head = [self.name, "reset", "on", f">{self.password}", "resetchannels"]
         if self.role == "admin":
             return head + ["~*", "&*", "+@all"]
         if self.role == "worker":
-            return head + ["~*", *_WORKER_COMMANDS.split()]
+            return head + ["~*", *_DATA_COMMANDS.split(), *(_WORKER_MODULE_COMMANDS.split() if module else [])]
         patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
-        keys = ["%R~*", *(f"%W~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
-        return head + keys + _DATA_COMMANDS.split() + ["+eval"]
+        keys = ["%R~*", *(f"%W~{p}" for p in patterns)]
+        return head + keys + _DATA_COMMANDS.split() + (_CLIENT_MODULE_COMMANDS.split() if module else [])
 
 
 @dataclass(frozen=True)
@@ -436,8 +443,10 @@ class Orchestrator:
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process id of every running worker process started here."""
-        return [w.pid for w in self.workers if w.pid]
+        """Process id of every worker process started here that runs models now (a supervisor
+        process per ``add_worker`` starts it, and starts a new one when it dies)."""
+        prefix = f"orchestrator-{id(self):x}-"
+        return [pid for name, pid in self._registry().items() if name.startswith(prefix)]
 
     def add_worker(self) -> ManagedProcess:
         """Start one more worker process and wait until it takes requests."""
@@ -462,12 +471,15 @@ class Orchestrator:
         self.workers.append(worker)
         return worker, f"{name}.0"
 
+    def _registry(self) -> dict[str, int]:
+        """Name -> pid of every worker registered on the database (``SRIO.WORKERS``; each registers on every server)."""
+        host = "127.0.0.1" if self.database.host in ("0.0.0.0", "::") else self.database.host
+        port = self.database.ports[0] if self.cluster else self.database.port
+        with plain_client((host, port), self.settings(), LAUNCHER_TIMEOUT_S) as client:
+            return {name.decode(): int(pid) for name, pid, *_ in client.execute_command("SRIO.WORKERS")}
+
     def _registered(self, names: list[str]) -> bool:
-        db = Database(self.settings())
-        try:
-            return all(db.redis.hexists("{srio}.workers", name) for name in names)
-        finally:
-            db.close()
+        return set(names) <= set(self._registry())
 
     def _wait_registered(self, started: list[tuple[ManagedProcess, str]]) -> None:
         deadline = time.monotonic() + WORKER_READY_TIMEOUT_S
