@@ -26,6 +26,7 @@ import redis
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
 from smartredis_io.connection import ConnectionSettings, plain_client
+from smartredis_io.redis_module import module_path
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -136,9 +137,14 @@ class RedisServer:
         tls: serve TLS only, with these files.
         extra_args: more redis-server arguments.
         startup_timeout_s: how long to wait for the server to answer.
+        module: load the smartredis_io Redis module (RedisAI's commands for SmartRedis clients;
+            see :mod:`smartredis_io.redis_module`): ``True`` (default) the one of this package,
+            a path for another build, ``False`` for a plain Redis.
+        module_args: the module's arguments (``NAME value`` pairs, e.g. ``("MODEL_CHUNK_SIZE", "1048576")``).
 
     Raises:
         ValueError: a non-loopback ``host`` without authentication, or two users of one name.
+        smartredis_io.redis_module.RedisModuleNotFoundError: ``module=True`` and the module is not built.
     """
 
     def __init__(
@@ -152,6 +158,8 @@ class RedisServer:
         tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout_s: float = 15.0,
+        module: bool | str = True,
+        module_args: Sequence[str] = (),
     ) -> None:
         if not _is_loopback(host) and not password and not users:
             raise ValueError(
@@ -170,6 +178,8 @@ class RedisServer:
         self._extra_args = tuple(extra_args)
         self._startup_timeout_s = startup_timeout_s
         self._binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
+        self.module = (module_path() if module is True else os.fspath(module)) if module else None
+        self._module_args = tuple(module_args)
         self._workdir: Path | None = None
         self._process: ManagedProcess | None = None
 
@@ -216,7 +226,9 @@ class RedisServer:
             lines += ['save ""', "appendonly no"]
         if self._password:
             lines.append(f"requirepass {_quote(self._password)}")
-        lines += ["user " + " ".join(_quote(token) for token in user.rule()) for user in self.users]
+        if self.module:
+            lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *self._module_args)))
+        lines += ["user " + " ".join(_quote(token) for token in user.rule(bool(self.module))) for user in self.users]
         return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
@@ -272,13 +284,14 @@ class RedisServer:
 class RedisCluster:
     """A Redis Cluster of ``shards`` primaries (no replicas), slots spread evenly.
 
-    Takes ``host``, ``password``, ``users`` and ``tls`` as :class:`RedisServer` does (every node gets
-    them; the cluster bus uses TLS too when ``tls`` is given).
+    Takes ``host``, ``password``, ``users``, ``tls``, ``module`` and ``module_args`` as
+    :class:`RedisServer` does (every node gets them; the cluster bus uses TLS too when ``tls`` is given).
     """
 
     def __init__(self, shards: int = 3, host: str = "127.0.0.1", *, password: str | None = None,
                  users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
-                 startup_timeout_s: float = 15.0) -> None:
+                 startup_timeout_s: float = 15.0, module: bool | str = True,
+                 module_args: Sequence[str] = ()) -> None:
         if shards < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 primaries, got shards={shards}")
         self.host = host
@@ -290,7 +303,7 @@ class RedisCluster:
         self._nodes = [
             RedisServer(host, password=password, users=users, tls=tls,
                         extra_args=(*cluster_args, "--cluster-port", str(free_port("127.0.0.1"))),
-                        startup_timeout_s=startup_timeout_s)
+                        startup_timeout_s=startup_timeout_s, module=module, module_args=module_args)
             for _ in range(shards)
         ]
 
@@ -403,17 +416,20 @@ class Orchestrator:
     ``worker_user`` (default ``nobody``) once connected, unless ``allow_root_workers`` is set. They
     connect as the first ACL user of role ``worker`` if there is one, else as the default user.
 
-    ``password``, ``users``, ``tls`` and ``host`` are those of :class:`RedisServer`.
+    ``password``, ``users``, ``tls``, ``host``, ``module`` and ``module_args`` are those of
+    :class:`RedisServer`: the database loads the smartredis_io Redis module, so that SmartRedis
+    clients in C, C++, Fortran and Python use it too.
     """
 
     def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
                  host: str = "127.0.0.1", worker_env: dict[str, str] | None = None,
                  worker_user: str | None = None, allow_root_workers: bool = False,
-                 password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None) -> None:
+                 password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
+                 module: bool | str = True, module_args: Sequence[str] = ()) -> None:
         if shards not in (1,) and shards < 3:
             raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
         self.cluster = shards > 1
-        auth = {"password": password, "users": users, "tls": tls}
+        auth = {"password": password, "users": users, "tls": tls, "module": module, "module_args": module_args}
         self.database: RedisServer | RedisCluster = (
             RedisCluster(shards, host, **auth) if self.cluster else RedisServer(host, **auth)
         )
