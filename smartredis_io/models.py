@@ -129,9 +129,11 @@ def delete(db: Database, key: str) -> bool:
 
 #: The module commands a client sends; the worker commands (``SRIO.*``) are in docs/smartredis.md.
 MODULE_HINT = (
-    "load the smartredis_io Redis module into redis-server (`--loadmodule $(python -m smartredis_io.redisai)`); "
+    "load the smartredis_io Redis module into redis-server (`--loadmodule \"$(python -m smartredis_io.redis_module)\"`); "
     "Orchestrator, RedisServer and RedisCluster load it themselves"
 )
+#: inputs up to this size travel with the request (exec.c's EMBED_MAX_BYTES); the worker reads larger ones
+EMBED_MAX_BYTES = 64 * 1024
 #: bytes of a replaced output that SRIO.REPLY returns: a tensor header, to find the chunks it referenced
 REPLACED_HEAD_BYTES = wire.HEADER_MAX_BYTES
 KINDS = ("model", "script", "script-lists")

@@ -12,6 +12,7 @@
  *
  * Every pointer below is touched from the server's main thread only.
  */
+#define _GNU_SOURCE /* memmem */
 #include "exec.h"
 
 #include <stdarg.h>
@@ -84,6 +85,10 @@ static RedisModuleDict *blocked;  /* RedisModuleBlockedClient* -> Request (calle
 static RedisModuleDict *workers;  /* name -> Worker */
 static RedisModuleDict *stats;    /* model or script key -> SRIO_ExecStats */
 static RedisModuleDict *gathering; /* waiter id -> blocked SRIO.TAKE (ended by its own timer) */
+/* model key -> name of the worker that took a request for it and is about to gather a batch
+ * (SRIO.TAKE): until then, other requests for that model wait for it rather than go to other
+ * workers, as RedisAI batches them. */
+static RedisModuleDict *claims;
 static long long next_id = 1, next_waiter_id = 1;
 static long long default_timeout_ms = 60000;
 
@@ -278,6 +283,78 @@ static void request_disconnected(RedisModuleCtx *ctx, RedisModuleBlockedClient *
     }
 }
 
+/* ---- batching claims ------------------------------------------------------------------------ */
+
+/* Whether the manifest at `name` asks for batching (batch_size > 1). */
+static int batches(RedisModuleCtx *ctx, RedisModuleString *name) {
+    RedisModuleKey *key = RedisModule_OpenKey(ctx, name, REDISMODULE_READ);
+    if (key == NULL) return 0;
+    int found = 0;
+    if (RedisModule_KeyType(key) == REDISMODULE_KEYTYPE_STRING) {
+        size_t len;
+        const char *value = RedisModule_StringDMA(key, &len, REDISMODULE_READ);
+        const char *field = "\"batch_size\": ";
+        const char *at = memmem(value, len, field, strlen(field));
+        if (at) {
+            at += strlen(field);
+            long long n = 0;
+            while (at < value + len && *at >= '0' && *at <= '9') n = n * 10 + (*at++ - '0');
+            found = n > 1;
+        }
+    }
+    RedisModule_CloseKey(key);
+    return found;
+}
+
+static RedisModuleString *claim_of(RedisModuleString *key) {
+    size_t len;
+    const char *name = RedisModule_StringPtrLen(key, &len);
+    return RedisModule_DictGetC(claims, (void *)name, len, NULL);
+}
+
+static void claim(RedisModuleCtx *ctx, Request *r, RedisModuleString *worker) {
+    if (r->kind != KIND_MODEL || claim_of(r->key) || !batches(ctx, r->key)) return;
+    size_t len;
+    const char *name = RedisModule_StringPtrLen(r->key, &len);
+    RedisModule_DictSetC(claims, (void *)name, len, hold(worker));
+}
+
+static void kick(void);
+
+/* End the claim on `key` if `worker` holds it (NULL: whoever holds it); the requests it held back go on. */
+static void unclaim(RedisModuleString *key, RedisModuleString *worker) {
+    RedisModuleString *holder = claim_of(key);
+    if (holder == NULL || (worker && RedisModule_StringCompare(holder, worker) != 0)) return;
+    size_t len;
+    const char *name = RedisModule_StringPtrLen(key, &len);
+    RedisModule_DictDelC(claims, (void *)name, len, NULL);
+    RedisModule_FreeString(NULL, holder);
+    kick();
+}
+
+/* End every claim `worker` holds (it died or left). */
+static void unclaim_all(RedisModuleString *worker) {
+    RedisModuleString **keys = NULL;
+    long long n = 0;
+    RedisModuleDictIter *it = RedisModule_DictIteratorStartC(claims, "^", NULL, 0);
+    char *name;
+    size_t len;
+    RedisModuleString *holder;
+    while ((name = RedisModule_DictNextC(it, &len, (void **)&holder))) {
+        if (RedisModule_StringCompare(holder, worker) != 0) continue;
+        keys = RedisModule_Realloc(keys, sizeof *keys * (n + 1));
+        keys[n++] = RedisModule_CreateString(NULL, name, len);
+    }
+    RedisModule_DictIteratorStop(it);
+    for (long long i = 0; i < n; i++) {
+        unclaim(keys[i], worker);
+        RedisModule_FreeString(NULL, keys[i]);
+    }
+    RedisModule_Free(keys);
+}
+
+static int claimed(Request *r) { return r->kind == KIND_MODEL && claim_of(r->key) != NULL; }
+
 /* ---- handing requests to workers ----------------------------------------------------------- */
 
 static void release_waiter(Waiter *w) {
@@ -287,33 +364,48 @@ static void release_waiter(Waiter *w) {
     RedisModule_UnblockClient(w->bc, w);
 }
 
-/* Give `r` to a waiting worker (one gathering a batch of its model first), or queue it. */
+/* The waiting worker `r` goes to: one gathering a batch of its model, else the longest-waiting pop
+ * (unless another worker is about to gather a batch of its model); NULL: none. */
+static Waiter *taker_for(Request *r) {
+    Waiter *pop = NULL;
+    for (Waiter *w = waiters_head; w; w = w->next) {
+        if (w->take) {
+            if (r->kind == KIND_MODEL && RedisModule_StringCompare(w->key, r->key) == 0) return w;
+        } else if (pop == NULL) {
+            pop = w;
+        }
+    }
+    return pop && !claimed(r) ? pop : NULL;
+}
+
+static void give(Waiter *w, Request *r) {
+    r->where = AT_WAITER;
+    w->got[w->ngot++] = r;
+    if (!w->take || w->ngot >= w->min || w->ngot >= w->max) release_waiter(w);
+}
+
+/* Give `r` to a waiting worker, or queue it. */
 static void dispatch(Request *r, int at_head) {
     if (r->bc == NULL) {
         free_request(r);
         return;
     }
-    Waiter *pop = NULL;
-    for (Waiter *w = waiters_head; w; w = w->next) {
-        if (w->take) {
-            if (r->kind == KIND_MODEL && RedisModule_StringCompare(w->key, r->key) == 0) {
-                r->where = AT_WAITER;
-                w->got[w->ngot++] = r;
-                if (w->ngot >= w->min || w->ngot >= w->max) release_waiter(w);
-                return;
-            }
-        } else if (pop == NULL) {
-            pop = w;
+    Waiter *w = taker_for(r);
+    if (w) give(w, r); else queue_push(r, at_head);
+}
+
+/* Hand queued requests to waiting workers (after a claim ended, requests it held back may go). */
+static void kick(void) {
+    long long scanned = 0;
+    for (Request *r = queue_head; r && waiters_head && scanned < BATCH_SCAN_LIMIT; scanned++) {
+        Request *next = r->next;
+        Waiter *w = taker_for(r);
+        if (w) {
+            queue_unlink(r);
+            give(w, r);
         }
+        r = next;
     }
-    if (pop) {
-        r->where = AT_WAITER;
-        pop->got[0] = r;
-        pop->ngot = 1;
-        release_waiter(pop);
-        return;
-    }
-    queue_push(r, at_head);
 }
 
 static void reply_strings(RedisModuleCtx *ctx, RedisModuleString **strings, int n) {
@@ -385,6 +477,7 @@ static void waiter_deliver(RedisModuleCtx *ctx, Waiter *w) {
             return;
         }
         deliver(w->got[0], w->worker, owner);
+        claim(ctx, w->got[0], w->worker);
         reply_request(ctx, w->got[0], 1);
         return;
     }
@@ -394,6 +487,7 @@ static void waiter_deliver(RedisModuleCtx *ctx, Waiter *w) {
         deliver(w->got[i], w->worker, owner);
         reply_request(ctx, w->got[i], 0);
     }
+    unclaim(w->key, w->worker);
 }
 
 static void waiter_free_memory(Waiter *w) {
@@ -542,6 +636,7 @@ static void client_change(RedisModuleCtx *ctx, RedisModuleEvent event, uint64_t 
     for (long long i = 0; i < n; i++) {
         RedisModule_Log(ctx, "warning", "the worker %s disconnected while running %s %s: run again or failed",
                         str(gone[i]->worker), KIND_WORDS[gone[i]->kind], str(gone[i]->key));
+        unclaim(gone[i]->key, gone[i]->worker);
         requeue(gone[i], 1, "died");
     }
     RedisModule_Free(gone);
@@ -564,6 +659,7 @@ static void reap(RedisModuleCtx *ctx, void *data) {
         RedisModule_Log(ctx, "warning", "the worker %s sent no heartbeat for %d ms: unregistered", str(silent[i]),
                         HEARTBEAT_TTL_MS);
         release_waiters_of(silent[i]);
+        unclaim_all(silent[i]);
         Request **gone;
         long long n = take_inflight(0, silent[i], &gone);
         for (long long j = 0; j < n; j++) requeue(gone[j], 1, "stopped sending heartbeats");
@@ -875,9 +971,11 @@ static int cmd_pop(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!parse_count(ctx, argv[2], 0, &block_ms, "block-ms")) return REDISMODULE_OK;
     touch_worker(argv[1], -1);
     Request *r = queue_head;
-    if (r) {
+    for (long long scanned = 0; r && claimed(r) && scanned < BATCH_SCAN_LIMIT; scanned++) r = r->next;
+    if (r && !claimed(r)) {
         queue_unlink(r);
         deliver(r, argv[1], RedisModule_GetClientId(ctx));
+        claim(ctx, r, argv[1]);
         reply_request(ctx, r, 1);
         return REDISMODULE_OK;
     }
@@ -975,6 +1073,7 @@ static int cmd_reply(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     Request *r = inflight_of(argv[1], argv[2]);
     touch_worker(argv[1], -1);
     if (r == NULL) return RedisModule_ReplyWithNull(ctx);
+    unclaim(r->key, argv[1]); /* answered without gathering a batch (or after it) */
     if (calls) {
         SRIO_ExecStats *s = stats_of(r->key, 1);
         s->duration_us += duration;
@@ -1062,6 +1161,7 @@ static int cmd_heartbeat(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
 static int cmd_unregister(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 2) return RedisModule_WrongArity(ctx);
     release_waiters_of(argv[1]);
+    unclaim_all(argv[1]);
     Request **held;
     long long n = take_inflight(0, argv[1], &held);
     for (long long i = n - 1; i >= 0; i--) requeue(held[i], 0, "stopped");
@@ -1148,6 +1248,7 @@ int SRIO_ExecRegister(RedisModuleCtx *ctx) {
     workers = RedisModule_CreateDict(NULL);
     stats = RedisModule_CreateDict(NULL);
     gathering = RedisModule_CreateDict(NULL);
+    claims = RedisModule_CreateDict(NULL);
     if (create(ctx, "ai.modelexecute", cmd_modelexecute, "write deny-oom", 1) != REDISMODULE_OK ||
         create(ctx, "ai.scriptexecute", cmd_scriptexecute, "write deny-oom", 1) != REDISMODULE_OK ||
         create(ctx, "ai.scriptrun", cmd_scriptrun, "write deny-oom", 1) != REDISMODULE_OK ||
