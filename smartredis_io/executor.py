@@ -366,10 +366,15 @@ class Worker:
                         continue
                     self._signals += 1
                     self._stop = True
-                    if self._signals >= 2 and not self._idle:
-                        log.warning("worker %s: second stop signal during a run: stopping now", self.name)
-                        logging.shutdown()
-                        os._exit(EXIT_STOPPED)
+                    if self._idle:
+                        continue  # the Python handler stops the wait
+                    if self._signals == 1:
+                        log.warning("worker %s: stop signal during a run: finishing it (a second signal stops "
+                                    "the worker now)", self.name)
+                        continue
+                    log.warning("worker %s: second stop signal during a run: stopping now", self.name)
+                    logging.shutdown()
+                    os._exit(EXIT_STOPPED)
 
         threading.Thread(target=watch, name="signals", daemon=True).start()
 

@@ -42,9 +42,10 @@ INSTALL_HINT = (
 )
 ROLES = ("client", "worker", "admin")
 # Commands every role needs: data types, key checks, blocking pops, and the cluster topology reads
-# redis-py makes. Nothing that changes the server or reads its configuration (@dangerous).
+# redis-py makes. Nothing that changes the server or reads its configuration (@dangerous), and no
+# server-side scripts (@scripting: EVAL, and FUNCTION LOAD, which @write would let through).
 _DATA_COMMANDS = (
-    "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous "
+    "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous -@scripting "
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
 # RedisAI's commands of the smartredis_io module a client may send (ACL categories do not cover module

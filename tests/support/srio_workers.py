@@ -17,10 +17,15 @@ class WorkerEntry:
     running: int
 
 
-def registry(client: redis.Redis) -> dict[str, WorkerEntry]:
-    """Every worker registered on the server ``client`` talks to, by name."""
-    return {name.decode(): WorkerEntry(int(pid), int(running))
-            for name, pid, running, *_ in client.execute_command("SRIO.WORKERS")}
+def registry(client: redis.Redis | list[redis.Redis]) -> dict[str, WorkerEntry]:
+    """Every worker registered on the server(s) ``client`` talks to, by name (every worker registers
+    on every server; ``running`` counts the requests of all of them)."""
+    entries: dict[str, WorkerEntry] = {}
+    for node in client if isinstance(client, list) else [client]:
+        for name, pid, running, *_ in node.execute_command("SRIO.WORKERS"):
+            known = entries.get(name.decode())
+            entries[name.decode()] = WorkerEntry(int(pid), int(running) + (known.running if known else 0))
+    return entries
 
 
 def wait_until(condition: Callable[[], object], seconds: float, what: str) -> object:
@@ -34,7 +39,7 @@ def wait_until(condition: Callable[[], object], seconds: float, what: str) -> ob
     raise AssertionError(f"not within {seconds} s: {what}")
 
 
-def busy_worker(client: redis.Redis, seconds: float = 10, exclude: frozenset[str] = frozenset()) -> str:
+def busy_worker(client: redis.Redis | list[redis.Redis], seconds: float = 10, exclude: frozenset[str] = frozenset()) -> str:
     """The name of a worker running a request (waiting until one does)."""
     return wait_until(lambda: next((name for name, entry in registry(client).items()
                                     if entry.running and name not in exclude), None),
