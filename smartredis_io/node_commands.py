@@ -125,9 +125,10 @@ class NodeCommands(ClientBase):
     def get_ai_info(self, address: list[str], key: str, reset_stat: bool = False) -> list[dict]:
         """Returns ``AI.INFO``-style statistics of the script or model at a key, per address
 
-        The execution workers count, per model and script, the calls, errors, samples (rows of
-        the first input) and the microseconds spent running it; every address reports the same
-        statistics, which live in the database. The key is taken as given (no prefix is applied).
+        The smartredis_io Redis module counts, per model and script, the calls, errors, samples
+        (rows of the first input) and the microseconds the workers spent running it (``AI.INFO``,
+        asked of the server that holds the key); every address reports those statistics. The key
+        is taken as given (no prefix is applied).
 
         :param address: The addresses of the database nodes
         :type address: list[str]
