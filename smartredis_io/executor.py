@@ -330,6 +330,10 @@ class Worker:
 
     # ---- life cycle -----------------------------------------------------------------------------
 
+    def request_stop(self) -> None:
+        """Stop before the next request (a stop signal that came while the worker was starting)."""
+        self._stop = True
+
     def serve(self) -> None:
         """Take requests until SIGTERM / SIGINT.
 

@@ -73,6 +73,17 @@ def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, u
     os.setpgid(0, 0)  # signals to the supervisor's group reach this worker once, through the supervisor
     die_with_parent()
     _configure_logging()
+    # A stop signal while the worker starts (importing torch, registering, dropping privileges) is
+    # kept, and the worker then leaves at once through serve(), unregistering as any stopping worker.
+    early: dict[str, Any] = {"stop": False, "worker": None}
+
+    def stop_early(signum: int, frame: object) -> None:
+        early["stop"] = True
+        if early["worker"] is not None:
+            early["worker"].request_stop()
+
+    signal.signal(signal.SIGTERM, stop_early)
+    signal.signal(signal.SIGINT, stop_early)
     code = 1
     try:
         import torch
@@ -85,7 +96,9 @@ def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, u
             # Connections made after the drop must not need files only root can read.
             with open(settings.tls_ca_cert) as ca:
                 settings = settings.with_(tls_ca_data=ca.read(), tls_ca_cert=None)
-        worker = executor.Worker(settings, device, name)
+        worker = early["worker"] = executor.Worker(settings, device, name)
+        if early["stop"]:
+            worker.request_stop()
         if dropping:
             executor.warm_up()
             drop_privileges(user)

@@ -294,7 +294,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
         client.run_script(uid, "double", [uid + "x"], [uid + "z"])
         pids = {entry.pid for entry in workers().values()}
     wait_until(lambda: not any(_alive(pid) for pid in pids), 10, "the workers stop with their supervisor")
-    assert not workers()
+    assert not workers(), "they unregistered"
     plain.close()
 
 
