@@ -315,14 +315,10 @@ class Worker:
         self._nodes = [_Node(e, settings) for e in endpoints]
         self._by_endpoint = {node.endpoint: node for node in self._nodes}
         self._heartbeat = _Heartbeat(settings, endpoints, self.name)
-        try:
-            self._heartbeat.beat()  # registered (and the module known to be there) before the first pop
-        except redis.exceptions.ResponseError as exc:
-            if "unknown command" in str(exc).lower():
-                raise ModuleMissingError(
-                    f"The database at {self.db.address} does not serve execution workers: {models.MODULE_HINT}"
-                ) from None
-            raise
+        if self.db.exchange([("COMMAND", "INFO", "SRIO.POP")])[0] in ([None], None):
+            raise ModuleMissingError(
+                f"The database at {self.db.address} does not serve execution workers: {models.MODULE_HINT}"
+            )
         self._watchdog = _Watchdog()
         self._stop = False
         self._idle = False
@@ -344,6 +340,7 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._watch_signals()
+        self._heartbeat.beat()  # registered once it takes requests (launchers wait for that)
         self._heartbeat.start()
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
         try:

@@ -42,6 +42,7 @@ typedef struct Request {
     int where;
     int attempt;
     int variadic; /* AI.SCRIPTRUN's `$`: index of the first input passed as one list; -1: none */
+    int batched;  /* a model set with batch_size > 1 (read when the request came) */
     RedisModuleString *key, *fn, *user;
     RedisModuleString *worker; /* name of the worker running it (AT_WORKER) */
     RedisModuleString **inputs, **outputs, **keys, **args;
@@ -66,10 +67,14 @@ typedef struct Waiter {
     struct Waiter *prev, *next;
 } Waiter;
 
+#define WORKER_CONNECTIONS 8 /* a worker's connections to one server: pops, pauses, heartbeats */
+
 typedef struct Worker {
     RedisModuleString *name;
     long long pid;
     long long beat; /* last sign of life, RedisModule_Milliseconds() */
+    unsigned long long connections[WORKER_CONNECTIONS]; /* client ids it spoke on (the latest ones) */
+    int nconnections;
 } Worker;
 
 typedef struct Answer {
@@ -312,8 +317,9 @@ static RedisModuleString *claim_of(RedisModuleString *key) {
     return RedisModule_DictGetC(claims, (void *)name, len, NULL);
 }
 
-static void claim(RedisModuleCtx *ctx, Request *r, RedisModuleString *worker) {
-    if (r->kind != KIND_MODEL || claim_of(r->key) || !batches(ctx, r->key)) return;
+/* The worker `worker` takes `r`: if its model batches, the model's next requests wait for that worker. */
+static void claim(Request *r, RedisModuleString *worker) {
+    if (!r->batched || claim_of(r->key)) return;
     size_t len;
     const char *name = RedisModule_StringPtrLen(r->key, &len);
     RedisModule_DictSetC(claims, (void *)name, len, hold(worker));
@@ -380,6 +386,7 @@ static Waiter *taker_for(Request *r) {
 
 static void give(Waiter *w, Request *r) {
     r->where = AT_WAITER;
+    if (!w->take) claim(r, w->worker); /* before the worker has it: requests arriving meanwhile wait for it */
     w->got[w->ngot++] = r;
     if (!w->take || w->ngot >= w->min || w->ngot >= w->max) release_waiter(w);
 }
@@ -464,6 +471,7 @@ static void waiter_deliver(RedisModuleCtx *ctx, Waiter *w) {
     long long live = 0;
     for (long long i = 0; i < w->ngot; i++) {
         if (w->got[i]->bc == NULL) {
+            if (!w->take) unclaim(w->got[i]->key, w->worker); /* it will not gather for this one */
             free_request(w->got[i]);
             w->got[i] = NULL;
         } else {
@@ -477,7 +485,6 @@ static void waiter_deliver(RedisModuleCtx *ctx, Waiter *w) {
             return;
         }
         deliver(w->got[0], w->worker, owner);
-        claim(ctx, w->got[0], w->worker);
         reply_request(ctx, w->got[0], 1);
         return;
     }
@@ -547,7 +554,7 @@ static void waiter_disconnected(RedisModuleCtx *ctx, RedisModuleBlockedClient *b
 
 /* ---- workers ------------------------------------------------------------------------------- */
 
-static Worker *touch_worker(RedisModuleString *name, long long pid) {
+static Worker *touch_worker(RedisModuleCtx *ctx, RedisModuleString *name, long long pid) {
     size_t len;
     const char *key = RedisModule_StringPtrLen(name, &len);
     Worker *w = RedisModule_DictGetC(workers, (void *)key, len, NULL);
@@ -558,6 +565,16 @@ static Worker *touch_worker(RedisModuleString *name, long long pid) {
     }
     if (pid >= 0) w->pid = pid;
     w->beat = now_ms();
+    unsigned long long id = RedisModule_GetClientId(ctx);
+    int known = 0;
+    for (int i = 0; i < w->nconnections; i++) known |= w->connections[i] == id;
+    if (!known) {
+        if (w->nconnections == WORKER_CONNECTIONS) {
+            memmove(w->connections, w->connections + 1, sizeof w->connections[0] * (WORKER_CONNECTIONS - 1));
+            w->nconnections--;
+        }
+        w->connections[w->nconnections++] = id;
+    }
     return w;
 }
 
@@ -627,10 +644,29 @@ static void forget_worker(RedisModuleString *name) {
     }
 }
 
+/* The worker `id` was a connection of, when it closes: that worker is unregistered (a live one
+ * registers again with its next command); NULL when it was no worker's. */
+static void forget_connection(unsigned long long id) {
+    RedisModuleString *gone = NULL;
+    RedisModuleDictIter *it = RedisModule_DictIteratorStartC(workers, "^", NULL, 0);
+    Worker *w;
+    while (!gone && RedisModule_DictNextC(it, NULL, (void **)&w)) {
+        for (int i = 0; i < w->nconnections; i++)
+            if (w->connections[i] == id) gone = hold(w->name);
+    }
+    RedisModule_DictIteratorStop(it);
+    if (gone == NULL) return;
+    unclaim_all(gone);
+    forget_worker(gone);
+    RedisModule_FreeString(NULL, gone);
+}
+
 static void client_change(RedisModuleCtx *ctx, RedisModuleEvent event, uint64_t subevent, void *data) {
     (void)event;
-    if (subevent != REDISMODULE_SUBEVENT_CLIENT_CHANGE_DISCONNECTED || RedisModule_DictSize(inflight) == 0) return;
+    if (subevent != REDISMODULE_SUBEVENT_CLIENT_CHANGE_DISCONNECTED) return;
     RedisModuleClientInfo *info = data;
+    if (RedisModule_DictSize(workers)) forget_connection(info->id);
+    if (RedisModule_DictSize(inflight) == 0) return;
     Request **gone;
     long long n = take_inflight(info->id, NULL, &gone);
     for (long long i = 0; i < n; i++) {
@@ -911,6 +947,7 @@ static int execute(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, int 
     r->id = next_id++;
     r->kind = p.kind;
     r->variadic = p.variadic;
+    r->batched = p.kind == KIND_MODEL && batches(ctx, p.key);
     r->key = hold(p.key);
     r->fn = p.fn ? hold(p.fn) : NULL;
     r->user = user_name;
@@ -969,13 +1006,13 @@ static int cmd_pop(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 3) return RedisModule_WrongArity(ctx);
     long long block_ms;
     if (!parse_count(ctx, argv[2], 0, &block_ms, "block-ms")) return REDISMODULE_OK;
-    touch_worker(argv[1], -1);
+    touch_worker(ctx, argv[1], -1);
     Request *r = queue_head;
     for (long long scanned = 0; r && claimed(r) && scanned < BATCH_SCAN_LIMIT; scanned++) r = r->next;
     if (r && !claimed(r)) {
         queue_unlink(r);
         deliver(r, argv[1], RedisModule_GetClientId(ctx));
-        claim(ctx, r, argv[1]);
+        claim(r, argv[1]);
         reply_request(ctx, r, 1);
         return REDISMODULE_OK;
     }
@@ -996,7 +1033,7 @@ static int cmd_take(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!parse_count(ctx, argv[3], 1, &max, "max") || !parse_count(ctx, argv[4], 0, &min, "min") ||
         !parse_count(ctx, argv[5], 0, &wait_ms, "wait-ms"))
         return REDISMODULE_OK;
-    touch_worker(argv[1], -1);
+    touch_worker(ctx, argv[1], -1);
     Waiter *w = RedisModule_Calloc(1, sizeof *w);
     w->take = 1;
     w->worker = hold(argv[1]);
@@ -1071,7 +1108,7 @@ static int cmd_reply(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!ok && !(str_is(argv[6], "ERROR") && argc == 8)) return RedisModule_ReplyWithError(ctx, "ERR syntax: OK [key value]... or ERROR message");
     if (ok && (argc - 7) % 2) return RedisModule_ReplyWithError(ctx, "ERR OK takes key value pairs");
     Request *r = inflight_of(argv[1], argv[2]);
-    touch_worker(argv[1], -1);
+    touch_worker(ctx, argv[1], -1);
     if (r == NULL) return RedisModule_ReplyWithNull(ctx);
     unclaim(r->key, argv[1]); /* answered without gathering a batch (or after it) */
     if (calls) {
@@ -1153,7 +1190,7 @@ static int cmd_heartbeat(RedisModuleCtx *ctx, RedisModuleString **argv, int argc
     if (argc != 3) return RedisModule_WrongArity(ctx);
     long long pid;
     if (!parse_count(ctx, argv[2], 0, &pid, "pid")) return REDISMODULE_OK;
-    touch_worker(argv[1], pid);
+    touch_worker(ctx, argv[1], pid);
     return RedisModule_ReplyWithSimpleString(ctx, "OK");
 }
 
