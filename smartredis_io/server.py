@@ -48,6 +48,11 @@ _DATA_COMMANDS = (
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
 _WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
+# RedisAI's data commands of the smartredis_io module (module commands are in no ACL category on
+# Redis 7.0, so each is named; naming one the server does not have is an error, so only with the module)
+_MODULE_DATA_COMMANDS = " ".join(f"+ai.{name}" for name in (
+    "tensorset", "tensorget", "modelstore", "modelset", "modelget", "modeldel", "scriptset", "scriptstore",
+    "scriptget", "scriptdel", "info", "config"))
 # Keys of the run_model protocol a client writes: its requests and replies, and the registry it
 # cleans of dead workers while it waits.
 _CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight.*")
@@ -81,16 +86,21 @@ class AclUser:
         if not self.password:
             raise ValueError(f"ACL user {self.name!r} needs a password")
 
-    def rule(self) -> list[str]:
-        """The ACL rule of this user, as ``user`` directive tokens."""
+    def rule(self, *, module: bool = False) -> list[str]:
+        """The ACL rule of this user, as ``user`` directive tokens (``module``: the server loads the
+        smartredis_io Redis module, whose data commands clients and workers may use)."""
         head = [self.name, "reset", "on", f">{self.password}", "resetchannels"]
+        module_commands = _MODULE_DATA_COMMANDS.split() if module else []
         if self.role == "admin":
             return head + ["~*", "&*", "+@all"]
         if self.role == "worker":
-            return head + ["~*", *_WORKER_COMMANDS.split()]
+            return head + ["~*", *_WORKER_COMMANDS.split(), *module_commands]
         patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
-        keys = ["%R~*", *(f"%W~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
-        return head + keys + _DATA_COMMANDS.split() + ["+eval"]
+        # A write key is readable and writable through one pattern: Redis grants a command that
+        # reads and writes one key (SET ... GET, HSET after HGETALL in one MULTI) only when a
+        # single pattern allows both; every key is readable anyway.
+        keys = ["%R~*", *(f"~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
+        return head + keys + _DATA_COMMANDS.split() + ["+eval", *module_commands]
 
 
 @dataclass(frozen=True)
@@ -221,7 +231,8 @@ class RedisServer:
             lines.append(f"requirepass {_quote(self._password)}")
         if self.module:
             lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *self._module_args)))
-        lines += ["user " + " ".join(_quote(token) for token in user.rule()) for user in self.users]
+        lines += ["user " + " ".join(_quote(token) for token in user.rule(module=bool(self.module)))
+                  for user in self.users]
         return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
