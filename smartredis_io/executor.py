@@ -303,6 +303,7 @@ class Worker:
     def __init__(self, settings: ConnectionSettings, device: str = "cpu", name: str = "") -> None:
         _take_readonly_warning()
         isolate_runs()
+        settings = settings.with_(encoding_errors="surrogateescape")  # keys come back as they were received
         self.db = Database(settings)
         self.db.redis.ping()  # the pooled connection is made now, with the rights the process starts with
         self.device = torch.device(device)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import redis
 
-from smartredis_io import export_policy, models, torchscript_policy
+from smartredis_io import export_policy, models, placement, torchscript_policy
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
@@ -79,8 +79,49 @@ class ModelCommands(ClientBase):
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
 
+    #: whether models and scripts go on every shard, as SmartRedis puts them (a cluster with the
+    #: smartredis_io Redis module; see ``smartredis_io.placement``); None: not asked yet
+    _on_every_shard: bool | None = None
+
+    def _sharded(self) -> bool:
+        if self._on_every_shard is None:
+            self._on_every_shard = self._db.cluster and placement.module_loaded(self._db)
+        return self._on_every_shard
+
+    #: ``placement.shard_ranges`` of this cluster, looked up at the first run
+    _shard_ranges: list | None = None
+
+    def _copy_near(self, key: str, near: str | None, refresh: bool = False) -> str | bytes:
+        """The key a run uses: in a cluster with the module, the copy of the model or script on the
+        shard of its first input (as SmartRedis picks it), which the worker then finds with the input
+        in its request; else ``key`` itself."""
+        if not self._sharded():
+            return key
+        if self._shard_ranges is None or refresh:
+            self._shard_ranges = placement.shard_ranges(self._db)
+        slot = self._db.redis.keyslot(near) if near is not None else 0
+        return placement.key_on_shard(self._shard_ranges, slot, key)
+
     def _store(self, name: str, blob: bytes, manifest: models.Manifest) -> None:
+        if self._sharded():
+            placement.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
+            return
         models.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
+
+    def _blob_of(self, name: str, kind: str) -> bytes:
+        """The bytes of the stored model or script ``name``; ``RedisKeyError`` when there is none."""
+        if self._sharded():
+            return placement.get_blob(self._db, self._get_key("model", name), kind)
+        key, manifest = self._manifest_of(name, kind)
+        return models.load_blob(self._db, key, manifest)
+
+    def _delete(self, name: str, kind: str) -> None:
+        """Delete the stored model or script ``name``; ``RedisKeyError`` when there is none."""
+        if self._sharded():
+            placement.delete(self._db, self._get_key("model", name), kind)
+            return
+        self._manifest_of(name, kind)
+        models.delete(self._db, self._get_key("model", name))
 
     @command
     def set_model(
@@ -239,8 +280,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the retrieval fails
         """
         typecheck(name, "name", str)
-        key, manifest = self._manifest_of(name, "model")
-        return models.load_blob(self._db, key, manifest)
+        return self._blob_of(name, "model")
 
     @command
     def model_exists(self, name: str) -> bool:
@@ -253,6 +293,8 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the check fails
         """
         typecheck(name, "name", str)
+        if self._sharded():
+            return placement.exists(self._db, self._get_key("model", name))
         return models.load_manifest(self._db, self._get_key("model", name)) is not None
 
     def poll_model(self, name: str, poll_frequency_ms: int, num_tries: int) -> bool:
@@ -280,11 +322,22 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
-        self._manifest_of(name, "model")
-        models.delete(self._db, self._get_key("model", name))
+        self._delete(name, "model")
 
     def _alias_model(self, alias: str, target: str) -> None:
-        """Point the model name ``alias`` at the model stored under ``target`` (one write)."""
+        """Point the model name ``alias`` at the model stored under ``target`` (one write; on every
+        shard of a cluster, a copy of the model)."""
+        if self._sharded():
+            key = self._put_key("model", target)
+            reply = self._db.redis.execute_command("AI.MODELGET", placement.first_shard_key(key), "META", "BLOB")
+            meta = dict(zip(reply[0::2], reply[1::2], strict=True))
+            blob = meta[b"blob"]
+            manifest = models.Manifest(
+                "model", models.new_version(), backend=meta[b"backend"].decode(), device=meta[b"device"].decode(),
+                batch_size=int(meta[b"batchsize"]), min_batch_size=int(meta[b"minbatchsize"]),
+                min_batch_timeout=int(meta[b"minbatchtimeout"]), tag=meta[b"tag"].decode())
+            self._store(alias, b"".join(blob) if isinstance(blob, list) else blob, manifest)
+            return
         models.alias(self._db, self._put_key("model", alias), self._put_key("model", target))
 
     @command
@@ -357,8 +410,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the retrieval fails
         """
         typecheck(name, "name", str)
-        key, manifest = self._manifest_of(name, "script")
-        return models.load_blob(self._db, key, manifest).decode()
+        return self._blob_of(name, "script").decode()
 
     @command
     def delete_script(self, name: str) -> None:
@@ -370,8 +422,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
-        self._manifest_of(name, "script")
-        models.delete(self._db, self._get_key("model", name))
+        self._delete(name, "script")
 
     @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
     def run_model(self, name: str, inputs: str | list[str] | None = None, outputs: str | list[str] | None = None) -> None:
@@ -421,9 +472,14 @@ class ModelCommands(ClientBase):
         answers once a worker has stored the outputs (or at the deadline)."""
         timeout_ms = max(round(self._model_timeout_s * 1000), 1)
         key = self._get_key("model", name)
-        command = models.execute_command(kind, key, fn_name, [self._get_key("tensor", t) for t in inputs],
-                                         [self._put_key("tensor", t) for t in outputs], timeout_ms)
-        reply = self._db.exchange([command], raise_on_error=False, block_s=timeout_ms / 1000)[0]
+        input_keys = [self._get_key("tensor", t) for t in inputs]
+        output_keys = [self._put_key("tensor", t) for t in outputs]
+        for attempt in range(2):
+            target = self._copy_near(key, input_keys[0] if input_keys else None, refresh=attempt > 0)
+            command = models.execute_command(kind, target, fn_name, input_keys, output_keys, timeout_ms)
+            reply = self._db.exchange([command], raise_on_error=False, block_s=timeout_ms / 1000)[0]
+            if not (self._sharded() and isinstance(reply, redis.exceptions.ResponseError) and "is empty" in str(reply)):
+                break  # a cluster's copy not found: the shards may have changed; look them up once more
         if not isinstance(reply, redis.exceptions.ResponseError):
             return
         text = str(reply)

@@ -9,11 +9,12 @@ script (RedisAI's ``AI.INFO`` fields).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from smartredis_io import _redispy, models
+from smartredis_io import _redispy, placement
 from smartredis_io.client_base import ClientBase, command
 from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import parse_address
@@ -54,11 +55,16 @@ def parse_fields(info: str) -> dict[str, str]:
     return fields
 
 
+#: AI.INFO's fields that count (summed over a cluster's copies of a model)
+_COUNTED = ("duration", "samples", "calls", "errors")
+
+
 class NodeCommands(ClientBase):
     """Commands run on given database nodes, and the model chunk size."""
 
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
+    _sharded: Callable[[], bool]  # ModelCommands': models are on every shard
 
     def _node_pool(self, address: str) -> redis.ConnectionPool:
         typecheck(address, "address", str)
@@ -150,15 +156,23 @@ class NodeCommands(ClientBase):
         typecheck(reset_stat, "reset_stat", bool)
         for node in address:
             self._node_pool(node)
-        command = ("AI.INFO", key, "RESETSTAT") if reset_stat else ("AI.INFO", key)
-        reply = self._db.exchange([command], raise_on_error=False)[0]  # on the node that holds the key
-        if isinstance(reply, redis.exceptions.ResponseError):
-            if models.load_manifest(self._db, key) is None:
+        # In a cluster with the module the model has a copy on every shard (smartredis_io.placement),
+        # each with its own statistics: their sums are the database's.
+        copies = placement.shard_keys(self._db, key) if self._sharded() else [key]
+        replies = [self._db.exchange([("AI.INFO", copy, *(["RESETSTAT"] if reset_stat else []))],
+                                     raise_on_error=False)[0] for copy in copies]
+        failed = next((r for r in replies if isinstance(r, redis.exceptions.ResponseError)), None)
+        if failed is not None:
+            if "is empty" in str(failed) or "WRONGTYPE" in str(failed):
                 raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
-            raise RedisRuntimeError(f"AI.INFO command failed on server: {reply}")
+            raise RedisRuntimeError(f"AI.INFO command failed on server: {failed}")
         if reset_stat:
             return [{} for _ in address]
-        info = {_text(k): _text(v) if isinstance(v, bytes) else str(v) for k, v in zip(reply[0::2], reply[1::2], strict=False)}
+        fields = [{_text(k): _text(v) if isinstance(v, bytes) else str(v)
+                   for k, v in zip(reply[0::2], reply[1::2], strict=False)} for reply in replies]
+        info = {**fields[0], "key": key}
+        for name in _COUNTED:
+            info[name] = str(sum(int(f.get(name, 0)) for f in fields))
         return [dict(info) for _ in address]
 
     @command

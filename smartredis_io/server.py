@@ -48,12 +48,13 @@ _DATA_COMMANDS = (
     "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous -@scripting "
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
-# RedisAI's commands of the smartredis_io module a client may send (ACL categories do not cover module
-# commands: they are named one by one). AI.CONFIG changes the server for everyone: admins only.
-_CLIENT_MODULE_COMMANDS = (
-    "+ai.tensorset +ai.tensorget +ai.modelstore +ai.modelget +ai.modeldel +ai.modelexecute +ai.scriptset "
-    "+ai.scriptstore +ai.scriptget +ai.scriptdel +ai.scriptexecute +ai.scriptrun +ai.info"
-)
+# RedisAI's data commands of the smartredis_io module (module commands are in no ACL category on
+# Redis 7.0, so each is named; naming one the server does not have is an error, so only with the module)
+_MODULE_DATA_COMMANDS = " ".join(f"+ai.{name}" for name in (
+    "tensorset", "tensorget", "modelstore", "modelset", "modelget", "modeldel", "scriptset", "scriptstore",
+    "scriptget", "scriptdel", "info", "config"))
+# The module's commands that run models and scripts: clients send them, the module checks their ACL.
+_MODULE_RUN_COMMANDS = "+ai.modelexecute +ai.scriptexecute +ai.scriptrun"
 # The module commands execution workers take requests and answer them with; no client has them.
 _WORKER_MODULE_COMMANDS = (
     "+srio.pop +srio.take +srio.reply +srio.return +srio.pause +srio.heartbeat +srio.unregister"
@@ -88,17 +89,22 @@ class AclUser:
         if not self.password:
             raise ValueError(f"ACL user {self.name!r} needs a password")
 
-    def rule(self, module: bool = True) -> list[str]:
+    def rule(self, *, module: bool = False) -> list[str]:
         """The ACL rule of this user, as ``user`` directive tokens (``module``: the server loads the
-        smartredis_io module, whose commands the rule then names)."""
+        smartredis_io Redis module, whose commands the rule then names)."""
         head = [self.name, "reset", "on", f">{self.password}", "resetchannels"]
+        module_commands = _MODULE_DATA_COMMANDS.split() if module else []
         if self.role == "admin":
             return head + ["~*", "&*", "+@all"]
         if self.role == "worker":
-            return head + ["~*", *_DATA_COMMANDS.split(), *(_WORKER_MODULE_COMMANDS.split() if module else [])]
+            return head + ["~*", *_DATA_COMMANDS.split(), *module_commands,
+                           *(_WORKER_MODULE_COMMANDS.split() if module else [])]
         patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
-        keys = ["%R~*", *(f"%W~{p}" for p in patterns)]
-        return head + keys + _DATA_COMMANDS.split() + (_CLIENT_MODULE_COMMANDS.split() if module else [])
+        # A write key is readable and writable through one pattern: Redis grants a command that
+        # reads and writes one key (SET ... GET, HSET after HGETALL in one MULTI) only when a
+        # single pattern allows both; every key is readable anyway.
+        keys = ["%R~*", *(f"~{p}" for p in patterns)]
+        return head + keys + _DATA_COMMANDS.split() + module_commands + (_MODULE_RUN_COMMANDS.split() if module else [])
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,8 @@ class RedisServer:
             lines.append(f"requirepass {_quote(self._password)}")
         if self.module:
             lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *self._module_args)))
-        lines += ["user " + " ".join(_quote(token) for token in user.rule(bool(self.module))) for user in self.users]
+        lines += ["user " + " ".join(_quote(token) for token in user.rule(module=bool(self.module)))
+                  for user in self.users]
         return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:

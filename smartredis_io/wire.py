@@ -237,6 +237,27 @@ def put_array(db: Database, key: str, array: np.ndarray, lease: int | None = Non
             writer.put_chunk(payload[i:i + limit])
 
 
+def stage_value(db: Database, key: str, array: np.ndarray) -> tuple[bytes, memoryview, list[str]]:
+    """What a caller writes to ``key`` itself (e.g. in a transaction) to store ``array`` there: the
+    header and the payload (a view, not a copy) of an inline value; for a value above the bulk limit,
+    its chunks are written here with a lease (``lease_ms``), and the header alone is returned with their
+    keys, which the caller makes permanent (PERSIST) when it publishes the header."""
+    code = dtype_code(array.dtype)
+    payload = _as_bytes(array)
+    limit = bulk_limit()
+    if payload.nbytes + HEADER_MAX_BYTES <= limit:
+        return encode_header(code, array.shape), payload, []
+    writer = ChunkedWriter(db, key, limit, code, array.shape)
+    try:
+        for i in range(0, payload.nbytes, limit):
+            writer.put_chunk(payload[i:i + limit])
+    except BaseException:
+        writer._abort()
+        raise
+    header = encode_header(code, array.shape, len(writer._written), writer._crc, writer._nbytes, writer._version)
+    return header, memoryview(b""), list(writer._written)
+
+
 class ChunkedWriter:
     """Writes a value as versioned chunks, then publishes it with its header (the manifest) last.
 

@@ -127,7 +127,7 @@ def test_a_client_user_cannot_reach_the_protocol_or_write_beyond_its_keys(uid: s
             ("SRIO.UNREGISTER", worker), ("SRIO.PAUSE", worker), ("SRIO.HEARTBEAT", worker, 1),  # stop a worker
             ("SRIO.POP", "alice", 100), ("SRIO.TAKE", "alice", script, 1, 1, 100),  # take others' requests
             ("SRIO.REPLY", worker, 1, 0, 0, 0, "OK"), ("SRIO.RETURN", worker, 1),  # forge or hand back a reply
-            ("SRIO.WORKERS",), ("AI.CONFIG", "MODEL_CHUNK_SIZE", 1),
+            ("SRIO.WORKERS",),
             ("DEL", "bob.x"), ("SET", "bob.y", "forged"),  # another user's keys
             ("EVAL", "while true do end", 0), ("FUNCTION", "LOAD", "#!lua name=spin\nwhile true do end"),
         ]
@@ -195,7 +195,7 @@ def test_the_published_smartredis_client_gets_noperm_for_an_output_it_may_not_wr
     users = [AclUser("root", "root-pw", role="admin"), AclUser("runner", "runner-pw", role="worker")]
     with Orchestrator(workers=1, users=users) as orch:
         admin = redis.Redis(host="127.0.0.1", port=orch.database.port, username="root", password="root-pw")
-        narrowed = AclUser("sim", "unused", write_keys=("sim.*",)).rule()[5:]  # the client role's rights
+        narrowed = AclUser("sim", "unused", write_keys=("sim.*",)).rule(module=True)[5:]  # the client role's rights
         admin.execute_command("ACL", "SETUSER", "default", "reset", "on", "nopass", "resetchannels", *narrowed)
         with Client(_options(orch.address, SR_USERNAME="root", SR_PASSWORD="root-pw")) as owner:
             owner.set_model(f"{uid}model", torchscript_bytes(linear(0), torch.from_numpy(X)))
