@@ -27,6 +27,7 @@ _EXPORTS = {
     "DataCorruptionError": "dataflux_ckpt.errors",
     "DeadlineExceededError": "dataflux_ckpt.errors",
     "InvalidCheckpointError": "dataflux_ckpt.errors",
+    "InvalidObjectNameError": "dataflux_ckpt.errors",
     "TransferError": "dataflux_ckpt.errors",
     "Gcs": "dataflux_ckpt.gcs",
     "parse_gcs_prefix": "dataflux_ckpt.paths",
@@ -57,6 +58,7 @@ __all__ = [
     "Gcs",
     "GcsPath",
     "InvalidCheckpointError",
+    "InvalidObjectNameError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
         DataCorruptionError,
         DeadlineExceededError,
         InvalidCheckpointError,
+        InvalidObjectNameError,
         TransferError,
     )
     from dataflux_ckpt.gcs import Gcs
