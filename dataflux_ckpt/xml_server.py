@@ -43,6 +43,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -54,10 +55,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
+from dataflux_ckpt import paths
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.emulator import LocalGcsService
+from dataflux_ckpt.emulator import LocalGcsService, check_bind, is_loopback
+from dataflux_ckpt.errors import InvalidObjectNameError
 from lightning_storage_plugins.services import ManagedProcess, free_port
 
 log = logging.getLogger(__name__)
@@ -86,7 +89,7 @@ class _Reply(Exception):
     def body(self) -> bytes:
         root = ElementTree.Element("Error")
         for tag, text in (("Code", self.code), ("Message", self.message), ("Details", self.details)):
-            ElementTree.SubElement(root, tag).text = text
+            ElementTree.SubElement(root, tag).text = _xml_text(text)
         return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
@@ -129,7 +132,16 @@ def _fill(parent: ElementTree.Element, children: Sequence[tuple[str, Any]]) -> N
         if isinstance(value, list):
             _fill(child, value)
         else:
-            child.text = str(value)
+            child.text = _xml_text(str(value))
+
+
+# Characters XML 1.0 cannot carry, even escaped.
+_NOT_XML_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """``text`` with what XML cannot carry written as ``\\xNN``, so that every answer is well-formed XML."""
+    return _NOT_XML_RE.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
 
 
 def _normalize_etag(etag: str) -> str:
@@ -244,7 +256,7 @@ class _MultipartState:
     def generation(self, bucket: str, name: str) -> int:
         """The generation of ``bucket/name`` upstream now; 0 when there is none."""
         status, payload = self.upstream.call(
-            "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?fields=generation")
+            "GET", f"{paths.object_url_path(bucket, name)}?fields=generation")
         if status == 404:
             return 0
         if status != 200:
@@ -252,7 +264,7 @@ class _MultipartState:
         return int(json.loads(payload).get("generation") or 0)
 
     def create(self, bucket: str, key: str, content_type: str) -> _Upload:
-        status, _ = self.upstream.call("GET", f"/storage/v1/b/{quote(bucket, safe='')}?fields=name")
+        status, _ = self.upstream.call("GET", f"{paths.bucket_url_path(bucket)}?fields=name")
         if status == 404:
             raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", bucket)
         if status != 200:
@@ -309,6 +321,10 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
                     self._multipart(split.path, query)
                 else:
                     self._forward()
+            except InvalidObjectNameError as exc:
+                self._drain()
+                reply = _Reply(400, "InvalidArgument", str(exc))
+                self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
             except _Reply as reply:
                 self._drain()
                 self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
@@ -452,17 +468,15 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             (a copy gets a new generation) instead.
             """
             body = bytes(self._read_body())
-            b = quote(bucket, safe="")
-            temporary = f"{name}.compose-{uuid.uuid4().hex}"
-            status, payload = upstream.call("POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/compose",
-                                            {"Content-Type": "application/json"}, body)
+            temporary = paths.object_url_path(bucket, f"{name}.compose-{uuid.uuid4().hex}")
+            status, payload = upstream.call("POST", f"{temporary}/compose", {"Content-Type": "application/json"}, body)
             try:
                 if status == 200:
                     status, payload = upstream.call(
-                        "POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/copyTo/b/{b}/o/{quote(name, safe='')}",
+                        "POST", f"{temporary}/copyTo{paths.object_url_path(bucket, name)[len('/storage/v1'):]}",
                         {"Content-Type": "application/json"}, b"{}")
             finally:
-                upstream.call("DELETE", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}")
+                upstream.call("DELETE", temporary)
             self._send(status, payload, {"Content-Type": "application/json; charset=UTF-8"})
 
         def _finishes_session(self) -> bool:
@@ -576,6 +590,8 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
                 return self._list_uploads(bucket, query)
             if not key:
                 raise _Reply(400, "InvalidArgument", "no object name in the request path")
+            paths.check_bucket_name(bucket)
+            paths.check_object_name(bucket, key)
             if method == "POST" and "uploads" in query:
                 return self._initiate(bucket, key)
             if not upload_id:
@@ -674,7 +690,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
                 raise _Reply(500, "InternalError",
                              f"stored crc32c {stored} != crc32c of the parts {crc32c_b64(crc)}", key)
             etag = hashlib.md5(b"".join(p.md5 for p in chosen)).hexdigest() + f"-{len(chosen)}"
-            location = f"{public_url}/{quote(bucket, safe='')}/{quote(key, safe='/')}"
+            location = public_url + paths.xml_url_path(bucket, key)
             self._ok_xml(
                 _xml("CompleteMultipartUploadResult",
                      [("Location", location), ("Bucket", bucket), ("Key", key), ("ETag", f'"{etag}"')]),
@@ -685,8 +701,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
 
         def _publish(self, upload: _Upload, parts: list[_Part], size: int) -> dict[str, Any]:
             """Write the parts as one object upstream (one streamed request); its metadata."""
-            path = (f"/upload/storage/v1/b/{quote(upload.bucket, safe='')}/o"
-                    f"?uploadType=media&name={quote(upload.key, safe='')}")
+            path = paths.upload_url_path(upload.bucket, upload.key, "media")
             with state.object_locks.held(upload.bucket, upload.key):
                 conn = upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
                 try:
@@ -778,6 +793,7 @@ def serve(
     min_part_bytes: int = GCS_MIN_PART_BYTES,
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
     public_url: str | None = None,
+    allow_remote: bool = False,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -790,11 +806,15 @@ def serve(
         upstream_timeout_s: how long a request to ``upstream`` may wait for it.
         public_url: the base URL clients reach this server by, where that is not its own address
             (a proxy in front of it); resumable-upload session locations point there.
+        allow_remote: listen on a non-loopback ``host``; the server has no authentication, so anyone
+            who reaches it may read and change every object upstream.
 
     Raises:
-        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL.
+        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL, or ``host`` is not
+            loopback and ``allow_remote`` is false.
         OSError: the address cannot be bound.
     """
+    check_bind(host, allow_remote, "the XML multipart server")
     if public_url is not None and not public_url.startswith("http://"):
         raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
     state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes)
@@ -812,7 +832,7 @@ class XmlMultipartServer(LocalGcsService):
 
     Args:
         upstream: a running :class:`~dataflux_ckpt.FakeGcsServer`, or its base URL.
-        host: loopback address to listen on.
+        host: address to listen on; loopback unless ``allow_remote``.
         port: port to listen on; a free one by default.
         min_part_bytes: the smallest part (other than the last) a completion accepts. GCS's 5 MiB by
             default; 0 lets small test uploads through.
@@ -820,8 +840,10 @@ class XmlMultipartServer(LocalGcsService):
         public_url: the base URL clients reach the server by, where a proxy stands in front of it;
             resumable-upload session locations point there. :attr:`url` by default.
         startup_timeout_s: how long :meth:`start` waits for the server to answer.
+        allow_remote: listen on a non-loopback ``host`` (there is no authentication).
 
     Raises:
+        ValueError: a non-loopback ``host`` without ``allow_remote=True``.
         ServiceStartError: (from :meth:`start`) the server did not come up; the message has its log.
     """
 
@@ -835,7 +857,9 @@ class XmlMultipartServer(LocalGcsService):
         upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
         public_url: str | None = None,
         startup_timeout_s: float = 30.0,
+        allow_remote: bool = False,
     ) -> None:
+        check_bind(host, allow_remote, "the XML multipart server")
         self.upstream = upstream if isinstance(upstream, str) else upstream.url
         if not self.upstream.startswith("http://"):
             raise ValueError(f"upstream must be an http:// URL, not {self.upstream!r}")
@@ -849,7 +873,8 @@ class XmlMultipartServer(LocalGcsService):
             "xml-multipart-server",
             [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
              "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
-             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else [])],
+             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else []),
+             *(["--allow-remote"] if allow_remote else [])],
             ready=self._answers,
             env=env,
             startup_timeout_s=startup_timeout_s,
@@ -857,6 +882,7 @@ class XmlMultipartServer(LocalGcsService):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m dataflux_ckpt.xml_server``: serve until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m dataflux_ckpt.xml_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="fake-gcs-server base URL, http://host:port")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -867,10 +893,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="seconds a forwarded request may wait for the upstream (default: %(default)s)")
     parser.add_argument("--public-url", default=None,
                         help="base URL clients reach this server by, where a proxy fronts it (default: its own)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="listen on a non-loopback --host; the server has no authentication, so anyone who "
+                             "reaches it may read and change every object (default: refused)")
     args = parser.parse_args(argv)
+    if not args.allow_remote and not is_loopback(args.host):
+        parser.error(f"refusing to listen on {args.host!r} without --allow-remote: the server has no "
+                     "authentication, so anyone who reaches it could read and change every object")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
-                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url)
+                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url,
+                   allow_remote=args.allow_remote)
     print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
           f"in front of {args.upstream}", flush=True)
     try:
