@@ -22,8 +22,12 @@ Served, as GCS serves them (path-style URLs, ``/{bucket}/{object}``):
   parts'; the answer carries ``x-goog-generation`` and ``x-goog-hash`` of the new object;
 * ``DELETE /{bucket}/{object}?uploadId=U``: abort; ``GET /{bucket}?uploads``: list uploads in progress.
 
-An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``. Parts are
-kept in memory until the upload completes or is aborted. Redirects of resumable uploads
+An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``, an object
+name GCS could not store (a ``.``/``..`` segment, a control character) ``400 InvalidArgument``. Parts
+are kept in memory until the upload completes or is aborted; a part grows as its bytes arrive,
+whatever ``Content-Length`` claims, up to ``max_part_bytes`` (``400 EntityTooLarge`` beyond).
+A malformed ``Content-Length`` or chunk-size line gets ``400`` and the connection is closed.
+The server has no authentication: it listens on loopback unless started with ``allow_remote``. Redirects of resumable uploads
 (``Location``) are rewritten to point here, so whole sessions pass through this server.
 
 It also enforces the JSON API's ``ifGenerationMatch`` precondition where fake-gcs-server ignores
@@ -72,6 +76,12 @@ GCS_MIN_PART_BYTES = 5 * 2**20
 MAX_PART_NUMBER = 10_000
 MAX_LISTED_PARTS = 1000
 BLOCK_BYTES = 1 << 20
+# GCS's largest XML multipart part.
+GCS_MAX_PART_BYTES = 5 * 2**30
+# The largest body other than a part (a completion list, a compose request) this server receives.
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
+_DIGITS_RE = re.compile(r"^[0-9]{1,19}\Z")
+_HEX_RE = re.compile(rb"^[0-9A-Fa-f]{1,15}\Z")
 UPSTREAM_TIMEOUT_S = 120.0
 # Hop-by-hop headers, and those http.client sets itself for the upstream request.
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -244,9 +254,10 @@ class _ObjectLocks:
 class _MultipartState:
     """Uploads in progress, resumable sessions and per-object locks, shared by the server's threads."""
 
-    def __init__(self, upstream: _Upstream, min_part_bytes: int) -> None:
+    def __init__(self, upstream: _Upstream, min_part_bytes: int, max_part_bytes: int = GCS_MAX_PART_BYTES) -> None:
         self.upstream = upstream
         self.min_part_bytes = min_part_bytes
+        self.max_part_bytes = max_part_bytes
         self.object_locks = _ObjectLocks()
         # Resumable sessions opened with a generation precondition: upload_id -> (bucket, name, generation).
         self.sessions: dict[str, tuple[str, str, int]] = {}
@@ -314,6 +325,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
         def _dispatch(self) -> None:
             self._body_read = False
             try:
+                self._framing()
                 split = urlsplit(self.path)
                 query = parse_qs(split.query, keep_blank_values=True)
                 multipart = not split.path.startswith(JSON_API_PREFIXES) and ("uploads" in query or "uploadId" in query)
@@ -340,66 +352,106 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _dispatch
 
         # Bodies ------------------------------------------------------------------------------
+        # Memory follows the bytes that arrive, never what a header claims: bodies grow block by block
+        # up to a cap, and malformed framing is answered with 400 and the connection closed (what
+        # follows on it can no longer be told apart from the body).
+        def _framing(self) -> None:
+            """Read the body's framing from the headers; 400 when it is malformed."""
+            self._chunked_body = False
+            self._declared: int | None = None
+            encoding = self.headers.get("Transfer-Encoding")
+            if encoding is not None:
+                if encoding.strip().lower() != "chunked":
+                    raise self._bad_framing(501, "NotImplemented", f"Transfer-Encoding {encoding!r} is not supported")
+                self._chunked_body = True
+                return
+            values = [value.strip() for value in self.headers.get_all("Content-Length") or []]
+            if not values:
+                return
+            if len(set(values)) != 1 or not _DIGITS_RE.match(values[0]):
+                raise self._bad_framing(400, "InvalidArgument", f"bad Content-Length {', '.join(values)!r}")
+            self._declared = int(values[0])
+
+        def _bad_framing(self, status: int, code: str, message: str) -> _Reply:
+            self._body_read = True
+            self.close_connection = True
+            return _Reply(status, code, message)
+
         def _length(self) -> int | None:
-            value = self.headers.get("Content-Length")
-            if value is None:
-                return None
-            try:
-                length = int(value)
-            except ValueError:
-                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}") from None
-            if length < 0:
-                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}")
-            return length
+            return self._declared
 
         def _chunked(self) -> bool:
-            return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+            return self._chunked_body
 
-        def _read_body(self) -> bytearray:
-            """The whole request body, received straight into one buffer."""
+        def _read_body(self, limit: int) -> bytearray:
+            """The whole request body, grown as it arrives; 400 ``EntityTooLarge`` past ``limit`` bytes."""
+            body = bytearray()
             if self._chunked():
-                return bytearray(b"".join(self._chunks()))
+                for block in self._chunks():
+                    if len(body) + len(block) > limit:
+                        raise self._bad_framing(400, "EntityTooLarge", f"the body exceeds {limit} bytes")
+                    body += block
+                return body
             length = self._length() or 0
-            body = bytearray(length)
-            view, got = memoryview(body), 0
-            while got < length:
-                n = self.rfile.readinto(view[got:])
+            if length > limit:  # answered at once, without reading what would be refused
+                raise self._bad_framing(400, "EntityTooLarge", f"Content-Length {length} exceeds {limit} bytes")
+            block = bytearray(min(length, BLOCK_BYTES))
+            view = memoryview(block)
+            while len(body) < length:
+                n = self.rfile.readinto(view[: min(length - len(body), len(block))])
                 if not n:
-                    raise ConnectionError(f"client closed the connection after {got} of {length} body bytes")
-                got += n
+                    raise ConnectionError(f"client closed the connection after {len(body)} of {length} body bytes")
+                body += view[:n]
             self._body_read = True
             return body
 
         def _chunks(self) -> Iterator[bytes]:
+            """The blocks of a chunked body (none larger than ``BLOCK_BYTES``); 400 on bad framing."""
             while True:
                 size_line = self.rfile.readline(1024)
-                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if not size_line:
+                    raise ConnectionError("client closed the connection inside a chunked body")
+                text = size_line.split(b";")[0].strip()
+                if not size_line.endswith(b"\n") or not _HEX_RE.match(text):
+                    raise self._bad_framing(400, "InvalidArgument", f"bad chunk-size line {size_line[:80]!r}")
+                size = int(text, 16)
                 if size == 0:
-                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                        pass
+                    while (line := self.rfile.readline(1024)) not in (b"\r\n", b"\n"):
+                        if not line:
+                            raise ConnectionError("client closed the connection inside a chunked body's trailer")
                     self._body_read = True
                     return
-                yield self.rfile.read(size)
-                self.rfile.readline(1024)
+                while size:
+                    block = self.rfile.read(min(size, BLOCK_BYTES))
+                    if not block:
+                        raise ConnectionError("client closed the connection inside a chunk")
+                    size -= len(block)
+                    yield block
+                if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                    raise self._bad_framing(400, "InvalidArgument", "a chunk does not end with CRLF")
 
         def _drain(self) -> None:
             """Consume an unread request body, so that the connection can carry the next request."""
-            if getattr(self, "_body_read", False):
+            if getattr(self, "_body_read", True):
                 return
             self._body_read = True
-            if self._chunked():
-                for _ in self._chunks():
-                    pass
-                return
-            remaining = self._length() or 0
-            if remaining > 64 * BLOCK_BYTES:
-                self.close_connection = True  # cheaper to drop than to read
-                return
-            while remaining:
-                chunk = self.rfile.read(min(remaining, BLOCK_BYTES))
-                if not chunk:
+            try:
+                if self._chunked():
+                    for _ in self._chunks():
+                        pass
                     return
-                remaining -= len(chunk)
+                remaining = self._length() or 0
+                if remaining > 64 * BLOCK_BYTES:
+                    self.close_connection = True  # cheaper to drop than to read
+                    return
+                while remaining:
+                    chunk = self.rfile.read(min(remaining, BLOCK_BYTES))
+                    if not chunk:
+                        self.close_connection = True
+                        return
+                    remaining -= len(chunk)
+            except (_Reply, OSError):
+                self.close_connection = True
 
         def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
             self.send_response(status)
@@ -467,7 +519,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             generations no longer tell writes apart; compose into a temporary object and copy that
             (a copy gets a new generation) instead.
             """
-            body = bytes(self._read_body())
+            body = bytes(self._read_body(MAX_REQUEST_BODY_BYTES))
             temporary = paths.object_url_path(bucket, f"{name}.compose-{uuid.uuid4().hex}")
             status, payload = upstream.call("POST", f"{temporary}/compose", {"Content-Type": "application/json"}, body)
             try:
@@ -494,17 +546,19 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
 
         def _forward_now(self) -> None:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            length = self._length()
             if self._chunked():
-                body: bytes | None = b"".join(self._chunks())
-                length: int | None = len(body)
-            else:
-                body, length = None, self._length()
-                if length is None and self.command in ("POST", "PUT", "PATCH"):
-                    length = 0
+                headers["Transfer-Encoding"] = "chunked"  # relayed block by block, as it arrives
+            elif length is None and self.command in ("POST", "PUT", "PATCH"):
+                length = 0
             conn = upstream.start(self.command, self.path, headers, length)
             try:
-                if body is not None:
-                    conn.send(body)
+                if self._chunked():
+                    for block in self._chunks():
+                        conn.send(b"%x\r\n" % len(block))
+                        conn.send(block)
+                        conn.send(b"\r\n")
+                    conn.send(b"0\r\n\r\n")
                 elif length:
                     self._pump_request(conn, length)
                 self._body_read = True
@@ -628,7 +682,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             upload = state.get(upload_id, bucket, key)
             if not self._chunked() and self._length() is None:
                 raise _Reply(411, "MissingContentLength", "a part needs a Content-Length")
-            data = self._read_body()
+            data = self._read_body(state.max_part_bytes)
             crc = crc32c_extend(0, data)
             md5 = hashlib.md5(data).digest()
             actual = {"crc32c": crc32c_b64(crc), "md5": base64.b64encode(md5).decode()}
@@ -671,7 +725,7 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             ]))
 
         def _complete(self, bucket: str, key: str, upload_id: str) -> None:
-            body = bytes(self._read_body())
+            body = bytes(self._read_body(MAX_REQUEST_BODY_BYTES))
             state.get(upload_id, bucket, key)  # NoSuchUpload before MalformedXML, as GCS
             listed = _parse_completion(body)
             upload = state.take(upload_id, bucket, key)
@@ -794,6 +848,7 @@ def serve(
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
     public_url: str | None = None,
     allow_remote: bool = False,
+    max_part_bytes: int = GCS_MAX_PART_BYTES,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -803,6 +858,8 @@ def serve(
     Args:
         upstream: base URL of fake-gcs-server (``http://host:port``).
         min_part_bytes: the smallest part (other than the last) a completion accepts; GCS's 5 MiB.
+        max_part_bytes: the largest part accepted (``400 EntityTooLarge`` above); GCS's 5 GiB. A
+            part is held in memory as it arrives, so this caps the memory one request can take.
         upstream_timeout_s: how long a request to ``upstream`` may wait for it.
         public_url: the base URL clients reach this server by, where that is not its own address
             (a proxy in front of it); resumable-upload session locations point there.
@@ -817,7 +874,9 @@ def serve(
     check_bind(host, allow_remote, "the XML multipart server")
     if public_url is not None and not public_url.startswith("http://"):
         raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
-    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes)
+    if not 0 < max_part_bytes <= GCS_MAX_PART_BYTES:
+        raise ValueError(f"max_part_bytes must be in 1..{GCS_MAX_PART_BYTES}, not {max_part_bytes!r}")
+    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes, max_part_bytes)
     server = _Server((host, port), BaseHTTPRequestHandler)
     public_url = (public_url or f"http://{host}:{server.server_address[1]}").rstrip("/")
     server.RequestHandlerClass = _handler_class(state, public_url)
@@ -841,6 +900,7 @@ class XmlMultipartServer(LocalGcsService):
             resumable-upload session locations point there. :attr:`url` by default.
         startup_timeout_s: how long :meth:`start` waits for the server to answer.
         allow_remote: listen on a non-loopback ``host`` (there is no authentication).
+        max_part_bytes: the largest part accepted, which caps one request's memory; GCS's 5 GiB.
 
     Raises:
         ValueError: a non-loopback ``host`` without ``allow_remote=True``.
@@ -858,6 +918,7 @@ class XmlMultipartServer(LocalGcsService):
         public_url: str | None = None,
         startup_timeout_s: float = 30.0,
         allow_remote: bool = False,
+        max_part_bytes: int = GCS_MAX_PART_BYTES,
     ) -> None:
         check_bind(host, allow_remote, "the XML multipart server")
         self.upstream = upstream if isinstance(upstream, str) else upstream.url
@@ -873,6 +934,7 @@ class XmlMultipartServer(LocalGcsService):
             "xml-multipart-server",
             [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
              "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
+             "--max-part-bytes", str(max_part_bytes),
              "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else []),
              *(["--allow-remote"] if allow_remote else [])],
             ready=self._answers,
@@ -889,6 +951,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     parser.add_argument("--min-part-bytes", type=int, default=GCS_MIN_PART_BYTES,
                         help="smallest part but the last a completion accepts (default: %(default)s, GCS's)")
+    parser.add_argument("--max-part-bytes", type=int, default=GCS_MAX_PART_BYTES,
+                        help="largest part accepted, which caps one request's memory (default: %(default)s, GCS's)")
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S,
                         help="seconds a forwarded request may wait for the upstream (default: %(default)s)")
     parser.add_argument("--public-url", default=None,
@@ -903,7 +967,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
                    upstream_timeout_s=args.upstream_timeout, public_url=args.public_url,
-                   allow_remote=args.allow_remote)
+                   allow_remote=args.allow_remote, max_part_bytes=args.max_part_bytes)
     print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
           f"in front of {args.upstream}", flush=True)
     try:
