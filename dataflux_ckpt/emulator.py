@@ -5,7 +5,7 @@
         trainer = Trainer(plugins=[DatafluxCheckpointIO()], default_root_dir="gs://ckpts/run1")
 
 fake-gcs-server has no XML API multipart uploads, GCS's path for parallel parts; put an
-:class:`dataflux_ckpt.XmlMultipartServer` in front of it to have them:
+:class:`dataflux_ckpt.testing.XmlMultipartServer` in front of it to have them:
 
     with FakeGcsServer() as gcs, XmlMultipartServer(gcs) as front, front.activated():
         ...

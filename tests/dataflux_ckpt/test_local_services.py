@@ -9,7 +9,7 @@ import sys
 import pytest
 import requests
 
-from dataflux_ckpt import FakeGcsServer, XmlMultipartServer
+from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 from dataflux_ckpt.xml_server import serve
 from lightning_storage_plugins.services import free_port
 
