@@ -556,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         endpoint = None
         gcs_root = args.gcs_root
         if gcs_root is None and any(ROWS[key].storage == "gcs" for key in args.rows):
-            from dataflux_ckpt import FakeGcsServer, XmlMultipartServer
+            from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 
             emulator_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-bench-gcs-"))
             emulator = stack.enter_context(FakeGcsServer(root=emulator_root))

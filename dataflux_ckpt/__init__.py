@@ -7,6 +7,7 @@ multipart server processes) need neither torch nor Lightning until a checkpoint 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
@@ -21,12 +22,12 @@ _EXPORTS = {
     "DatafluxStorageReader": "dataflux_ckpt.dcp",
     "DatafluxStorageWriter": "dataflux_ckpt.dcp",
     "ObjectReader": "dataflux_ckpt.download",
-    "FakeGcsServer": "dataflux_ckpt.emulator",
     "BucketNotFoundError": "dataflux_ckpt.errors",
     "ConcurrentWriteError": "dataflux_ckpt.errors",
     "DataCorruptionError": "dataflux_ckpt.errors",
     "DeadlineExceededError": "dataflux_ckpt.errors",
     "InvalidCheckpointError": "dataflux_ckpt.errors",
+    "InvalidObjectNameError": "dataflux_ckpt.errors",
     "TransferError": "dataflux_ckpt.errors",
     "Gcs": "dataflux_ckpt.gcs",
     "parse_gcs_prefix": "dataflux_ckpt.paths",
@@ -36,7 +37,6 @@ _EXPORTS = {
     "RetryPolicy": "dataflux_ckpt.retry",
     "ObjectWriter": "dataflux_ckpt.upload",
     "StreamingWriter": "dataflux_ckpt.upload",
-    "XmlMultipartServer": "dataflux_ckpt.xml_server",
 }
 
 __all__ = [
@@ -53,16 +53,15 @@ __all__ = [
     "DatafluxStorageWriter",
     "Deadline",
     "DeadlineExceededError",
-    "FakeGcsServer",
     "Gcs",
     "GcsPath",
     "InvalidCheckpointError",
+    "InvalidObjectNameError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
     "StreamingWriter",
     "TransferError",
-    "XmlMultipartServer",
     "parse_gcs_path",
     "parse_gcs_prefix",
     "reader",
@@ -80,13 +79,13 @@ if TYPE_CHECKING:
     )
     from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
     from dataflux_ckpt.download import ObjectReader
-    from dataflux_ckpt.emulator import FakeGcsServer
     from dataflux_ckpt.errors import (
         BucketNotFoundError,
         ConcurrentWriteError,
         DataCorruptionError,
         DeadlineExceededError,
         InvalidCheckpointError,
+        InvalidObjectNameError,
         TransferError,
     )
     from dataflux_ckpt.gcs import Gcs
@@ -94,10 +93,17 @@ if TYPE_CHECKING:
     from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
-    from dataflux_ckpt.xml_server import XmlMultipartServer
+
+
+# Test fakes that moved to dataflux_ckpt.testing; still importable from here for one release.
+_MOVED_TO_TESTING = frozenset({"FakeGcsServer", "XmlMultipartServer"})
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_TESTING:
+        warnings.warn(f"dataflux_ckpt.{name} moved to dataflux_ckpt.testing; import it from there "
+                      f"(the old name goes away in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("dataflux_ckpt.testing"), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@
         trainer = Trainer(plugins=[DatafluxCheckpointIO()], default_root_dir="gs://ckpts/run1")
 
 fake-gcs-server has no XML API multipart uploads, GCS's path for parallel parts; put an
-:class:`dataflux_ckpt.XmlMultipartServer` in front of it to have them:
+:class:`dataflux_ckpt.testing.XmlMultipartServer` in front of it to have them:
 
     with FakeGcsServer() as gcs, XmlMultipartServer(gcs) as front, front.activated():
         ...
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
@@ -144,14 +145,41 @@ class LocalGcsService:
             yield self
 
 
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, allow_remote: bool, what: str) -> None:
+    """Refuse to listen beyond loopback unless the caller opted in.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address and ``allow_remote`` is false.
+    """
+    if not allow_remote and not is_loopback(host):
+        raise ValueError(
+            f"refusing to start {what} on {host!r}: it has no authentication, so anyone who can reach it "
+            "could read, replace and delete every object; listen on 127.0.0.1, or pass allow_remote=True "
+            "(--allow-remote) to accept that"
+        )
+
+
 class FakeGcsServer(LocalGcsService):
     """fake-gcs-server on loopback over plain HTTP, on a free port.
 
     The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
     backend under that folder, so a server started again on the same port and root keeps the objects.
-    ``binary`` overrides the look-up of :func:`find_fake_gcs_server`.
+    ``binary`` overrides the look-up of :func:`find_fake_gcs_server`. It has no authentication, so
+    it listens on loopback only, unless ``allow_remote=True`` accepts that anyone who reaches ``host``
+    may read and change every object.
 
     Raises:
+        ValueError: a non-loopback ``host`` without ``allow_remote=True``.
         MissingBinaryError: no fake-gcs-server binary was found (the message says how to get one).
     """
 
@@ -163,7 +191,9 @@ class FakeGcsServer(LocalGcsService):
         startup_timeout_s: float = 30.0,
         root: str | os.PathLike[str] | None = None,
         binary: str | os.PathLike[str] | None = None,
+        allow_remote: bool = False,
     ) -> None:
+        check_bind(host, allow_remote, "fake-gcs-server")
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"

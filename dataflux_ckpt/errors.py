@@ -54,3 +54,18 @@ class HttpStatusError(IOError):
     def __init__(self, status: int, what: str, body: str = "") -> None:
         super().__init__(f"{what}: HTTP {status} {body[:300]}".rstrip())
         self.status = status
+
+
+class InvalidObjectNameError(ValueError):
+    """A ``gs://`` path whose bucket or object name GCS could not store as written.
+
+    Raised before any request: a name with a ``.`` or ``..`` segment would name different objects
+    in different APIs (HTTP stacks collapse such segments in URL paths but not in query strings),
+    and control characters cannot be carried in the XML API's answers.
+    """
+
+    def __init__(self, bucket: str, name: str, reason: str) -> None:
+        super().__init__(f"invalid GCS name gs://{bucket}/{name!r}: {reason}")
+        self.bucket = bucket
+        self.name = name
+        self.reason = reason

@@ -22,12 +22,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple
-from urllib.parse import quote
 
 import requests
 from google.cloud import storage
 
-from dataflux_ckpt import _gcs_compat
+from dataflux_ckpt import _gcs_compat, paths
 from dataflux_ckpt.checksums import crc32c_b64
 from dataflux_ckpt.emulator import EMULATOR_HOST_ENV, EMULATOR_PROJECT
 from dataflux_ckpt.errors import (
@@ -74,10 +73,6 @@ class ListedObject(NamedTuple):
     name: str
     generation: int
     created: float
-
-
-def _q(name: str) -> str:
-    return quote(name, safe="")
 
 
 def _info(meta: dict[str, Any]) -> ObjectInfo:
@@ -209,15 +204,15 @@ class Gcs:
     # URLs ------------------------------------------------------------------------------------
     def object_url(self, bucket: str, name: str) -> str:
         """The JSON API URL of an object's metadata."""
-        return f"{self.host}/storage/v1/b/{_q(bucket)}/o/{_q(name)}"
+        return self.host + paths.object_url_path(bucket, name)
 
     def media_url(self, bucket: str, name: str) -> str:
         """The JSON API URL of an object's bytes."""
-        return f"{self.host}/download/storage/v1/b/{_q(bucket)}/o/{_q(name)}?alt=media"
+        return self.host + paths.media_url_path(bucket, name)
 
     def xml_url(self, bucket: str, name: str) -> str:
         """The XML API URL of an object (multipart uploads)."""
-        return f"{self.host}/{_q(bucket)}/{quote(name, safe='/')}"
+        return self.host + paths.xml_url_path(bucket, name)
 
     # Requests --------------------------------------------------------------------------------
     def request(self, method: str, url: str, what: str, deadline: Deadline, ok: tuple[int, ...] = (200,),
@@ -236,7 +231,7 @@ class Gcs:
 
     def bucket_exists(self, bucket: str, deadline: Deadline) -> bool | None:
         """Whether ``bucket`` exists; ``None`` when these credentials may not look (HTTP 403)."""
-        url = f"{self.host}/storage/v1/b/{_q(bucket)}?fields=name"
+        url = f"{self.host}{paths.bucket_url_path(bucket)}?fields=name"
         what = f"look-up of bucket gs://{bucket}"
         response = self._call(what, deadline, lambda: self.request("GET", url, what, deadline, ok=(200, 403, 404)))
         return {200: True, 404: False}.get(response.status_code)
@@ -303,7 +298,8 @@ class Gcs:
         """
         what = f"upload of {path}"
         expected = crc32c_b64(crc)
-        params = {"uploadType": "media", "name": path.key}
+        url = self.host + paths.upload_url_path(path.bucket, path.key, "media")
+        params: dict[str, str] = {}
         if if_generation_match is not None:
             params["ifGenerationMatch"] = str(if_generation_match)
         attempts = 0
@@ -312,7 +308,7 @@ class Gcs:
             nonlocal attempts
             attempts += 1
             response = self.request(
-                "POST", f"{self.host}/upload/storage/v1/b/{_q(path.bucket)}/o", what, deadline, ok=(200, 412),
+                "POST", url, what, deadline, ok=(200, 412),
                 params=params, data=data,
                 headers={"Content-Type": OCTET_STREAM, "X-Goog-Hash": f"crc32c={expected}"},
             )
@@ -332,8 +328,7 @@ class Gcs:
         expected = crc32c_b64(crc)
         what = f"upload of gs://{bucket}/{name}"
         response = self.request(
-            "POST", f"{self.host}/upload/storage/v1/b/{_q(bucket)}/o", what, deadline,
-            params={"uploadType": "media", "name": name}, data=data,
+            "POST", self.host + paths.upload_url_path(bucket, name, "media"), what, deadline, data=data,
             headers={"Content-Type": OCTET_STREAM, "X-Goog-Hash": f"crc32c={expected}"},
         )
         info = _info(response.json())
@@ -383,7 +378,7 @@ class Gcs:
         """
         objects: list[ListedObject] = []
         params: dict[str, str] = {"prefix": prefix, "fields": "items(name,generation,timeCreated),nextPageToken"}
-        url = f"{self.host}/storage/v1/b/{_q(bucket)}/o"
+        url = f"{self.host}{paths.bucket_url_path(bucket)}/o"
         what = f"listing of gs://{bucket}/{prefix}"
         now: float | None = None
         while True:
@@ -435,7 +430,7 @@ class Gcs:
         what = f"upload of part {number} of {path}"
         expected = crc32c_b64(crc)
         response = self.request(
-            "PUT", f"{self.xml_url(*path)}?partNumber={number}&uploadId={_q(upload_id)}", what, deadline,
+            "PUT", f"{self.xml_url(*path)}?partNumber={number}&uploadId={paths.encode(upload_id)}", what, deadline,
             ok=(200, 400), data=data, headers={"x-goog-hash": f"crc32c={expected}"},
         )
         if response.status_code == 400:
@@ -464,7 +459,7 @@ class Gcs:
             ElementTree.SubElement(part, "PartNumber").text = str(number)
             ElementTree.SubElement(part, "ETag").text = etag
         body = ElementTree.tostring(root)
-        url = f"{self.xml_url(*path)}?uploadId={_q(upload_id)}"
+        url = f"{self.xml_url(*path)}?uploadId={paths.encode(upload_id)}"
 
         def post() -> tuple[int | None, str | None]:
             response = self.request("POST", url, what, deadline, data=body,
@@ -478,7 +473,7 @@ class Gcs:
     def xml_abort(self, path: GcsPath, upload_id: str, deadline: Deadline) -> None:
         """Abort the upload; its parts are discarded. An upload already gone is fine."""
         what = f"abort of the multipart upload of {path}"
-        url = f"{self.xml_url(*path)}?uploadId={_q(upload_id)}"
+        url = f"{self.xml_url(*path)}?uploadId={paths.encode(upload_id)}"
         self._call(what, deadline, lambda: self.request("DELETE", url, what, deadline, ok=(200, 204, 404)))
 
     # Resumable uploads -----------------------------------------------------------------------
@@ -488,12 +483,13 @@ class Gcs:
         The generation precondition is evaluated when the session finishes.
         """
         what = f"start of the resumable upload of {path}"
-        params = {"uploadType": "resumable", "name": path.key}
+        url = self.host + paths.upload_url_path(path.bucket, path.key, "resumable")
+        params: dict[str, str] = {}
         if if_generation_match is not None:
             params["ifGenerationMatch"] = str(if_generation_match)
 
         def post() -> str:
-            response = self.request("POST", f"{self.host}/upload/storage/v1/b/{_q(path.bucket)}/o", what, deadline,
+            response = self.request("POST", url, what, deadline,
                                     ok=(200, 201, 404), params=params, json={"contentType": OCTET_STREAM},
                                     headers={"X-Upload-Content-Type": OCTET_STREAM})
             if response.status_code == 404:

@@ -1,14 +1,22 @@
-"""Parsing of ``gs://bucket/key`` checkpoint paths."""
+"""Parsing of ``gs://bucket/key`` checkpoint paths, and the one place object names become URLs.
+
+Every request URL that names a bucket or an object is built here, from names checked here, so that
+one ``gs://`` path names the same object in the JSON API, the XML API and every read.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from typing import NamedTuple
+from urllib.parse import quote
+
+from dataflux_ckpt.errors import InvalidObjectNameError
 
 SCHEMES = ("gs", "gcs")
 # ``gs://bucket/key``; also ``gs:/bucket/key``, which is what ``pathlib.Path("gs://bucket/key")`` becomes.
-_PATH_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)/(?P<key>.+)$")
+_PATH_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)/(?P<key>.+)\Z", re.DOTALL)
 
 
 class GcsPath(NamedTuple):
@@ -38,10 +46,10 @@ def parse_gcs_path(path: str | os.PathLike[str]) -> GcsPath:
     match = _PATH_RE.match(text)
     if match is None or match["scheme"].lower() not in SCHEMES or match["key"].strip("/") == "":
         raise ValueError(f"not a GCS object path: {text!r} (expected gs://bucket/key)")
-    return GcsPath(match["bucket"], match["key"])
+    return GcsPath(check_bucket_name(match["bucket"]), check_object_name(match["bucket"], match["key"]))
 
 
-_PREFIX_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)(?:/(?P<key>.*))?$")
+_PREFIX_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)(?:/(?P<key>.*))?\Z", re.DOTALL)
 
 
 def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
@@ -54,4 +62,85 @@ def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
     match = _PREFIX_RE.match(text) if isinstance(text, str) else None
     if match is None or match["scheme"].lower() not in SCHEMES:
         raise ValueError(f"not a GCS path: {path!r} (expected gs://bucket or gs://bucket/prefix)")
-    return GcsPath(match["bucket"], match["key"] or "")
+    bucket, prefix = check_bucket_name(match["bucket"]), match["key"] or ""
+    if prefix:
+        check_object_name(bucket, prefix)
+    return GcsPath(bucket, prefix)
+
+
+# GCS's limit on an object name, in UTF-8 bytes.
+MAX_OBJECT_NAME_BYTES = 1024
+# Characters GCS allows in a bucket name; it starts and ends with a letter or digit.
+_BUCKET_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?$")
+
+
+def check_bucket_name(bucket: str) -> str:
+    """``bucket``, if GCS allows it as a bucket name.
+
+    Raises:
+        InvalidObjectNameError: lower-case letters, digits, ``-``, ``_`` and ``.`` only, starting and
+            ending with a letter or digit.
+    """
+    if not _BUCKET_RE.match(bucket):
+        raise InvalidObjectNameError(bucket, "", "a bucket name has only lower-case letters, digits, '-', '_' "
+                                                 "and '.', and starts and ends with a letter or digit")
+    return bucket
+
+
+def check_object_name(bucket: str, name: str) -> str:
+    """``name``, if it names one and the same object in every GCS API.
+
+    Raises:
+        InvalidObjectNameError: the name is empty, is longer than 1024 UTF-8 bytes, has a ``.`` or
+            ``..`` segment (between slashes, or at either end), or holds a control character (NUL, CR,
+            LF, any Unicode ``Cc``) or an unpaired surrogate.
+    """
+    if not name:
+        raise InvalidObjectNameError(bucket, name, "the object name is empty")
+    for char in name:
+        if unicodedata.category(char) == "Cc":
+            raise InvalidObjectNameError(bucket, name, f"control character {char!r} in the object name")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidObjectNameError(bucket, name, "the object name is not valid Unicode "
+                                                   "(an unpaired surrogate)") from None
+    if size > MAX_OBJECT_NAME_BYTES:
+        raise InvalidObjectNameError(bucket, name, f"the object name has {size} UTF-8 bytes; "
+                                                   f"GCS allows {MAX_OBJECT_NAME_BYTES}")
+    for segment in name.split("/"):
+        if segment in (".", ".."):
+            raise InvalidObjectNameError(bucket, name, f"{segment!r} as a path segment (HTTP clients collapse "
+                                                       "it in URL paths, so it would name another object)")
+    return name
+
+
+def encode(text: str) -> str:
+    """``text`` percent-encoded as one URL path segment or query value (``/`` encoded too)."""
+    return quote(text, safe="")
+
+
+def bucket_url_path(bucket: str) -> str:
+    """The JSON API path of a bucket."""
+    return f"/storage/v1/b/{encode(check_bucket_name(bucket))}"
+
+
+def object_url_path(bucket: str, name: str) -> str:
+    """The JSON API path of an object's metadata."""
+    return f"{bucket_url_path(bucket)}/o/{encode(check_object_name(bucket, name))}"
+
+
+def media_url_path(bucket: str, name: str) -> str:
+    """The JSON API path (with query) of an object's bytes."""
+    return f"/download{object_url_path(bucket, name)}?alt=media"
+
+
+def upload_url_path(bucket: str, name: str, upload_type: str) -> str:
+    """The JSON API upload path (with query) for a ``media`` or ``resumable`` upload to an object."""
+    return (f"/upload{bucket_url_path(bucket)}/o?uploadType={encode(upload_type)}"
+            f"&name={encode(check_object_name(bucket, name))}")
+
+
+def xml_url_path(bucket: str, name: str) -> str:
+    """The XML API path of an object; ``/`` stays literal, which is safe once dot segments are refused."""
+    return f"/{encode(check_bucket_name(bucket))}/{quote(check_object_name(bucket, name), safe='/')}"

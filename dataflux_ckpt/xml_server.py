@@ -22,8 +22,12 @@ Served, as GCS serves them (path-style URLs, ``/{bucket}/{object}``):
   parts'; the answer carries ``x-goog-generation`` and ``x-goog-hash`` of the new object;
 * ``DELETE /{bucket}/{object}?uploadId=U``: abort; ``GET /{bucket}?uploads``: list uploads in progress.
 
-An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``. Parts are
-kept in memory until the upload completes or is aborted. Redirects of resumable uploads
+An unknown upload id gets ``404 NoSuchUpload``, a missing bucket ``404 NoSuchBucket``, an object
+name GCS could not store (a ``.``/``..`` segment, a control character) ``400 InvalidArgument``. Parts
+are kept in memory until the upload completes or is aborted; a part grows as its bytes arrive,
+whatever ``Content-Length`` claims, up to ``max_part_bytes`` (``400 EntityTooLarge`` beyond).
+A malformed ``Content-Length`` or chunk-size line gets ``400`` and the connection is closed.
+The server has no authentication: it listens on loopback unless started with ``allow_remote``. Redirects of resumable uploads
 (``Location``) are rewritten to point here, so whole sessions pass through this server.
 
 It also enforces the JSON API's ``ifGenerationMatch`` precondition where fake-gcs-server ignores
@@ -43,6 +47,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -54,10 +59,12 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
+from dataflux_ckpt import paths
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.emulator import LocalGcsService
+from dataflux_ckpt.emulator import LocalGcsService, check_bind, is_loopback
+from dataflux_ckpt.errors import InvalidObjectNameError
 from lightning_storage_plugins.services import ManagedProcess, free_port
 
 log = logging.getLogger(__name__)
@@ -69,6 +76,12 @@ GCS_MIN_PART_BYTES = 5 * 2**20
 MAX_PART_NUMBER = 10_000
 MAX_LISTED_PARTS = 1000
 BLOCK_BYTES = 1 << 20
+# GCS's largest XML multipart part.
+GCS_MAX_PART_BYTES = 5 * 2**30
+# The largest body other than a part (a completion list, a compose request) this server receives.
+MAX_REQUEST_BODY_BYTES = 16 * 2**20
+_DIGITS_RE = re.compile(r"^[0-9]{1,19}\Z")
+_HEX_RE = re.compile(rb"^[0-9A-Fa-f]{1,15}\Z")
 UPSTREAM_TIMEOUT_S = 120.0
 # Hop-by-hop headers, and those http.client sets itself for the upstream request.
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
@@ -86,7 +99,7 @@ class _Reply(Exception):
     def body(self) -> bytes:
         root = ElementTree.Element("Error")
         for tag, text in (("Code", self.code), ("Message", self.message), ("Details", self.details)):
-            ElementTree.SubElement(root, tag).text = text
+            ElementTree.SubElement(root, tag).text = _xml_text(text)
         return ElementTree.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
@@ -129,7 +142,16 @@ def _fill(parent: ElementTree.Element, children: Sequence[tuple[str, Any]]) -> N
         if isinstance(value, list):
             _fill(child, value)
         else:
-            child.text = str(value)
+            child.text = _xml_text(str(value))
+
+
+# Characters XML 1.0 cannot carry, even escaped.
+_NOT_XML_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """``text`` with what XML cannot carry written as ``\\xNN``, so that every answer is well-formed XML."""
+    return _NOT_XML_RE.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
 
 
 def _normalize_etag(etag: str) -> str:
@@ -232,9 +254,10 @@ class _ObjectLocks:
 class _MultipartState:
     """Uploads in progress, resumable sessions and per-object locks, shared by the server's threads."""
 
-    def __init__(self, upstream: _Upstream, min_part_bytes: int) -> None:
+    def __init__(self, upstream: _Upstream, min_part_bytes: int, max_part_bytes: int = GCS_MAX_PART_BYTES) -> None:
         self.upstream = upstream
         self.min_part_bytes = min_part_bytes
+        self.max_part_bytes = max_part_bytes
         self.object_locks = _ObjectLocks()
         # Resumable sessions opened with a generation precondition: upload_id -> (bucket, name, generation).
         self.sessions: dict[str, tuple[str, str, int]] = {}
@@ -244,7 +267,7 @@ class _MultipartState:
     def generation(self, bucket: str, name: str) -> int:
         """The generation of ``bucket/name`` upstream now; 0 when there is none."""
         status, payload = self.upstream.call(
-            "GET", f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?fields=generation")
+            "GET", f"{paths.object_url_path(bucket, name)}?fields=generation")
         if status == 404:
             return 0
         if status != 200:
@@ -252,7 +275,7 @@ class _MultipartState:
         return int(json.loads(payload).get("generation") or 0)
 
     def create(self, bucket: str, key: str, content_type: str) -> _Upload:
-        status, _ = self.upstream.call("GET", f"/storage/v1/b/{quote(bucket, safe='')}?fields=name")
+        status, _ = self.upstream.call("GET", f"{paths.bucket_url_path(bucket)}?fields=name")
         if status == 404:
             raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", bucket)
         if status != 200:
@@ -288,89 +311,131 @@ class _MultipartState:
         return sorted(uploads, key=lambda u: (u.key, u.initiated))
 
 
-def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequestHandler]:
-    upstream = state.upstream
+class _HandlerBase(BaseHTTPRequestHandler):
+    """Request dispatch and body framing shared by the two halves of the server's handler."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "dataflux-xml-multipart"
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "dataflux-xml-multipart"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
-            log.debug("%s " + format, self.address_string(), *args)
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)
+        log.debug("%s " + format, self.address_string(), *args)
 
-        # Dispatch ----------------------------------------------------------------------------
-        def _dispatch(self) -> None:
-            self._body_read = False
+    # Dispatch ----------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        self._body_read = False
+        try:
+            self._framing()
+            split = urlsplit(self.path)
+            query = parse_qs(split.query, keep_blank_values=True)
+            multipart = not split.path.startswith(JSON_API_PREFIXES) and ("uploads" in query or "uploadId" in query)
+            if multipart:
+                self._multipart(split.path, query)
+            else:
+                self._forward()
+        except InvalidObjectNameError as exc:
+            self._drain()
+            reply = _Reply(400, "InvalidArgument", str(exc))
+            self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
+        except _Reply as reply:
+            self._drain()
+            self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
+        except (ConnectionError, TimeoutError, http.client.HTTPException) as exc:
+            log.warning("%s %s failed: %s", self.command, self.path, exc)
+            self._upstream.discard()
+            self.close_connection = True
             try:
-                split = urlsplit(self.path)
-                query = parse_qs(split.query, keep_blank_values=True)
-                multipart = not split.path.startswith(JSON_API_PREFIXES) and ("uploads" in query or "uploadId" in query)
-                if multipart:
-                    self._multipart(split.path, query)
-                else:
-                    self._forward()
-            except _Reply as reply:
-                self._drain()
-                self._send(reply.status, reply.body(), {"Content-Type": "application/xml"})
-            except (ConnectionError, TimeoutError, http.client.HTTPException) as exc:
-                log.warning("%s %s failed: %s", self.command, self.path, exc)
-                upstream.discard()
-                self.close_connection = True
-                try:
-                    self._send(502, _Reply(502, "BadGateway", str(exc)).body(), {"Content-Type": "application/xml"})
-                except OSError:
-                    pass
+                self._send(502, _Reply(502, "BadGateway", str(exc)).body(), {"Content-Type": "application/xml"})
+            except OSError:
+                pass
 
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _dispatch
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _dispatch
 
-        # Bodies ------------------------------------------------------------------------------
-        def _length(self) -> int | None:
-            value = self.headers.get("Content-Length")
-            if value is None:
-                return None
-            try:
-                length = int(value)
-            except ValueError:
-                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}") from None
-            if length < 0:
-                raise _Reply(400, "InvalidArgument", f"bad Content-Length {value!r}")
-            return length
+    # Bodies ------------------------------------------------------------------------------
+    # Memory follows the bytes that arrive, never what a header claims: bodies grow block by block
+    # up to a cap, and malformed framing is answered with 400 and the connection closed (what
+    # follows on it can no longer be told apart from the body).
+    def _framing(self) -> None:
+        """Read the body's framing from the headers; 400 when it is malformed."""
+        self._chunked_body = False
+        self._declared: int | None = None
+        encoding = self.headers.get("Transfer-Encoding")
+        if encoding is not None:
+            if encoding.strip().lower() != "chunked":
+                raise self._bad_framing(501, "NotImplemented", f"Transfer-Encoding {encoding!r} is not supported")
+            self._chunked_body = True
+            return
+        values = [value.strip() for value in self.headers.get_all("Content-Length") or []]
+        if not values:
+            return
+        if len(set(values)) != 1 or not _DIGITS_RE.match(values[0]):
+            raise self._bad_framing(400, "InvalidArgument", f"bad Content-Length {', '.join(values)!r}")
+        self._declared = int(values[0])
 
-        def _chunked(self) -> bool:
-            return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+    def _bad_framing(self, status: int, code: str, message: str) -> _Reply:
+        self._body_read = True
+        self.close_connection = True
+        return _Reply(status, code, message)
 
-        def _read_body(self) -> bytearray:
-            """The whole request body, received straight into one buffer."""
-            if self._chunked():
-                return bytearray(b"".join(self._chunks()))
-            length = self._length() or 0
-            body = bytearray(length)
-            view, got = memoryview(body), 0
-            while got < length:
-                n = self.rfile.readinto(view[got:])
-                if not n:
-                    raise ConnectionError(f"client closed the connection after {got} of {length} body bytes")
-                got += n
-            self._body_read = True
+    def _length(self) -> int | None:
+        return self._declared
+
+    def _chunked(self) -> bool:
+        return self._chunked_body
+
+    def _read_body(self, limit: int) -> bytearray:
+        """The whole request body, grown as it arrives; 400 ``EntityTooLarge`` past ``limit`` bytes."""
+        body = bytearray()
+        if self._chunked():
+            for block in self._chunks():
+                if len(body) + len(block) > limit:
+                    raise self._bad_framing(400, "EntityTooLarge", f"the body exceeds {limit} bytes")
+                body += block
             return body
+        length = self._length() or 0
+        if length > limit:  # answered at once, without reading what would be refused
+            raise self._bad_framing(400, "EntityTooLarge", f"Content-Length {length} exceeds {limit} bytes")
+        block = bytearray(min(length, BLOCK_BYTES))
+        view = memoryview(block)
+        while len(body) < length:
+            n = self.rfile.readinto(view[: min(length - len(body), len(block))])
+            if not n:
+                raise ConnectionError(f"client closed the connection after {len(body)} of {length} body bytes")
+            body += view[:n]
+        self._body_read = True
+        return body
 
-        def _chunks(self) -> Iterator[bytes]:
-            while True:
-                size_line = self.rfile.readline(1024)
-                size = int(size_line.split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                        pass
-                    self._body_read = True
-                    return
-                yield self.rfile.read(size)
-                self.rfile.readline(1024)
-
-        def _drain(self) -> None:
-            """Consume an unread request body, so that the connection can carry the next request."""
-            if getattr(self, "_body_read", False):
+    def _chunks(self) -> Iterator[bytes]:
+        """The blocks of a chunked body (none larger than ``BLOCK_BYTES``); 400 on bad framing."""
+        while True:
+            size_line = self.rfile.readline(1024)
+            if not size_line:
+                raise ConnectionError("client closed the connection inside a chunked body")
+            text = size_line.split(b";")[0].strip()
+            if not size_line.endswith(b"\n") or not _HEX_RE.match(text):
+                raise self._bad_framing(400, "InvalidArgument", f"bad chunk-size line {size_line[:80]!r}")
+            size = int(text, 16)
+            if size == 0:
+                while (line := self.rfile.readline(1024)) not in (b"\r\n", b"\n"):
+                    if not line:
+                        raise ConnectionError("client closed the connection inside a chunked body's trailer")
+                self._body_read = True
                 return
-            self._body_read = True
+            while size:
+                block = self.rfile.read(min(size, BLOCK_BYTES))
+                if not block:
+                    raise ConnectionError("client closed the connection inside a chunk")
+                size -= len(block)
+                yield block
+            if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise self._bad_framing(400, "InvalidArgument", "a chunk does not end with CRLF")
+
+    def _drain(self) -> None:
+        """Consume an unread request body, so that the connection can carry the next request."""
+        if getattr(self, "_body_read", True):
+            return
+        self._body_read = True
+        try:
             if self._chunked():
                 for _ in self._chunks():
                     pass
@@ -382,329 +447,356 @@ def _handler_class(state: _MultipartState, public_url: str) -> type[BaseHTTPRequ
             while remaining:
                 chunk = self.rfile.read(min(remaining, BLOCK_BYTES))
                 if not chunk:
+                    self.close_connection = True
                     return
                 remaining -= len(chunk)
+        except (_Reply, OSError):
+            self.close_connection = True
 
-        def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(payload)
+    def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
 
-        # Forwarding ----------------------------------------------------------------------------
-        def _forward(self) -> None:
-            written = self._written_object()
-            if written is None:
-                return self._forward_now()
-            bucket, name, required = written
-            compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
-            with state.object_locks.held(bucket, name):
-                current = state.generation(bucket, name) if required is not None or compose else 0
-                if required is not None and current != required:
-                    self._drain()
-                    return self._precondition_failed(bucket, name, required, current)
-                if compose and current:
-                    return self._compose_over(bucket, name)
-                self._forward_now()
-            session = parse_qs(urlsplit(self.path).query).get("upload_id")
-            if session:
-                with state._lock:
-                    state.sessions.pop(session[0], None)
+    @property
+    def _state(self) -> _MultipartState:
+        return self.server.state
 
-        def _written_object(self) -> tuple[str, str, int | None] | None:
-            """The object this JSON API request writes or deletes, and the generation it requires.
+    @property
+    def _upstream(self) -> _Upstream:
+        return self.server.state.upstream
 
-            fake-gcs-server ignores ``ifGenerationMatch`` on media uploads, compose, delete and
-            resumable uploads; these are checked here, under a lock per object, against what is
-            upstream. Every write to an object takes its lock, conditional or not.
-            """
-            split = urlsplit(self.path)
-            query = parse_qs(split.query)
-            required = query.get("ifGenerationMatch", [None])[0]
-            segments = [unquote(p) for p in split.path.split("/")]
-            method = self.command
-            if split.path.startswith("/upload/storage/v1/b/") and len(segments) >= 7:
-                bucket = segments[5]
-                upload_type = query.get("uploadType", [""])[0]
-                if method == "POST" and upload_type == "media" and query.get("name"):
-                    return bucket, query["name"][0], _int_or_none(required)
-                if method == "PUT" and query.get("upload_id") and self._finishes_session():
-                    session = state.sessions.get(query["upload_id"][0])
-                    if session is not None:
-                        return session[0], session[1], session[2]
-                return None
-            if split.path.startswith("/storage/v1/b/") and len(segments) >= 7 and segments[5] == "o":
-                bucket, rest = segments[4], segments[6:]
-                if method == "POST" and len(rest) >= 2 and rest[-1] == "compose":
-                    return bucket, "/".join(rest[:-1]), _int_or_none(required)
-                if method == "DELETE":
-                    return bucket, "/".join(rest), _int_or_none(required)
+    def _forward(self) -> None:
+        raise NotImplementedError
+
+    def _multipart(self, path: str, query: dict[str, list[str]]) -> None:
+        raise NotImplementedError
+
+
+class _ProxyHandler(_HandlerBase):
+    """The JSON API half: requests forwarded to fake-gcs-server, streamed, with the generation
+    preconditions it ignores checked here."""
+
+    def _forward(self) -> None:
+        written = self._written_object()
+        if written is None:
+            return self._forward_now()
+        bucket, name, required = written
+        compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
+        with self._state.object_locks.held(bucket, name):
+            current = self._state.generation(bucket, name) if required is not None or compose else 0
+            if required is not None and current != required:
+                self._drain()
+                return self._precondition_failed(bucket, name, required, current)
+            if compose and current:
+                return self._compose_over(bucket, name)
+            self._forward_now()
+        session = parse_qs(urlsplit(self.path).query).get("upload_id")
+        if session:
+            with self._state._lock:
+                self._state.sessions.pop(session[0], None)
+
+    def _written_object(self) -> tuple[str, str, int | None] | None:
+        """The object this JSON API request writes or deletes, and the generation it requires.
+
+        fake-gcs-server ignores ``ifGenerationMatch`` on media uploads, compose, delete and
+        resumable uploads; these are checked here, under a lock per object, against what is
+        self._upstream. Every write to an object takes its lock, conditional or not.
+        """
+        split = urlsplit(self.path)
+        query = parse_qs(split.query)
+        required = query.get("ifGenerationMatch", [None])[0]
+        segments = [unquote(p) for p in split.path.split("/")]
+        method = self.command
+        if split.path.startswith("/upload/storage/v1/b/") and len(segments) >= 7:
+            bucket = segments[5]
+            upload_type = query.get("uploadType", [""])[0]
+            if method == "POST" and upload_type == "media" and query.get("name"):
+                return bucket, query["name"][0], _int_or_none(required)
+            if method == "PUT" and query.get("upload_id") and self._finishes_session():
+                session = self._state.sessions.get(query["upload_id"][0])
+                if session is not None:
+                    return session[0], session[1], session[2]
             return None
+        if split.path.startswith("/storage/v1/b/") and len(segments) >= 7 and segments[5] == "o":
+            bucket, rest = segments[4], segments[6:]
+            if method == "POST" and len(rest) >= 2 and rest[-1] == "compose":
+                return bucket, "/".join(rest[:-1]), _int_or_none(required)
+            if method == "DELETE":
+                return bucket, "/".join(rest), _int_or_none(required)
+        return None
 
-        def _compose_over(self, bucket: str, name: str) -> None:
-            """Compose onto an existing object with a new generation, as GCS does.
+    def _compose_over(self, bucket: str, name: str) -> None:
+        """Compose onto an existing object with a new generation, as GCS does.
 
-            fake-gcs-server's compose keeps the generation of the object it replaces, so that
-            generations no longer tell writes apart; compose into a temporary object and copy that
-            (a copy gets a new generation) instead.
-            """
-            body = bytes(self._read_body())
-            b = quote(bucket, safe="")
-            temporary = f"{name}.compose-{uuid.uuid4().hex}"
-            status, payload = upstream.call("POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/compose",
-                                            {"Content-Type": "application/json"}, body)
-            try:
-                if status == 200:
-                    status, payload = upstream.call(
-                        "POST", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}/copyTo/b/{b}/o/{quote(name, safe='')}",
-                        {"Content-Type": "application/json"}, b"{}")
-            finally:
-                upstream.call("DELETE", f"/storage/v1/b/{b}/o/{quote(temporary, safe='')}")
-            self._send(status, payload, {"Content-Type": "application/json; charset=UTF-8"})
+        fake-gcs-server's compose keeps the generation of the object it replaces, so that
+        generations no longer tell writes apart; compose into a temporary object and copy that
+        (a copy gets a new generation) instead.
+        """
+        body = bytes(self._read_body(MAX_REQUEST_BODY_BYTES))
+        temporary = paths.object_url_path(bucket, f"{name}.compose-{uuid.uuid4().hex}")
+        status, payload = self._upstream.call("POST", f"{temporary}/compose", {"Content-Type": "application/json"}, body)
+        try:
+            if status == 200:
+                status, payload = self._upstream.call(
+                    "POST", f"{temporary}/copyTo{paths.object_url_path(bucket, name)[len('/storage/v1'):]}",
+                    {"Content-Type": "application/json"}, b"{}")
+        finally:
+            self._upstream.call("DELETE", temporary)
+        self._send(status, payload, {"Content-Type": "application/json; charset=UTF-8"})
 
-        def _finishes_session(self) -> bool:
-            """Whether a resumable upload request carries the total size (its last request)."""
-            content_range = self.headers.get("Content-Range", "")
-            return "/" in content_range and not content_range.rstrip().endswith("/*")
+    def _finishes_session(self) -> bool:
+        """Whether a resumable upload request carries the total size (its last request)."""
+        content_range = self.headers.get("Content-Range", "")
+        return "/" in content_range and not content_range.rstrip().endswith("/*")
 
-        def _precondition_failed(self, bucket: str, name: str, required: int, current: int) -> None:
-            message = "At least one of the pre-conditions you specified did not hold."
-            body = json.dumps({"error": {"code": 412, "message": message, "errors": [{
-                "domain": "global", "reason": "conditionNotMet", "locationType": "header",
-                "location": "If-Match", "message": f"{message} ({bucket}/{name}: generation {current}, "
-                                                   f"required {required})"}]}}).encode()
-            self._send(412, body, {"Content-Type": "application/json; charset=UTF-8"})
+    def _precondition_failed(self, bucket: str, name: str, required: int, current: int) -> None:
+        message = "At least one of the pre-conditions you specified did not hold."
+        body = json.dumps({"error": {"code": 412, "message": message, "errors": [{
+            "domain": "global", "reason": "conditionNotMet", "locationType": "header",
+            "location": "If-Match", "message": f"{message} ({bucket}/{name}: generation {current}, "
+                                               f"required {required})"}]}}).encode()
+        self._send(412, body, {"Content-Type": "application/json; charset=UTF-8"})
 
-        def _forward_now(self) -> None:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+    def _forward_now(self) -> None:
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+        length = self._length()
+        if self._chunked():
+            headers["Transfer-Encoding"] = "chunked"  # relayed block by block, as it arrives
+        elif length is None and self.command in ("POST", "PUT", "PATCH"):
+            length = 0
+        conn = self._upstream.start(self.command, self.path, headers, length)
+        try:
             if self._chunked():
-                body: bytes | None = b"".join(self._chunks())
-                length: int | None = len(body)
-            else:
-                body, length = None, self._length()
-                if length is None and self.command in ("POST", "PUT", "PATCH"):
-                    length = 0
-            conn = upstream.start(self.command, self.path, headers, length)
-            try:
-                if body is not None:
-                    conn.send(body)
-                elif length:
-                    self._pump_request(conn, length)
-                self._body_read = True
-                response = conn.getresponse()
-                self._relay(response)
-            except BaseException:
-                upstream.discard()
-                raise
-            if response.will_close:
-                upstream.discard()
+                for block in self._chunks():
+                    conn.send(b"%x\r\n" % len(block))
+                    conn.send(block)
+                    conn.send(b"\r\n")
+                conn.send(b"0\r\n\r\n")
+            elif length:
+                self._pump_request(conn, length)
+            self._body_read = True
+            response = conn.getresponse()
+            self._relay(response)
+        except BaseException:
+            self._upstream.discard()
+            raise
+        if response.will_close:
+            self._upstream.discard()
 
-        def _pump_request(self, conn: http.client.HTTPConnection, length: int) -> None:
-            block = bytearray(min(length, BLOCK_BYTES))
-            view, remaining = memoryview(block), length
-            while remaining:
-                n = self.rfile.readinto(view[: min(remaining, len(block))])
-                if not n:
-                    raise ConnectionError(f"client closed the connection with {remaining} body bytes unsent")
-                conn.send(view[:n])
-                remaining -= n
+    def _pump_request(self, conn: http.client.HTTPConnection, length: int) -> None:
+        block = bytearray(min(length, BLOCK_BYTES))
+        view, remaining = memoryview(block), length
+        while remaining:
+            n = self.rfile.readinto(view[: min(remaining, len(block))])
+            if not n:
+                raise ConnectionError(f"client closed the connection with {remaining} body bytes unsent")
+            conn.send(view[:n])
+            remaining -= n
 
-        def _remember_session(self, location: str) -> None:
-            """Keep the generation precondition of a resumable upload for its last request."""
-            query = parse_qs(urlsplit(self.path).query)
-            required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
-            session = parse_qs(urlsplit(location).query)
-            if required is not None and session.get("upload_id") and session.get("name"):
-                bucket = unquote(urlsplit(self.path).path.split("/")[5])
-                with state._lock:
-                    state.sessions[session["upload_id"][0]] = (bucket, session["name"][0], required)
+    def _remember_session(self, location: str) -> None:
+        """Keep the generation precondition of a resumable upload for its last request."""
+        query = parse_qs(urlsplit(self.path).query)
+        required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
+        session = parse_qs(urlsplit(location).query)
+        if required is not None and session.get("upload_id") and session.get("name"):
+            bucket = unquote(urlsplit(self.path).path.split("/")[5])
+            with self._state._lock:
+                self._state.sessions[session["upload_id"][0]] = (bucket, session["name"][0], required)
 
-        def _relay(self, response: http.client.HTTPResponse) -> None:
-            self.send_response_only(response.status, response.reason)
-            self.send_header("Date", self.date_time_string())
-            length = response.getheader("Content-Length")
-            for name, value in response.getheaders():
-                lowered = name.lower()
-                if lowered in HOP_HEADERS or lowered == "date":
-                    continue
-                if lowered == "location" and value.startswith(upstream.url):
-                    value = public_url + value[len(upstream.url):]
-                    self._remember_session(value)
-                self.send_header(name, value)
-            no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
-            if no_body:
-                if length is not None:
-                    self.send_header("Content-Length", length)
-                self.end_headers()
-                response.read()
-                return
+    def _relay(self, response: http.client.HTTPResponse) -> None:
+        self.send_response_only(response.status, response.reason)
+        self.send_header("Date", self.date_time_string())
+        length = response.getheader("Content-Length")
+        for name, value in response.getheaders():
+            lowered = name.lower()
+            if lowered in HOP_HEADERS or lowered == "date":
+                continue
+            if lowered == "location" and value.startswith(self._upstream.url):
+                value = self.server.public_url + value[len(self._upstream.url):]
+                self._remember_session(value)
+            self.send_header(name, value)
+        no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
+        if no_body:
             if length is not None:
                 self.send_header("Content-Length", length)
-                self.end_headers()
-                remaining = int(length)
-                block = bytearray(min(remaining, BLOCK_BYTES) or 1)
-                view = memoryview(block)
-                while remaining:
-                    n = response.readinto(view[: min(remaining, len(block))])
-                    if not n:
-                        raise ConnectionError(f"upstream closed the connection with {remaining} bytes unsent")
-                    self.wfile.write(view[:n])
-                    remaining -= n
-                return
-            # No length upstream: relay as it arrives, in chunks.
-            self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            while True:
-                chunk = response.read1(BLOCK_BYTES) if hasattr(response, "read1") else response.read(BLOCK_BYTES)
-                if not chunk:
-                    break
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            self.wfile.write(b"0\r\n\r\n")
+            response.read()
+            return
+        if length is not None:
+            self.send_header("Content-Length", length)
+            self.end_headers()
+            remaining = int(length)
+            block = bytearray(min(remaining, BLOCK_BYTES) or 1)
+            view = memoryview(block)
+            while remaining:
+                n = response.readinto(view[: min(remaining, len(block))])
+                if not n:
+                    raise ConnectionError(f"upstream closed the connection with {remaining} bytes unsent")
+                self.wfile.write(view[:n])
+                remaining -= n
+            return
+        # No length upstream: relay as it arrives, in chunks.
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        while True:
+            chunk = response.read1(BLOCK_BYTES) if hasattr(response, "read1") else response.read(BLOCK_BYTES)
+            if not chunk:
+                break
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        self.wfile.write(b"0\r\n\r\n")
 
-        # XML multipart ---------------------------------------------------------------------------
-        def _multipart(self, path: str, query: dict[str, list[str]]) -> None:
-            bucket, _, key = path.lstrip("/").partition("/")
-            bucket, key = unquote(bucket), unquote(key)
-            upload_id = query.get("uploadId", [""])[0]
-            method = self.command
-            if not bucket:
-                raise _Reply(400, "InvalidBucketName", "no bucket in the request path")
-            if method == "GET" and "uploads" in query and not key:
-                return self._list_uploads(bucket, query)
-            if not key:
-                raise _Reply(400, "InvalidArgument", "no object name in the request path")
-            if method == "POST" and "uploads" in query:
-                return self._initiate(bucket, key)
-            if not upload_id:
-                raise _Reply(400, "InvalidArgument", "uploadId is empty")
-            if method == "PUT":
-                return self._upload_part(bucket, key, upload_id, query)
-            if method == "GET":
-                return self._list_parts(bucket, key, upload_id, query)
-            if method == "POST":
-                return self._complete(bucket, key, upload_id)
-            if method == "DELETE":
-                state.take(upload_id, bucket, key)
-                self._drain()
-                return self._send(204, b"", {})
-            raise _Reply(405, "MethodNotAllowed", f"{method} is not allowed on a multipart upload")
 
-        def _ok_xml(self, payload: bytes, extra: dict[str, str] | None = None) -> None:
+class _MultipartHandler(_HandlerBase):
+    """The XML API half: multipart uploads, served from this process' memory."""
+
+    def _multipart(self, path: str, query: dict[str, list[str]]) -> None:
+        bucket, _, key = path.lstrip("/").partition("/")
+        bucket, key = unquote(bucket), unquote(key)
+        upload_id = query.get("uploadId", [""])[0]
+        method = self.command
+        if not bucket:
+            raise _Reply(400, "InvalidBucketName", "no bucket in the request path")
+        if method == "GET" and "uploads" in query and not key:
+            return self._list_uploads(bucket, query)
+        if not key:
+            raise _Reply(400, "InvalidArgument", "no object name in the request path")
+        paths.check_bucket_name(bucket)
+        paths.check_object_name(bucket, key)
+        if method == "POST" and "uploads" in query:
+            return self._initiate(bucket, key)
+        if not upload_id:
+            raise _Reply(400, "InvalidArgument", "uploadId is empty")
+        if method == "PUT":
+            return self._upload_part(bucket, key, upload_id, query)
+        if method == "GET":
+            return self._list_parts(bucket, key, upload_id, query)
+        if method == "POST":
+            return self._complete(bucket, key, upload_id)
+        if method == "DELETE":
+            self._state.take(upload_id, bucket, key)
             self._drain()
-            self._send(200, payload, {"Content-Type": "application/xml", **(extra or {})})
+            return self._send(204, b"", {})
+        raise _Reply(405, "MethodNotAllowed", f"{method} is not allowed on a multipart upload")
 
-        def _initiate(self, bucket: str, key: str) -> None:
-            content_type = self.headers.get("Content-Type") or "application/octet-stream"
-            upload = state.create(bucket, key, content_type)
-            self._ok_xml(_xml("InitiateMultipartUploadResult",
-                              [("Bucket", bucket), ("Key", key), ("UploadId", upload.upload_id)]))
+    def _ok_xml(self, payload: bytes, extra: dict[str, str] | None = None) -> None:
+        self._drain()
+        self._send(200, payload, {"Content-Type": "application/xml", **(extra or {})})
 
-        def _upload_part(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
+    def _initiate(self, bucket: str, key: str) -> None:
+        content_type = self.headers.get("Content-Type") or "application/octet-stream"
+        upload = self._state.create(bucket, key, content_type)
+        self._ok_xml(_xml("InitiateMultipartUploadResult",
+                          [("Bucket", bucket), ("Key", key), ("UploadId", upload.upload_id)]))
+
+    def _upload_part(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
+        try:
+            number = int(query.get("partNumber", [""])[0])
+        except ValueError:
+            number = 0
+        if not 1 <= number <= MAX_PART_NUMBER:
+            raise _Reply(400, "InvalidArgument", f"partNumber must be an integer from 1 to {MAX_PART_NUMBER}")
+        upload = self._state.get(upload_id, bucket, key)
+        if not self._chunked() and self._length() is None:
+            raise _Reply(411, "MissingContentLength", "a part needs a Content-Length")
+        data = self._read_body(self._state.max_part_bytes)
+        crc = crc32c_extend(0, data)
+        md5 = hashlib.md5(data).digest()
+        actual = {"crc32c": crc32c_b64(crc), "md5": base64.b64encode(md5).decode()}
+        for name, digest in _declared_hashes(self.headers).items():
+            if name in actual and not _same_digest(digest, actual[name]):
+                raise _Reply(400, "BadDigest",
+                             f"the {name} you specified did not match what was received",
+                             f"declared {name}={digest}, received {name}={actual[name]} "
+                             f"(part {number} of upload {upload_id})")
+        part = _Part(number, data, crc, md5, time.time())
+        upload.parts[number] = part  # a part sent again replaces the earlier one
+        self._send(200, b"", {"ETag": part.etag,
+                              "x-goog-hash": f"crc32c={actual['crc32c']},md5={actual['md5']}"})
+
+    def _list_parts(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
+        upload = self._state.get(upload_id, bucket, key)
+        marker = _int_param(query, "part-number-marker", 0)
+        limit = min(_int_param(query, "max-parts", MAX_LISTED_PARTS), MAX_LISTED_PARTS)
+        numbers = sorted(n for n in list(upload.parts) if n > marker)
+        shown, truncated = numbers[:limit], len(numbers) > limit
+        parts: list[tuple[str, Any]] = [
+            ("Part", [("PartNumber", p.number), ("LastModified", _iso(p.modified)), ("ETag", p.etag),
+                      ("Size", len(p.data))])
+            for p in (upload.parts[n] for n in shown)
+        ]
+        self._ok_xml(_xml("ListPartsResult", [
+            ("Bucket", bucket), ("Key", key), ("UploadId", upload_id), ("PartNumberMarker", marker),
+            ("NextPartNumberMarker", shown[-1] if shown else marker), ("MaxParts", limit),
+            ("IsTruncated", "true" if truncated else "false"), *parts,
+        ]))
+
+    def _list_uploads(self, bucket: str, query: dict[str, list[str]]) -> None:
+        prefix = query.get("prefix", [""])[0]
+        uploads: list[tuple[str, Any]] = [
+            ("Upload", [("Key", u.key), ("UploadId", u.upload_id), ("Initiated", _iso(u.initiated))])
+            for u in self._state.in_bucket(bucket, prefix)
+        ]
+        self._ok_xml(_xml("ListMultipartUploadsResult", [
+            ("Bucket", bucket), ("Prefix", prefix), ("IsTruncated", "false"), *uploads,
+        ]))
+
+    def _complete(self, bucket: str, key: str, upload_id: str) -> None:
+        body = bytes(self._read_body(MAX_REQUEST_BODY_BYTES))
+        self._state.get(upload_id, bucket, key)  # NoSuchUpload before MalformedXML, as GCS
+        listed = _parse_completion(body)
+        upload = self._state.take(upload_id, bucket, key)
+        try:
+            chosen = _chosen_parts(upload, listed, self._state.min_part_bytes)
+        except _Reply:
+            self._state.put_back(upload)  # the client may correct the list and complete again
+            raise
+        crc, size = 0, 0
+        for part in chosen:
+            crc = crc32c_combine(crc, part.crc, len(part.data))
+            size += len(part.data)
+        meta = self._publish(upload, chosen, size)
+        stored = meta.get("crc32c", "")
+        if stored != crc32c_b64(crc):
+            raise _Reply(500, "InternalError",
+                         f"stored crc32c {stored} != crc32c of the parts {crc32c_b64(crc)}", key)
+        etag = hashlib.md5(b"".join(p.md5 for p in chosen)).hexdigest() + f"-{len(chosen)}"
+        location = self.server.public_url + paths.xml_url_path(bucket, key)
+        self._ok_xml(
+            _xml("CompleteMultipartUploadResult",
+                 [("Location", location), ("Bucket", bucket), ("Key", key), ("ETag", f'"{etag}"')]),
+            {"x-goog-generation": str(meta.get("generation", "")), "x-goog-metageneration": "1",
+             "x-goog-hash": f"crc32c={stored}", "x-goog-stored-content-length": str(size),
+             "ETag": f'"{etag}"'},
+        )
+
+    def _publish(self, upload: _Upload, parts: list[_Part], size: int) -> dict[str, Any]:
+        """Write the parts as one object upstream (one streamed request); its metadata."""
+        path = paths.upload_url_path(upload.bucket, upload.key, "media")
+        with self._state.object_locks.held(upload.bucket, upload.key):
+            conn = self._upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
             try:
-                number = int(query.get("partNumber", [""])[0])
-            except ValueError:
-                number = 0
-            if not 1 <= number <= MAX_PART_NUMBER:
-                raise _Reply(400, "InvalidArgument", f"partNumber must be an integer from 1 to {MAX_PART_NUMBER}")
-            upload = state.get(upload_id, bucket, key)
-            if not self._chunked() and self._length() is None:
-                raise _Reply(411, "MissingContentLength", "a part needs a Content-Length")
-            data = self._read_body()
-            crc = crc32c_extend(0, data)
-            md5 = hashlib.md5(data).digest()
-            actual = {"crc32c": crc32c_b64(crc), "md5": base64.b64encode(md5).decode()}
-            for name, digest in _declared_hashes(self.headers).items():
-                if name in actual and not _same_digest(digest, actual[name]):
-                    raise _Reply(400, "BadDigest",
-                                 f"the {name} you specified did not match what was received",
-                                 f"declared {name}={digest}, received {name}={actual[name]} "
-                                 f"(part {number} of upload {upload_id})")
-            part = _Part(number, data, crc, md5, time.time())
-            upload.parts[number] = part  # a part sent again replaces the earlier one
-            self._send(200, b"", {"ETag": part.etag,
-                                  "x-goog-hash": f"crc32c={actual['crc32c']},md5={actual['md5']}"})
-
-        def _list_parts(self, bucket: str, key: str, upload_id: str, query: dict[str, list[str]]) -> None:
-            upload = state.get(upload_id, bucket, key)
-            marker = _int_param(query, "part-number-marker", 0)
-            limit = min(_int_param(query, "max-parts", MAX_LISTED_PARTS), MAX_LISTED_PARTS)
-            numbers = sorted(n for n in list(upload.parts) if n > marker)
-            shown, truncated = numbers[:limit], len(numbers) > limit
-            parts: list[tuple[str, Any]] = [
-                ("Part", [("PartNumber", p.number), ("LastModified", _iso(p.modified)), ("ETag", p.etag),
-                          ("Size", len(p.data))])
-                for p in (upload.parts[n] for n in shown)
-            ]
-            self._ok_xml(_xml("ListPartsResult", [
-                ("Bucket", bucket), ("Key", key), ("UploadId", upload_id), ("PartNumberMarker", marker),
-                ("NextPartNumberMarker", shown[-1] if shown else marker), ("MaxParts", limit),
-                ("IsTruncated", "true" if truncated else "false"), *parts,
-            ]))
-
-        def _list_uploads(self, bucket: str, query: dict[str, list[str]]) -> None:
-            prefix = query.get("prefix", [""])[0]
-            uploads: list[tuple[str, Any]] = [
-                ("Upload", [("Key", u.key), ("UploadId", u.upload_id), ("Initiated", _iso(u.initiated))])
-                for u in state.in_bucket(bucket, prefix)
-            ]
-            self._ok_xml(_xml("ListMultipartUploadsResult", [
-                ("Bucket", bucket), ("Prefix", prefix), ("IsTruncated", "false"), *uploads,
-            ]))
-
-        def _complete(self, bucket: str, key: str, upload_id: str) -> None:
-            body = bytes(self._read_body())
-            state.get(upload_id, bucket, key)  # NoSuchUpload before MalformedXML, as GCS
-            listed = _parse_completion(body)
-            upload = state.take(upload_id, bucket, key)
-            try:
-                chosen = _chosen_parts(upload, listed, state.min_part_bytes)
-            except _Reply:
-                state.put_back(upload)  # the client may correct the list and complete again
+                for part in parts:
+                    conn.send(memoryview(part.data))
+                response = conn.getresponse()
+                payload = response.read()
+            except BaseException:
+                self._upstream.discard()
                 raise
-            crc, size = 0, 0
-            for part in chosen:
-                crc = crc32c_combine(crc, part.crc, len(part.data))
-                size += len(part.data)
-            meta = self._publish(upload, chosen, size)
-            stored = meta.get("crc32c", "")
-            if stored != crc32c_b64(crc):
-                raise _Reply(500, "InternalError",
-                             f"stored crc32c {stored} != crc32c of the parts {crc32c_b64(crc)}", key)
-            etag = hashlib.md5(b"".join(p.md5 for p in chosen)).hexdigest() + f"-{len(chosen)}"
-            location = f"{public_url}/{quote(bucket, safe='')}/{quote(key, safe='/')}"
-            self._ok_xml(
-                _xml("CompleteMultipartUploadResult",
-                     [("Location", location), ("Bucket", bucket), ("Key", key), ("ETag", f'"{etag}"')]),
-                {"x-goog-generation": str(meta.get("generation", "")), "x-goog-metageneration": "1",
-                 "x-goog-hash": f"crc32c={stored}", "x-goog-stored-content-length": str(size),
-                 "ETag": f'"{etag}"'},
-            )
+        if response.status == 404:
+            raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", upload.bucket)
+        if response.status != 200:
+            raise _Reply(response.status, "InternalError", f"writing {upload.key} upstream answered "
+                         f"HTTP {response.status}", payload.decode(errors="replace")[:300])
+        return json.loads(payload)
 
-        def _publish(self, upload: _Upload, parts: list[_Part], size: int) -> dict[str, Any]:
-            """Write the parts as one object upstream (one streamed request); its metadata."""
-            path = (f"/upload/storage/v1/b/{quote(upload.bucket, safe='')}/o"
-                    f"?uploadType=media&name={quote(upload.key, safe='')}")
-            with state.object_locks.held(upload.bucket, upload.key):
-                conn = upstream.start("POST", path, {"Content-Type": upload.content_type}, size)
-                try:
-                    for part in parts:
-                        conn.send(memoryview(part.data))
-                    response = conn.getresponse()
-                    payload = response.read()
-                except BaseException:
-                    upstream.discard()
-                    raise
-            if response.status == 404:
-                raise _Reply(404, "NoSuchBucket", "The specified bucket does not exist.", upload.bucket)
-            if response.status != 200:
-                raise _Reply(response.status, "InternalError", f"writing {upload.key} upstream answered "
-                             f"HTTP {response.status}", payload.decode(errors="replace")[:300])
-            return json.loads(payload)
 
-    return Handler
+class _Handler(_ProxyHandler, _MultipartHandler):
+    """Every request: XML multipart uploads served, everything else forwarded."""
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -769,6 +861,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
+    def __init__(self, address: tuple[str, int], state: _MultipartState, public_url: str | None) -> None:
+        super().__init__(address, _Handler)
+        self.state = state
+        self.public_url = (public_url or f"http://{address[0]}:{self.server_address[1]}").rstrip("/")
+
 
 def serve(
     upstream: str,
@@ -778,6 +875,8 @@ def serve(
     min_part_bytes: int = GCS_MIN_PART_BYTES,
     upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
     public_url: str | None = None,
+    allow_remote: bool = False,
+    max_part_bytes: int = GCS_MAX_PART_BYTES,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -787,21 +886,26 @@ def serve(
     Args:
         upstream: base URL of fake-gcs-server (``http://host:port``).
         min_part_bytes: the smallest part (other than the last) a completion accepts; GCS's 5 MiB.
+        max_part_bytes: the largest part accepted (``400 EntityTooLarge`` above); GCS's 5 GiB. A
+            part is held in memory as it arrives, so this caps the memory one request can take.
         upstream_timeout_s: how long a request to ``upstream`` may wait for it.
         public_url: the base URL clients reach this server by, where that is not its own address
             (a proxy in front of it); resumable-upload session locations point there.
+        allow_remote: listen on a non-loopback ``host``; the server has no authentication, so anyone
+            who reaches it may read and change every object upstream.
 
     Raises:
-        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL.
+        ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL, or ``host`` is not
+            loopback and ``allow_remote`` is false.
         OSError: the address cannot be bound.
     """
+    check_bind(host, allow_remote, "the XML multipart server")
     if public_url is not None and not public_url.startswith("http://"):
         raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
-    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes)
-    server = _Server((host, port), BaseHTTPRequestHandler)
-    public_url = (public_url or f"http://{host}:{server.server_address[1]}").rstrip("/")
-    server.RequestHandlerClass = _handler_class(state, public_url)
-    return server
+    if not 0 < max_part_bytes <= GCS_MAX_PART_BYTES:
+        raise ValueError(f"max_part_bytes must be in 1..{GCS_MAX_PART_BYTES}, not {max_part_bytes!r}")
+    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes, max_part_bytes)
+    return _Server((host, port), state, public_url)
 
 
 class XmlMultipartServer(LocalGcsService):
@@ -812,7 +916,7 @@ class XmlMultipartServer(LocalGcsService):
 
     Args:
         upstream: a running :class:`~dataflux_ckpt.FakeGcsServer`, or its base URL.
-        host: loopback address to listen on.
+        host: address to listen on; loopback unless ``allow_remote``.
         port: port to listen on; a free one by default.
         min_part_bytes: the smallest part (other than the last) a completion accepts. GCS's 5 MiB by
             default; 0 lets small test uploads through.
@@ -820,8 +924,11 @@ class XmlMultipartServer(LocalGcsService):
         public_url: the base URL clients reach the server by, where a proxy stands in front of it;
             resumable-upload session locations point there. :attr:`url` by default.
         startup_timeout_s: how long :meth:`start` waits for the server to answer.
+        allow_remote: listen on a non-loopback ``host`` (there is no authentication).
+        max_part_bytes: the largest part accepted, which caps one request's memory; GCS's 5 GiB.
 
     Raises:
+        ValueError: a non-loopback ``host`` without ``allow_remote=True``.
         ServiceStartError: (from :meth:`start`) the server did not come up; the message has its log.
     """
 
@@ -835,7 +942,10 @@ class XmlMultipartServer(LocalGcsService):
         upstream_timeout_s: float = UPSTREAM_TIMEOUT_S,
         public_url: str | None = None,
         startup_timeout_s: float = 30.0,
+        allow_remote: bool = False,
+        max_part_bytes: int = GCS_MAX_PART_BYTES,
     ) -> None:
+        check_bind(host, allow_remote, "the XML multipart server")
         self.upstream = upstream if isinstance(upstream, str) else upstream.url
         if not self.upstream.startswith("http://"):
             raise ValueError(f"upstream must be an http:// URL, not {self.upstream!r}")
@@ -849,7 +959,9 @@ class XmlMultipartServer(LocalGcsService):
             "xml-multipart-server",
             [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
              "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
-             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else [])],
+             "--max-part-bytes", str(max_part_bytes),
+             "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else []),
+             *(["--allow-remote"] if allow_remote else [])],
             ready=self._answers,
             env=env,
             startup_timeout_s=startup_timeout_s,
@@ -857,20 +969,30 @@ class XmlMultipartServer(LocalGcsService):
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m dataflux_ckpt.xml_server``: serve until interrupted."""
     parser = argparse.ArgumentParser(prog="python -m dataflux_ckpt.xml_server", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="fake-gcs-server base URL, http://host:port")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: any free port)")
     parser.add_argument("--min-part-bytes", type=int, default=GCS_MIN_PART_BYTES,
                         help="smallest part but the last a completion accepts (default: %(default)s, GCS's)")
+    parser.add_argument("--max-part-bytes", type=int, default=GCS_MAX_PART_BYTES,
+                        help="largest part accepted, which caps one request's memory (default: %(default)s, GCS's)")
     parser.add_argument("--upstream-timeout", type=float, default=UPSTREAM_TIMEOUT_S,
                         help="seconds a forwarded request may wait for the upstream (default: %(default)s)")
     parser.add_argument("--public-url", default=None,
                         help="base URL clients reach this server by, where a proxy fronts it (default: its own)")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="listen on a non-loopback --host; the server has no authentication, so anyone who "
+                             "reaches it may read and change every object (default: refused)")
     args = parser.parse_args(argv)
+    if not args.allow_remote and not is_loopback(args.host):
+        parser.error(f"refusing to listen on {args.host!r} without --allow-remote: the server has no "
+                     "authentication, so anyone who reaches it could read and change every object")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
-                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url)
+                   upstream_timeout_s=args.upstream_timeout, public_url=args.public_url,
+                   allow_remote=args.allow_remote, max_part_bytes=args.max_part_bytes)
     print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
           f"in front of {args.upstream}", flush=True)
     try:

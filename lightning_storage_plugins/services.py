@@ -1,6 +1,6 @@
 """Supervised local service processes (fake-gcs-server, redis-server, toxiproxy, workers).
 
-The plugins' embedded launchers (``dataflux_ckpt.FakeGcsServer``, ``smartredis_io.RedisServer``...)
+The plugins' embedded launchers (``dataflux_ckpt.testing.FakeGcsServer``, ``smartredis_io.RedisServer``...)
 are built on :class:`ManagedProcess`, so that every service started for a user, a test or a
 benchmark is waited for, reports its log tail when it fails, and never outlives the Python process
 that started it. Binaries are found by :func:`find_binary`: an environment variable, then ``PATH``,

@@ -14,7 +14,8 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
-from dataflux_ckpt import DatafluxCheckpointIO, FakeGcsServer  # noqa: E402
+from dataflux_ckpt import DatafluxCheckpointIO  # noqa: E402
+from dataflux_ckpt.testing import FakeGcsServer  # noqa: E402
 
 
 def train(dirpath: str, max_steps: int, ckpt_path: str | None = None) -> Trainer:

@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterator
 import pytest
 from google.cloud import storage
 
-from dataflux_ckpt import DatafluxCheckpointIO, FakeGcsServer, XmlMultipartServer
+from dataflux_ckpt import DatafluxCheckpointIO
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
+from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 from tests.support.gcs import FAST_RETRY, FaultProxy
 
 

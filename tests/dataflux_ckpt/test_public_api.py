@@ -7,8 +7,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import dataflux_ckpt
-from dataflux_ckpt import emulator, xml_server
+from dataflux_ckpt import emulator, testing, xml_server
 
 
 def test_the_package_and_its_building_blocks_import_without_lightning_or_torch():
@@ -18,8 +20,8 @@ def test_the_package_and_its_building_blocks_import_without_lightning_or_torch()
         sys.modules["lightning"] = None  # as if not installed
         sys.modules["torch"] = None
         import dataflux_ckpt
-        from dataflux_ckpt import (FakeGcsServer, Gcs, ObjectReader, ObjectWriter, StreamingWriter,
-                                   XmlMultipartServer, parse_gcs_path)
+        from dataflux_ckpt import Gcs, ObjectReader, ObjectWriter, StreamingWriter, parse_gcs_path
+        from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
         try:
             dataflux_ckpt.DatafluxCheckpointIO
         except ImportError as exc:
@@ -29,6 +31,19 @@ def test_the_package_and_its_building_blocks_import_without_lightning_or_torch()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() in (["needs", "torch"], ["needs", "lightning"])
+
+
+def test_test_fakes_live_in_the_testing_module_and_old_names_warn():
+    from dataflux_ckpt import testing
+
+    assert not {"FakeGcsServer", "XmlMultipartServer"} & set(dataflux_ckpt.__all__)
+    for name in ("FakeGcsServer", "XmlMultipartServer"):
+        assert name in testing.__all__
+        with pytest.warns(DeprecationWarning, match=f"dataflux_ckpt.{name} moved to dataflux_ckpt.testing"):
+            old = getattr(dataflux_ckpt, name)
+        assert old is getattr(testing, name)
+    with pytest.warns(DeprecationWarning, match="moved to dataflux_ckpt.testing"):
+        from dataflux_ckpt import FakeGcsServer  # noqa: F401
 
 
 def test_every_exported_name_resolves():
@@ -52,7 +67,7 @@ def _public_callables(module: object) -> list[tuple[str, object]]:
 
 def test_every_public_function_class_and_method_has_a_docstring():
     undocumented = [
-        name for module in (dataflux_ckpt, emulator, xml_server) for name, obj in _public_callables(module)
+        name for module in (dataflux_ckpt, emulator, testing, xml_server) for name, obj in _public_callables(module)
         if not (inspect.getdoc(obj) or "").strip()
     ]
     assert undocumented == []

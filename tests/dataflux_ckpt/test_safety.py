@@ -21,11 +21,11 @@ from dataflux_ckpt import (
     DatafluxCheckpointIO,
     Deadline,
     DeadlineExceededError,
-    FakeGcsServer,
     Gcs,
     TransferError,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
+from dataflux_ckpt.testing import FakeGcsServer
 from dataflux_ckpt.upload import PART_OBJECT_SUFFIX, PARTS_SUFFIX
 from tests.support.gcs import FAST_RETRY, client_for, object_names, uploads_in_progress
 

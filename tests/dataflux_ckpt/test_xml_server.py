@@ -16,7 +16,7 @@ from google.cloud.storage import transfer_manager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflux_ckpt import XmlMultipartServer
+from dataflux_ckpt.testing import XmlMultipartServer
 from tests.support.gcs import S3_NAMESPACE, client_for, uploads_in_progress
 
 NS = f"{{{S3_NAMESPACE}}}"
