@@ -47,23 +47,6 @@ class CheckpointFormatError(ValueError):
         self.reason = reason
 
 
-class _PreloadedRecords:
-    """torch's zip reader, with storage records served from tensors already read."""
-
-    def __init__(self, reader: Any, storages: dict[str, torch.Tensor]) -> None:
-        self._reader = reader
-        self._storages = storages
-
-    def get_storage_from_record(self, name: str, numel: int, dtype: Any) -> torch.Tensor:
-        preloaded = self._storages.get(name)
-        return (
-            preloaded if preloaded is not None else self._reader.get_storage_from_record(name, numel, dtype)
-        )
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._reader, attr)
-
-
 def fastpersist_load(
     file_path: str | os.PathLike[str],
     map_location: Any = None,
@@ -88,8 +71,8 @@ def fastpersist_load(
 
     Raises:
         FileNotFoundError / IsADirectoryError: ``file_path`` is not a regular file.
-        CheckpointFormatError: the file is empty, truncated, not a torch checkpoint, or written by a
-            newer torch (the message says which).
+        CheckpointFormatError: the file is empty, truncated, not a torch checkpoint, written by a newer
+            torch, or has a storage record whose size is not its tensor's (the message says which).
         OSError: a read failed (path and offset in the message).
         pickle.UnpicklingError: ``weights_only`` refused something in the file.
     """
@@ -111,39 +94,49 @@ def fastpersist_load(
     if "data.pkl" not in reader.get_all_records():
         raise CheckpointFormatError(path, "zip archive without data.pkl (not written by torch.save)")
     try:
-        records = _torch_compat.storage_records(path)
+        all_records = _torch_compat.storage_records(path, include_empty=True)
     except (zipfile.BadZipFile, OSError) as err:
         raise CheckpointFormatError(path, f"damaged zip directory ({err})") from None
-    if not records:
-        return _torch_compat.unpickle(reader, map_location, weights_only, path)
-    owned = context is None
-    ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
+    records = [record for record in all_records if record[1]]
+    storages: dict[str, torch.Tensor] = {}
+    whole: torch.UntypedStorage | None = None
+    if records:
+        owned = context is None
+        ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
+        try:
+            storages, whole = _read(path, records, engine, ctx)
+        finally:
+            if owned:
+                ctx.close()
+    table = _torch_compat.StorageTable(reader, all_records, storages, whole)
     try:
-        with ctx.lock:
-            io_engine = ctx.io_engine(
-                engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
+        return _torch_compat.unpickle(table, map_location, weights_only, path)
+    except _torch_compat.RecordSizeError as err:
+        raise CheckpointFormatError(path, str(err)) from None
+
+
+def _read(
+    path: str, records: list[Record], engine: str | None, ctx: FastPersistContext
+) -> tuple[dict[str, torch.Tensor], torch.UntypedStorage | None]:
+    """Read every storage record: into one allocation (direct path) or one tensor per record (staged)."""
+    with ctx.lock:
+        io_engine = ctx.io_engine(
+            engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
+        )
+        if io_engine.device != "cpu":
+            ctx.warn_once(
+                f"fastpersist_load reads into host memory: engine {io_engine.name!r} replaced by 'python'"
             )
-            if io_engine.device != "cpu":
-                ctx.warn_once(
-                    f"fastpersist_load reads into host memory: engine {io_engine.name!r} replaced by 'python'"
-                )
-                io_engine = ctx.python_engine()
-            file = open_file(path, write=False)
-            try:
-                if isinstance(io_engine, PythonEngine):
-                    whole = _read_direct(records, io_engine, file)
-                    table = _torch_compat.RecordTable(reader, records)
-                    return _torch_compat.unpickle(
-                        table, map_location, weights_only, path, overall_storage=whole
-                    )
-                storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
-                _read_staged(records, storages, io_engine, file, ctx)
-            finally:
-                file.close()
-    finally:
-        if owned:
-            ctx.close()
-    return _torch_compat.unpickle(_PreloadedRecords(reader, storages), map_location, weights_only, path)
+            io_engine = ctx.python_engine()
+        file = open_file(path, write=False)
+        try:
+            if isinstance(io_engine, PythonEngine):
+                return {}, _read_direct(records, io_engine, file)
+            storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
+            _read_staged(records, storages, io_engine, file, ctx)
+            return storages, None
+        finally:
+            file.close()
 
 
 def _sniff(path: str) -> str:
