@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import zipfile
 from typing import Any
 
@@ -70,15 +71,15 @@ def fastpersist_load(
         context: handle, buffer and lock to use; without one, this call creates and frees its own.
 
     Raises:
-        FileNotFoundError / IsADirectoryError: ``file_path`` is not a regular file.
-        CheckpointFormatError: the file is empty, truncated, not a torch checkpoint, written by a newer
-            torch, or has a storage record whose size is not its tensor's (the message says which).
+        FileNotFoundError / IsADirectoryError: ``file_path`` does not exist / is a directory.
+        CheckpointFormatError: ``file_path`` is a FIFO, device or socket; or the file is empty,
+            truncated, not a torch checkpoint, written by a newer torch, or has a storage record whose
+            size is not its tensor's (the message says which).
         OSError: a read failed (path and offset in the message).
         pickle.UnpicklingError: ``weights_only`` refused something in the file.
     """
     path = os.fspath(file_path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+    _require_regular_file(os.stat(path).st_mode, path)
     weights_only = _torch_compat.resolve_weights_only(weights_only)
     kind = _sniff(path)
     if kind == "legacy":
@@ -139,10 +140,34 @@ def _read(
             file.close()
 
 
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _require_regular_file(mode: int, path: str) -> None:
+    """Refuse anything but a regular file before reading it: a FIFO or a device would block the read
+    (or never end), and its bytes are not a checkpoint."""
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+        raise CheckpointFormatError(path, f"it is {kind}, not a regular file")
+
+
 def _sniff(path: str) -> str:
     """``"zip"`` or ``"legacy"``, else :class:`CheckpointFormatError` naming what the file is."""
-    with open(path, "rb") as stream:
-        head = stream.read(len(ZIP_MAGIC))
+    # O_NONBLOCK: should the path have become a FIFO since it was checked, opening it must not wait
+    # for a writer; fstat then tells what was really opened.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _require_regular_file(os.fstat(fd).st_mode, path)
+        head = os.pread(fd, len(ZIP_MAGIC), 0)
+    finally:
+        os.close(fd)
     if head == ZIP_MAGIC:
         return "zip"
     if not head:
