@@ -11,6 +11,8 @@
 - The build: DeepSpeed's JIT builder cannot parse ``TORCH_CUDA_ARCH_LIST`` entries with an
   architecture suffix (``9.0a``, ``10.0f``, as Hopper and Blackwell images set); ops are built with
   the suffixes dropped for the duration of the build only.
+- DeepSpeed's once-per-process notice about NVMe write endurance (TBW), which its aio op logs at
+  warning level on the first write, goes to fastpersist's log at debug level instead.
 - aio handles: 0.16 writes through a file *name* (it opens the file per request) and cannot say
   whether a buffer is page-locked; 0.17+ writes through an open descriptor and has ``is_pinned``.
 - Checkpoint engines: 0.16's ``create``/``commit`` take a tag, later ones a ``CheckpointCommitInfo``.
@@ -74,6 +76,12 @@ def _parsable_arch_list() -> Iterator[None]:
 
 BUILD_COMMAND = "python -m fastpersist.build_ops"
 _OP_NAMES = {"AsyncIOBuilder": "async_io", "GDSBuilder": "gds"}
+# What DeepSpeed's aio op checks before logging its write-endurance notice (DeepSpeed >= 0.19).
+_TBW_NOTICE_MARKER = "_deepspeed_nvme_write_warning_emitted"
+_TBW_NOTICE = (
+    "DeepSpeed notes that offloading to NVMe can generate heavy write traffic: repeated writes to "
+    "consumer SSDs can exhaust their rated write endurance (TBW)"
+)
 
 
 def prebuilt_ops_dir() -> str:
@@ -112,6 +120,7 @@ def load_op(builder_name: str) -> tuple[Any | None, str | None]:
         from deepspeed.ops import op_builder
     except ImportError as err:
         return None, f"DeepSpeed is not installed ({err})"
+    _quiet_tbw_notice()
     with _op_load_lock:
         loaded = _loaded_ops().get(op_name)
         if loaded is not None:
@@ -166,6 +175,18 @@ def _import_prebuilt(op_name: str, global_symbols: bool) -> Any:
     spec.loader.exec_module(module)
     _loaded_ops()[op_name] = module
     return module
+
+
+def _quiet_tbw_notice() -> None:
+    """Keep DeepSpeed's write-endurance notice (logged once per process on the first aio write) at
+    debug level: it would otherwise reach every user on every checkpointing run."""
+    try:
+        import deepspeed.utils as ds_utils
+    except ImportError:
+        return
+    if not getattr(ds_utils, _TBW_NOTICE_MARKER, False):
+        setattr(ds_utils, _TBW_NOTICE_MARKER, True)
+        log.debug("%s", _TBW_NOTICE)
 
 
 def build_op(builder_name: str, verbose: bool = False) -> str:
