@@ -103,15 +103,17 @@ $(PEER_DIR)/.installed: benchmarks/lightning_peer.py | $(VENV)/.installed
 		$$($(PY) -c "from benchmarks.lightning_peer import PEER_PINS; print(*PEER_PINS)")
 	@touch $@
 
-# DeepSpeed JIT-builds the op into torch's extension cache, one per Python and torch version.
-$(VENV)/.async-io-built: $(VENV)/.installed | apt-packages
-	@echo ">> building DeepSpeed's async_io op for $(VENV) (JIT compile, 4-5 minutes on 2 cores)"
-	$(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+# DeepSpeed's async_io op, compiled once per environment into a directory of that environment
+# (fastpersist.build_ops), never at run time: torch's shared JIT cache is keyed by Python and CUDA
+# version only, so environments (or one venv reached through two paths) would recompile each other's.
+$(VENV)/.async-io-built: $(VENV)/.installed fastpersist/build_ops.py | apt-packages
+	@echo ">> building DeepSpeed's async_io op for $(VENV) (4-5 minutes on 2 cores, once)"
+	$(PY) -m fastpersist.build_ops async_io
 	@touch $@
 
-$(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed | apt-packages
-	@echo ">> building DeepSpeed's async_io op for $(VENV_OLDEST) (JIT compile, 4-5 minutes on 2 cores)"
-	$(PY_OLDEST) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+$(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed fastpersist/build_ops.py | apt-packages
+	@echo ">> building DeepSpeed's async_io op for $(VENV_OLDEST) (4-5 minutes on 2 cores, once)"
+	$(PY_OLDEST) -m fastpersist.build_ops async_io
 	@touch $@
 
 ## test: set up, lint, run the whole suite (newest releases), then the oldest-supported subset

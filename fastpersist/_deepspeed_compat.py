@@ -1,8 +1,18 @@
 """Every version-dependent DeepSpeed API fastpersist uses (DeepSpeed 0.16 to 0.19), in one place.
 
-- Op loading: DeepSpeed's JIT builder cannot parse ``TORCH_CUDA_ARCH_LIST`` entries with an
-  architecture suffix (``9.0a``, ``10.0f``, as Hopper and Blackwell images set); the aio and gds
-  ops are loaded with the suffixes dropped for the duration of the build only.
+- Op building and loading: nothing compiles at run time. DeepSpeed's own ``load()`` compiles an op
+  just in time into torch's extension cache, which is keyed by Python and CUDA version but not by
+  environment, so a second environment (or the same one reached through another path) rewrites its
+  ``build.ninja`` and the next save recompiles for minutes. Instead the set-up builds each op once
+  per environment (:func:`build_op`, run by ``python -m fastpersist.build_ops``) into a directory
+  under ``sys.prefix``, and :func:`aio_op` / :func:`gds_op` only import what is there, or what a
+  DeepSpeed installed with ``DS_BUILD_AIO=1`` / ``DS_BUILD_GDS=1`` carries. A missing op is a reason
+  to fall back, never a compile.
+- The build: DeepSpeed's JIT builder cannot parse ``TORCH_CUDA_ARCH_LIST`` entries with an
+  architecture suffix (``9.0a``, ``10.0f``, as Hopper and Blackwell images set); ops are built with
+  the suffixes dropped for the duration of the build only.
+- DeepSpeed's once-per-process notice about NVMe write endurance (TBW), which its aio op logs at
+  warning level on the first write, goes to fastpersist's log at debug level instead.
 - aio handles: 0.16 writes through a file *name* (it opens the file per request) and cannot say
   whether a buffer is page-locked; 0.17+ writes through an open descriptor and has ``is_pinned``.
 - Checkpoint engines: 0.16's ``create``/``commit`` take a tag, later ones a ``CheckpointCommitInfo``.
@@ -13,10 +23,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import importlib.util
+import json
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -60,20 +74,155 @@ def _parsable_arch_list() -> Iterator[None]:
             os.environ["TORCH_CUDA_ARCH_LIST"] = original
 
 
-def _load_op(builder_name: str) -> tuple[Any | None, str | None]:
-    """``(op module, None)`` or ``(None, reason)`` for one of DeepSpeed's op builders."""
+BUILD_COMMAND = "python -m fastpersist.build_ops"
+_OP_NAMES = {"AsyncIOBuilder": "async_io", "GDSBuilder": "gds"}
+# What DeepSpeed's aio op checks before logging its write-endurance notice (DeepSpeed >= 0.19).
+_TBW_NOTICE_MARKER = "_deepspeed_nvme_write_warning_emitted"
+_TBW_NOTICE = (
+    "DeepSpeed notes that offloading to NVMe can generate heavy write traffic: repeated writes to "
+    "consumer SSDs can exhaust their rated write endurance (TBW)"
+)
+
+
+def prebuilt_ops_dir() -> str:
+    """This environment's directory of DeepSpeed ops built ahead of time, one per DeepSpeed and torch
+    release (a venv reached through a symlink finds the same files)."""
+    from importlib.metadata import version
+
+    release = f"deepspeed-{version('deepspeed')}-torch-{torch.__version__}"
+    return os.path.join(sys.prefix, "share", "fastpersist", "deepspeed-ops", release)
+
+
+def prebuilt_op_path(op_name: str) -> str:
+    """Where :func:`build_op` puts ``op_name`` (torch's extension layout: ``<dir>/<name>/<name>.so``)."""
+    return os.path.join(prebuilt_ops_dir(), op_name, f"{op_name}.so")
+
+
+def _loaded_ops() -> dict[str, Any]:
+    """DeepSpeed's process-wide table of loaded ops (its own ``load()`` returns what is found there)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    return OpBuilder._loaded_ops
+
+
+def _installed_with_deepspeed(op_name: str) -> bool:
+    """Whether DeepSpeed itself was installed with this op prebuilt (``DS_BUILD_AIO=1`` and the like)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    return bool(installed_ops.get(op_name, False)) and accelerator_name == get_accelerator()._name
+
+
+def load_op(builder_name: str) -> tuple[Any | None, str | None]:
+    """``(op module, None)`` or ``(None, reason)`` for one of DeepSpeed's ops; never compiles."""
+    op_name = _OP_NAMES[builder_name]
     try:
         from deepspeed.ops import op_builder
-
-        builder = getattr(op_builder, builder_name)()
-        with _op_load_lock, _parsable_arch_list(), _quiet_native_output():
-            if not builder.is_compatible(verbose=False):
-                return None, f"DeepSpeed's {builder.NAME} op is not compatible with this machine"
-            return builder.load(verbose=False), None
     except ImportError as err:
         return None, f"DeepSpeed is not installed ({err})"
-    except Exception as err:  # a failed JIT build raises many kinds of errors
-        return None, f"DeepSpeed's {builder_name} op failed to build or load: {err}"
+    _quiet_tbw_notice()
+    with _op_load_lock:
+        loaded = _loaded_ops().get(op_name)
+        if loaded is not None:
+            return loaded, None
+        try:
+            if _installed_with_deepspeed(op_name):  # imports DeepSpeed's prebuilt module
+                with _quiet_native_output():
+                    return getattr(op_builder, builder_name)().load(verbose=False), None
+        except Exception as err:  # a prebuilt op that does not import raises many kinds of errors
+            log.debug("DeepSpeed's prebuilt %s op does not load", op_name, exc_info=True)
+            return None, f"DeepSpeed's prebuilt {op_name} op does not load ({type(err).__name__})"
+        order_path = _load_order_path(op_name)
+        if not os.path.exists(order_path):
+            log.debug("no prebuilt %s op: %s does not exist", op_name, order_path)
+            return None, (
+                f"DeepSpeed's {op_name} op is not built for this environment ({sys.prefix}); "
+                f"build it once with `{BUILD_COMMAND}`"
+            )
+        try:
+            with open(order_path) as stream:
+                order = json.load(stream)["load_order"]
+            for name in order:
+                module = _import_prebuilt(name, global_symbols=name != op_name)
+        except Exception as err:  # a stale or foreign build: ImportError, OSError, undefined symbols
+            log.debug("the prebuilt %s op in %s does not load", op_name, prebuilt_ops_dir(), exc_info=True)
+            return None, (
+                f"DeepSpeed's {op_name} op built for this environment does not load "
+                f"({type(err).__name__}); rebuild it with `{BUILD_COMMAND}`"
+            )
+        return module, None
+
+
+def _load_order_path(op_name: str) -> str:
+    """The file :func:`build_op` writes: which ops to load, dependencies first, for ``op_name``."""
+    return os.path.join(prebuilt_ops_dir(), f"{op_name}.json")
+
+
+def _import_prebuilt(op_name: str, global_symbols: bool) -> Any:
+    """Import one prebuilt op and enter it in DeepSpeed's table, so DeepSpeed's own ``load()`` finds it
+    instead of compiling. A dependency's symbols are made global first, as DeepSpeed does for the
+    ``pin_memory`` op the ``async_io`` op of DeepSpeed 0.19 links against."""
+    loaded = _loaded_ops().get(op_name)
+    if loaded is not None:
+        return loaded
+    path = prebuilt_op_path(op_name)
+    if global_symbols:
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    spec = importlib.util.spec_from_file_location(op_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded_ops()[op_name] = module
+    return module
+
+
+def _quiet_tbw_notice() -> None:
+    """Keep DeepSpeed's write-endurance notice (logged once per process on the first aio write) at
+    debug level: it would otherwise reach every user on every checkpointing run."""
+    try:
+        import deepspeed.utils as ds_utils
+    except ImportError:
+        return
+    if not getattr(ds_utils, _TBW_NOTICE_MARKER, False):
+        setattr(ds_utils, _TBW_NOTICE_MARKER, True)
+        log.debug("%s", _TBW_NOTICE)
+
+
+def build_op(builder_name: str, verbose: bool = False) -> str:
+    """Compile one of DeepSpeed's ops into :func:`prebuilt_ops_dir` (minutes); returns its path.
+
+    Run once per environment at set-up (``python -m fastpersist.build_ops``), never by a save.
+
+    Raises:
+        RuntimeError: the op is not compatible with this machine, or the build failed.
+    """
+    from deepspeed.ops import op_builder
+
+    op_name = _OP_NAMES[builder_name]
+    builder = getattr(op_builder, builder_name)()
+    with _op_load_lock, _parsable_arch_list():
+        if not builder.is_compatible(verbose=verbose):
+            raise RuntimeError(f"DeepSpeed's {op_name} op is not compatible with this machine")
+        before = set(_loaded_ops())
+        saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+        os.environ["TORCH_EXTENSIONS_DIR"] = prebuilt_ops_dir()
+        try:
+            builder.load(verbose=verbose)  # its dependencies first (DeepSpeed 0.19: pin_memory)
+        finally:
+            if saved is None:
+                os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+            else:
+                os.environ["TORCH_EXTENSIONS_DIR"] = saved
+        order = [name for name in _loaded_ops() if name not in before]  # dicts keep insertion order
+        if op_name not in order:
+            raise RuntimeError(
+                f"DeepSpeed's {op_name} op was loaded before this build; run it in a fresh process"
+            )
+        with open(_load_order_path(op_name) + ".tmp", "w") as stream:
+            json.dump({"load_order": order}, stream)
+        os.replace(_load_order_path(op_name) + ".tmp", _load_order_path(op_name))
+    return prebuilt_op_path(op_name)
 
 
 @contextlib.contextmanager
@@ -86,7 +235,7 @@ def _quiet_native_output() -> Iterator[None]:
 @functools.cache
 def aio_op() -> tuple[Any | None, str | None]:
     """DeepSpeed's ``async_io`` op (loaded once, like an import), or ``None`` and the reason."""
-    return _load_op("AsyncIOBuilder")
+    return load_op("AsyncIOBuilder")
 
 
 @functools.cache
@@ -94,7 +243,7 @@ def gds_op() -> tuple[Any | None, str | None]:
     """DeepSpeed's ``gds`` op (NVIDIA GPUDirect Storage), or ``None`` and the reason."""
     if not torch.cuda.is_available():
         return None, "CUDA is not available"
-    return _load_op("GDSBuilder")
+    return load_op("GDSBuilder")
 
 
 def writes_by_descriptor(handle: Any) -> bool:

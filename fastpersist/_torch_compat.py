@@ -148,44 +148,103 @@ def open_reader(path: str) -> Any:
     return torch._C.PyTorchFileReader(path)
 
 
-def storage_records(path: str) -> list[tuple[int, int, str]]:
-    """``(offset, size, name)`` of every non-empty ``data/`` record, in file order.
+def storage_records(path: str, include_empty: bool = False) -> list[tuple[int, int, str]]:
+    """``(offset, size, name)`` of every ``data/`` record (non-empty ones only by default), in file order.
 
     Read from the zip central directory and each record's local header (the numbers torch's reader
     uses too) rather than ``PyTorchFileReader.get_record_offset``: that looks each name up with a
     linear scan, which is quadratic over a checkpoint of many tensors, and ``get_record_size`` does
     not exist before torch 2.7.
+
+    Raises:
+        zipfile.BadZipFile: a record is compressed, reaches past the end of the file, or overlaps
+            another (torch's writer produces none of these; reading them would hand out bytes that are
+            not the record's).
     """
     records = []
     with open(path, "rb") as stream, zipfile.ZipFile(stream) as archive:
         fd = stream.fileno()
+        file_size = os.fstat(fd).st_size
         for info in archive.infolist():
             name = info.filename.split("/", 1)[-1]
-            if not name.startswith("data/") or info.file_size == 0:
+            if not name.startswith("data/"):
                 continue
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise zipfile.BadZipFile(f"record {name} is compressed; torch stores storages uncompressed")
             header = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
             if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
                 raise zipfile.BadZipFile(f"no local header for {name} at offset {info.header_offset}")
             name_length, extra_length = _LOCAL_HEADER.unpack(header)[-2:]
             offset = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+            if offset + info.file_size > file_size:
+                raise zipfile.BadZipFile(
+                    f"record {name} ({info.file_size} bytes at offset {offset}) ends past the end of the "
+                    f"file ({file_size} bytes)"
+                )
             records.append((offset, info.file_size, name))
-    return sorted(records)
+    records.sort()
+    end, previous = 0, ""
+    for offset, size, name in records:
+        if size and offset < end:
+            raise zipfile.BadZipFile(f"record {name} at offset {offset} overlaps record {previous}")
+        if size:
+            end, previous = offset + size, name
+    return records if include_empty else [record for record in records if record[1]]
 
 
-class RecordTable:
-    """torch's zip reader with record offsets answered from a table (see :func:`storage_records`).
+class RecordSizeError(ValueError):
+    """A storage record does not hold the bytes its tensor needs (``torch.load``: "record size does not
+    match")."""
 
-    ``torch.serialization._load`` asks ``get_record_offset`` once per storage when it slices them out of
-    one buffer; the table answers without the reader's linear name lookup.
+
+class StorageTable:
+    """torch's zip reader with every storage record answered from bytes fastpersist has already read.
+
+    ``torch.serialization._load`` asks ``get_storage_from_record(name, nbytes, ...)`` once per storage.
+    The answer is the record's bytes only if the record holds exactly ``nbytes``; otherwise
+    :class:`RecordSizeError`, as torch's own reader refuses such a record, so no caller ever sees
+    bytes from outside the record (nor memory that no read filled). Lookups are by name in a dict,
+    not through the reader's linear scan.
+
+    Args:
+        reader: torch's ``PyTorchFileReader`` of the archive (for everything but storages).
+        records: every ``data/`` record, empty ones included (see :func:`storage_records`).
+        storages: for each non-empty record, either a flat uint8 tensor of its bytes, or ``None`` to
+            slice it out of ``whole`` (indexed by file offset).
+        whole: one storage holding the file's bytes at their file offsets.
     """
 
-    def __init__(self, reader: Any, records: list[tuple[int, int, str]]) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        records: list[tuple[int, int, str]],
+        storages: dict[str, torch.Tensor] | None = None,
+        whole: torch.UntypedStorage | None = None,
+    ) -> None:
         self._reader = reader
-        self._offsets = {name: offset for offset, _, name in records}
+        self._records = {name: (offset, size) for offset, size, name in records}
+        self._storages = storages or {}
+        self._whole = whole
+
+    def get_storage_from_record(self, name: str, nbytes: int, dtype: Any) -> torch.Tensor:
+        found = self._records.get(name)
+        if found is None:
+            raise RecordSizeError(f"the archive has no record {name}")
+        offset, size = found
+        if size != nbytes:
+            raise RecordSizeError(f"record {name} holds {size} bytes, its storage needs {nbytes}")
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        preloaded = self._storages.get(name)
+        if preloaded is not None:
+            return preloaded
+        if self._whole is None:
+            raise RecordSizeError(f"record {name} was not read")
+        return torch.empty(0, dtype=torch.uint8).set_(self._whole[offset : offset + size])
 
     def get_record_offset(self, name: str) -> int:
-        offset = self._offsets.get(name)
-        return offset if offset is not None else self._reader.get_record_offset(name)
+        found = self._records.get(name)
+        return found[0] if found is not None else self._reader.get_record_offset(name)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._reader, attr)

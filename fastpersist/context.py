@@ -164,9 +164,11 @@ class FastPersistContext:
         current = check_engine_name(name) or self.engine or DEFAULT_ENGINE
         while (reason := self._unavailable(current, directory)) is not None:
             fallback = FALLBACK[current]
-            self.warn_once(
-                f"fastpersist engine {current!r} unavailable ({reason}); falling back to {fallback!r}"
-            )
+            message = f"fastpersist engine {current!r} unavailable ({reason}); falling back to {fallback!r}"
+            if current == "aio":  # the process's DeepSpeed build, the same for every context: say it once
+                _warn_once_per_process(message)
+            else:
+                self.warn_once(message)
             current = fallback
         if current == "aio":
             handle = self.aio_handle()
@@ -278,3 +280,15 @@ class FastPersistContext:
 
     def __repr__(self) -> str:
         return f"FastPersistContext(engine={self.engine!r}, io_buffer_mb={self.io_buffer_mb}, aio={self.aio})"
+
+
+_warned_in_process: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once_per_process(message: str) -> None:
+    with _warned_lock:
+        if message in _warned_in_process:
+            return
+        _warned_in_process.add(message)
+    log.warning("%s", message)

@@ -7,7 +7,9 @@ import logging
 import os
 import pickle
 import re
+import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from fastpersist import (
+    CheckpointFormatError,
     FastPersistContext,
     _deepspeed_compat,
     engines,
@@ -67,6 +70,42 @@ def test_path_is_a_directory(ckpt_dir: Path, engine: str, small_context: FastPer
     with pytest.raises(IsADirectoryError, match="is a directory"):
         fastpersist_save(PREVIOUS, ckpt_dir / "sub.pt", context=small_context, engine=engine)
     assert os.listdir(ckpt_dir) == ["sub.pt"]
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a character device", "a socket"])
+def test_load_refuses_fifos_devices_and_sockets_at_once_naming_the_path(
+    tmp_path: Path, engine: str, kind: str
+) -> None:
+    path = tmp_path / "ckpt.pt"
+    holder = socket.socket(socket.AF_UNIX)
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "a socket":
+        holder.bind(str(path))
+    else:
+        path = Path(os.devnull)
+    outcome: list[BaseException | object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(fastpersist_load(path, engine=engine))
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            outcome.append(err)
+
+    loader = threading.Thread(target=load, daemon=True)
+    try:
+        loader.start()
+        loader.join(timeout=30)  # a deadline for a refusal that takes no I/O at all
+        if loader.is_alive() and kind == "a FIFO":
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # releases the blocked open
+            loader.join(timeout=30)
+            pytest.fail("fastpersist_load blocked on a FIFO")
+    finally:
+        holder.close()
+    assert not loader.is_alive(), f"fastpersist_load did not return on {kind}"
+    (error,) = outcome
+    assert isinstance(error, CheckpointFormatError), error
+    assert error.path == str(path) and f"it is {kind}, not a regular file" in str(error)
 
 
 @pytest.mark.parametrize("nbytes", [0, 512, ALIGNMENT_BYTES])

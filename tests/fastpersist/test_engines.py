@@ -90,7 +90,9 @@ def test_aio_engine_reads_part_of_a_file_at_an_offset(ckpt_dir: Path) -> None:
     assert torch.equal(loaded["b"], torch.arange(2**20, dtype=torch.float32))
 
 
-def test_aio_saves_of_many_tensors_through_a_small_staging_buffer_complete(ckpt_dir: Path, aio_engine: str) -> None:
+def test_aio_saves_of_many_tensors_through_a_small_staging_buffer_complete(
+    ckpt_dir: Path, aio_engine: str
+) -> None:
     """Writes land in the middle of the preallocated file, many of them per save; none may hang."""
     path = ckpt_dir / "many.pt"
     script = (
@@ -102,7 +104,9 @@ def test_aio_saves_of_many_tensors_through_a_small_staging_buffer_complete(ckpt_
         "        stats = fastpersist_save(state, sys.argv[1], context=context)\n"
         "print(stats.engine)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "aio"
     loaded = torch.load(path, weights_only=True)
@@ -113,3 +117,26 @@ def _saved(directory: Path) -> str:
     path = str(directory / "two.pt")
     fastpersist_save({"a": torch.ones(3 * 2**18), "b": torch.arange(2**20, dtype=torch.float32)}, path)
     return path
+
+
+def test_deepspeeds_nvme_write_endurance_notice_is_kept_at_debug_level(
+    ckpt_dir: Path, aio_engine: str
+) -> None:
+    # A fresh interpreter: DeepSpeed logs the notice once per process, on the first aio write.
+    script = (
+        "import logging, sys, torch\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(name)s %(message)s')\n"
+        "if sys.argv[2] == 'debug': logging.getLogger('fastpersist').setLevel(logging.DEBUG)\n"
+        "from fastpersist import fastpersist_save\n"
+        "for i in range(2): fastpersist_save({'w': torch.randn(5000)}, f'{sys.argv[1]}/{i}.pt', engine='aio')\n"
+    )
+    for level in ("warning", "debug"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(ckpt_dir), level], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        output = done.stdout + done.stderr
+        assert "Offloading to NVMe" not in output, output[-2000:]  # DeepSpeed's own wording, as a warning
+        notices = [line for line in done.stderr.splitlines() if "write endurance (TBW)" in line]
+        assert len(notices) == (1 if level == "debug" else 0), notices
+        assert all(line.startswith("DEBUG fastpersist") for line in notices)
