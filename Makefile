@@ -25,10 +25,13 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # The oldest releases we support, tested in their own environment: FastPersist's validated torch and
 # the Lightning and DeepSpeed releases of its time.
 OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post0 deepspeed==0.16.4
-# What the oldest environment runs: everything of fastpersist and the Lightning plugins of all three.
+# What the oldest environment runs: everything of fastpersist, the Lightning plugins of all three, and
+# smartredis_io's own client, wire and module paths under numpy 2 (the published client there is absent).
 OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/dataflux_ckpt/test_trainer.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
-	tests/smartredis_io/test_lightning.py
+	tests/smartredis_io/test_lightning.py \
+	tests/smartredis_io/test_client.py tests/smartredis_io/test_fast_paths.py tests/smartredis_io/test_dataset.py \
+	tests/smartredis_io/test_redis_module.py
 # Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: its build gets
 # the plain architecture numbers.
 ifdef TORCH_CUDA_ARCH_LIST

@@ -272,6 +272,7 @@ class Database:
         replies are redis-py's (``SET`` gives True).
         """
         self.check_deadline()
+        commands = _redispy.encode_commands(commands, self.settings.encoding_errors)
         pool = _redispy.shared_pool(self.redis, [command[1] for command in commands])
         if pool is None:
             if before_block is None:
