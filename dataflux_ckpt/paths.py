@@ -55,3 +55,25 @@ def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
     if match is None or match["scheme"].lower() not in SCHEMES:
         raise ValueError(f"not a GCS path: {path!r} (expected gs://bucket or gs://bucket/prefix)")
     return GcsPath(match["bucket"], match["key"] or "")
+
+
+# GCS's bucket naming rules: 3 to 63 characters (up to 222 with dots, each dot-separated part at
+# most 63), lower-case letters, digits, '-', '_' and '.', starting and ending with a letter or digit.
+_BUCKET_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{1,220})[a-z0-9]$")
+
+
+def check_bucket_name(bucket: str) -> str:
+    """``bucket`` if it follows GCS's bucket naming rules.
+
+    Raises:
+        ValueError: the name cannot be a GCS bucket's (the message names it and the rule it breaks).
+    """
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"{bucket!r} is not a valid GCS bucket name: bucket names have 3 to 63 characters "
+                         "(222 with dots), lower-case letters, digits, '-', '_' and '.', and start and end "
+                         "with a letter or digit")
+    parts = bucket.split(".")
+    if max(len(part) for part in parts) > 63 or ("." not in bucket and len(bucket) > 63):
+        raise ValueError(f"{bucket!r} is not a valid GCS bucket name: each dot-separated part has at most 63 "
+                         "characters")
+    return bucket
