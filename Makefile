@@ -4,6 +4,7 @@
 #   make setup   both environments, the service binaries and DeepSpeed's async_io op
 #   make test    lint, the whole suite on the newest releases, then the oldest-supported subset
 #   make bench   the main job: python -m benchmarks.lightning_ckpt
+#   make module  the smartredis_io Redis module (part of setup)
 SHELL := /bin/bash
 PYTHON ?= python3
 # The oldest supported Python for the oldest-supported environment, where pyenv has it.
@@ -33,16 +34,20 @@ OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/lightning_st
 ifdef TORCH_CUDA_ARCH_LIST
 export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E 's/([0-9])a\b/\1/g')
 endif
+# The smartredis_io Redis module, built in place (an editable install finds it; wheels build their own).
+# Its header, redismodule.h, is fetched once (pinned crate, SHA-256 checked) into .tools/include.
+MODULE_DIR := smartredis_io/redisai
+MODULE := $(MODULE_DIR)/srio_redisai.so
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
-.PHONY: setup setup-newest setup-oldest apt-packages tools test test-newest test-oldest lint bench clean
+.PHONY: setup setup-newest setup-oldest apt-packages tools module test test-newest test-oldest lint bench clean
 
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
 setup: setup-newest setup-oldest
 
-setup-newest: apt-packages tools $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed
-setup-oldest: apt-packages tools $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
+setup-newest: apt-packages tools module $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed
+setup-oldest: apt-packages tools module $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
 tools: $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION)
 
 apt-packages:
@@ -52,6 +57,12 @@ apt-packages:
 		echo ">> installing Debian packages:" $$missing; \
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
+
+module: $(MODULE)
+
+# cc -O2 with warnings, a few seconds; needs only the standard library of any Python 3
+$(MODULE): $(wildcard $(MODULE_DIR)/*.c $(MODULE_DIR)/*.h) $(MODULE_DIR)/build.py
+	$(PYTHON) $(MODULE_DIR)/build.py
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -120,4 +131,4 @@ bench: setup-newest
 	$(PY) -m benchmarks.lightning_ckpt $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .tools .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) .tools .pytest_cache .hypothesis build *.egg-info $(MODULE)

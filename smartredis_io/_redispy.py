@@ -130,6 +130,19 @@ def _socket(conn: Any) -> socket.socket:
     return conn._sock
 
 
+def socket_of(conn: Any) -> socket.socket:
+    """The socket of a redis-py connection (connected now if it is not), to wait on several with ``select``."""
+    return _socket(conn)
+
+
+def endpoint_of(client: redis.Redis | RedisCluster, key: str) -> tuple[str, int] | None:
+    """``(host, port)`` of the cluster node that serves ``key``; None for a standalone client."""
+    if not isinstance(client, RedisCluster):
+        return None
+    node = client.get_node_from_key(key)
+    return node.host, node.port
+
+
 def send_buffers(conn: Any, buffers: Sequence[bytes | memoryview]) -> None:
     """Send already packed RESP ``buffers`` in one system call (``sendmsg``), without joining them.
 
@@ -159,9 +172,9 @@ def send_buffers(conn: Any, buffers: Sequence[bytes | memoryview]) -> None:
         raise redis.exceptions.ConnectionError(f"Error while writing to socket: {exc}") from None
 
 
-def pack_get(key: str) -> bytes:
-    """RESP of ``GET key``."""
-    bkey = key.encode()
+def pack_get(key: str, errors: str = "strict") -> bytes:
+    """RESP of ``GET key`` (``errors``: how the key is encoded to UTF-8, as redis-py's ``encoding_errors``)."""
+    bkey = key.encode("utf-8", errors)
     return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(bkey), bkey)
 
 
@@ -242,12 +255,13 @@ def is_redirect(reply: Any) -> bool:
     return isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError, Redirected))
 
 
-def pack_getrange_and_set(key: str, total: int, peek: int, px_ms: int | None = None) -> tuple[bytes, bytes]:
+def pack_getrange_and_set(key: str, total: int, peek: int, px_ms: int | None = None,
+                          errors: str = "strict") -> tuple[bytes, bytes]:
     """RESP of ``GETRANGE key 0 peek-1`` then ``SET key <total bytes> [PX px_ms]``, around the value.
 
     Returns (head, tail): the caller sends head, the value's ``total`` bytes, then tail.
     """
-    bkey = key.encode()
+    bkey = key.encode("utf-8", errors)
     last = str(peek - 1).encode()
     head = (
         b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%s\r\n$1\r\n0\r\n$%d\r\n%s\r\n" % (len(bkey), bkey, len(last), last)

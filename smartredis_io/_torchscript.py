@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_schemas", "compile_script", "op_kinds"]
+__all__ = ["all_schemas", "compile_script", "op_kinds", "takes_lists"]
 
 # Names a stored script may refer to: TorchScript's builtins and nothing from the worker's own
 # module (a script compiled with the caller's frame could otherwise reach its globals).
@@ -52,3 +52,13 @@ def op_kinds(runnable: torch.jit.ScriptModule | torch.jit.CompilationUnit) -> se
 def all_schemas() -> list[Any]:
     """Every operator schema registered in this process."""
     return list(torch._C._jit_get_all_schemas())
+
+
+_LIST_SIGNATURE = ("List[Tensor]", "List[str]", "List[str]")
+
+
+def takes_lists(function: Any) -> bool:
+    """Whether a script function is declared ``(tensors: List[Tensor], keys: List[str], args: List[str])``,
+    the signature RedisAI's AI.SCRIPTEXECUTE calls with its INPUTS, KEYS and ARGS."""
+    arguments = function.schema.arguments
+    return tuple(str(argument.type) for argument in arguments) == _LIST_SIGNATURE

@@ -89,6 +89,10 @@ class ConnectionSettings:
     connect_timeout_s: float = DEFAULT_CONN_TIMEOUT_S
     connect_interval_s: float = DEFAULT_CONN_INTERVAL_MS / 1000
     command_timeout_s: float = DEFAULT_CMD_TIMEOUT_S
+    #: how str keys become bytes: ``"strict"`` UTF-8 for clients; workers use ``"surrogateescape"``,
+    #: so that a key they received as bytes (not always UTF-8: a cluster's model copies, SmartRedis
+    #: names) and decoded with it goes back unchanged
+    encoding_errors: str = "strict"
 
     def __post_init__(self) -> None:
         for scheme in URL_SCHEMES:
@@ -143,6 +147,7 @@ class ConnectionSettings:
         kwargs: dict[str, Any] = {
             "socket_connect_timeout": timeout, "socket_timeout": timeout, "socket_keepalive": True,
             "retry": Retry(NoBackoff(), 0), "username": self.username, "password": self.password,
+            "encoding_errors": self.encoding_errors,
         }
         if self.tls:
             verify = bool(self.tls_ca_cert or self.tls_ca_data)
@@ -313,7 +318,7 @@ class Database:
         """``SET key <parts joined> [PX px_ms]`` without joining them; returns the first ``peek`` bytes it replaced."""
         self.check_deadline()
         total = sum(memoryview(p).nbytes for p in parts)
-        head, tail = _redispy.pack_getrange_and_set(key, total, peek, px_ms)
+        head, tail = _redispy.pack_getrange_and_set(key, total, peek, px_ms, self.settings.encoding_errors)
         pool = _redispy.node_pool(self.redis, key)
         conn = self._connections.take(pool)
         try:
@@ -338,7 +343,7 @@ class Database:
         pool = _redispy.node_pool(self.redis, key)
         conn = self._connections.take(pool)
         try:
-            _redispy.send_buffers(conn, [_redispy.pack_get(key)])
+            _redispy.send_buffers(conn, [_redispy.pack_get(key, self.settings.encoding_errors)])
             found = _redispy.read_bulk_into(conn, plan, peek)
         except (_redispy.Redirected, redis.exceptions.ResponseError) as exc:
             self._connections.give(pool, conn)  # the error reply was read whole

@@ -1,18 +1,18 @@
 """SmartRedis' ``Dataset`` (named tensors plus metadata) and how a dataset is laid out on Redis.
 
-On Redis a dataset ``name`` (after any prefix) is a manifest at ``{name}.meta`` and one tensor key per
-tensor at ``{name}.<version>.<tensor>``, all sharing the ``{name}`` hash tag (one shard in a cluster).
-The manifest is written last with one SET, so a reader sees the old dataset or the new one, never half.
+On Redis a dataset is laid out as SmartRedis 0.6.1 lays it out (see ``ACK_FIELD`` below), so that
+datasets put by SmartRedis clients in any language are read here and the reverse. Every key of a
+dataset shares the ``{name}`` hash tag (one shard in a cluster); a put is one MULTI/EXEC, so a reader
+here sees the old dataset or the new one, never half.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
+import struct
 
 import numpy as np
 
-from smartredis_io import wire
+from smartredis_io import _redispy, wire
 from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
@@ -301,23 +301,81 @@ class Dataset(SRObject):
 
     # ---- layout on Redis (used by the client) ----------------------------------------------
 
-    def _manifest(self, version: str) -> bytes:
-        return json.dumps({
-            "name": self._name,
-            "version": version,
-            "tensors": list(self._tensors),
-            "scalars": {k: [self._scalar_types[k].str, v] for k, v in self._scalars.items()},
-            "strings": self._strings,
-        }).encode()
+    def _meta_fields(self) -> list[tuple[bytes, bytes]]:
+        """The fields of the dataset's hash, serialized as SmartRedis' MetadataBuffer does."""
+        fields = [(name.encode(), _pack_scalars(self._scalar_types[name], values)) for name, values in self._scalars.items()]
+        fields += [(name.encode(), _pack_strings(values)) for name, values in self._strings.items()]
+        if self._tensors:
+            fields.append((TENSOR_NAMES_FIELD, _pack_strings(list(self._tensors))))
+        return fields
 
     @classmethod
-    def _from_manifest(cls, manifest: dict) -> Dataset:
-        ds = cls(manifest["name"])
-        for field, (dtype, values) in manifest["scalars"].items():
-            ds._scalar_types[field] = np.dtype(dtype)
-            ds._scalars[field] = values
-        ds._strings = {k: list(v) for k, v in manifest["strings"].items()}
-        return ds
+    def _from_meta(cls, name: str, fields: dict[bytes, bytes], key: str) -> tuple[Dataset, list[str]]:
+        """A dataset with the metadata of a hash read from ``key``, and the names of its tensors."""
+        dataset, tensors = cls(name), []
+        for raw_field, value in fields.items():
+            field = raw_field.decode()
+            if raw_field == ACK_FIELD:
+                continue
+            if not value or value[0] not in _META_TYPES:
+                raise RedisRuntimeError(f"The metadata field {field!r} of dataset {name!r} (key {key!r}) is not one "
+                                        "SmartRedis writes")
+            dtype = _META_TYPES[value[0]]
+            if dtype is None:
+                strings = _unpack_strings(value, field, key)
+                if raw_field == TENSOR_NAMES_FIELD:
+                    tensors = strings
+                else:
+                    dataset._strings[field] = strings
+            else:
+                if (len(value) - 1) % dtype.itemsize:
+                    raise RedisRuntimeError(f"The metadata field {field!r} of dataset {name!r} (key {key!r}) is "
+                                            f"truncated")
+                dataset._scalar_types[field] = dtype.newbyteorder("=")
+                dataset._scalars[field] = np.frombuffer(value, dtype=dtype, offset=1).tolist()
+        return dataset, tensors
+
+
+# SmartRedis 0.6.1's dataset layout, shared with every SmartRedis client (C, C++, Fortran, Python): a
+# hash at ``<base>.meta`` holding each metadata field serialized (a type byte, then the values: scalars
+# little-endian, strings each as a 64-bit length and its bytes), the tensor names in the string field
+# ``.tensor_names`` and ``.COMPLETE`` = ``1`` once the dataset is whole; each tensor at
+# ``<base>.<tensor>``, a tensor value of smartredis_io.wire (what AI.TENSORSET stores). ``<base>`` is
+# ``<prefix>{<name>}``, so every key of a dataset lives on one cluster slot.
+ACK_FIELD = b".COMPLETE"
+TENSOR_NAMES_FIELD = b".tensor_names"
+_META_STRING = 7
+_META_CODES = {np.dtype("<f8"): 1, np.dtype("<f4"): 2, np.dtype("<i4"): 3, np.dtype("<i8"): 4, np.dtype("<u4"): 5,
+               np.dtype("<u8"): 6}
+_META_TYPES: dict[int, np.dtype | None] = {code: dtype for dtype, code in _META_CODES.items()} | {_META_STRING: None}
+_LENGTH = struct.Struct("<Q")
+
+
+def _pack_scalars(dtype: np.dtype, values: list) -> bytes:
+    little = dtype.newbyteorder("<")
+    return bytes([_META_CODES[little]]) + np.asarray(values, dtype=little).tobytes()
+
+
+def _pack_strings(values: list[str]) -> bytes:
+    parts = [bytes([_META_STRING])]
+    for value in values:
+        data = value.encode()
+        parts += [_LENGTH.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def _unpack_strings(value: bytes, field: str, key: str) -> list[str]:
+    strings, at = [], 1
+    while at < len(value):
+        if at + _LENGTH.size > len(value):
+            raise RedisRuntimeError(f"The metadata field {field!r} (key {key!r}) is truncated")
+        (length,) = _LENGTH.unpack_from(value, at)
+        at += _LENGTH.size
+        if at + length > len(value):
+            raise RedisRuntimeError(f"The metadata field {field!r} (key {key!r}) is truncated")
+        strings.append(value[at:at + length].decode(errors="surrogateescape"))
+        at += length
+    return strings
 
 
 def dataset_key(prefix: str, name: str) -> str:
@@ -331,57 +389,131 @@ def renamed(dataset: Dataset, name: str) -> Dataset:
     return dataset
 
 
-def _tensor_key(base: str, version: str, tensor: str) -> str:
-    return f"{base}.{version}.{tensor}"
+def _tensor_key(base: str, tensor: str) -> str:
+    return f"{base}.{tensor}"
+
+
+def _command(*args: bytes | str) -> bytes:
+    encoded = [a.encode() if isinstance(a, str) else a for a in args]
+    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in encoded)
+
+
+def _set_command(key: str, parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """``SET key <parts joined>`` as RESP buffers, the parts sent as they are (no copy)."""
+    total = sum(memoryview(p).nbytes for p in parts)
+    bkey = key.encode()
+    return [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total), *parts, b"\r\n"]
+
+
+def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], count: int) -> list:
+    """Run ``count`` commands (packed in ``buffers``, all on the slot of ``key``) in MULTI/EXEC on the
+    node holding ``key``; the replies EXEC gives."""
+    db.check_deadline()
+    pool = _redispy.node_pool(db.redis, key)
+    with _redispy.pooled_connection(pool) as conn:
+        _redispy.send_buffers(conn, [_command("MULTI"), *buffers, _command("EXEC")])
+        replies = [_redispy.read_reply(conn) for _ in range(count + 2)]
+    for reply in replies[:-1]:
+        if isinstance(reply, Exception):
+            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
+    if isinstance(replies[-1], Exception):
+        raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {replies[-1]}")
+    for reply in replies[-1]:
+        if isinstance(reply, Exception):
+            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
+    return replies[-1]
 
 
 def put(db: Database, base: str, dataset: Dataset) -> None:
-    """Write the tensors under a new version, then the manifest, then drop the previous version."""
-    version = uuid.uuid4().hex
-    lease = wire.lease_ms(db)  # the tensors of a writer that dies before the manifest expire
-    keys = [_tensor_key(base, version, tensor) for tensor in dataset._tensors]
-    for key, array in zip(keys, dataset._tensors.values(), strict=True):
-        wire.put_array(db, key, array, lease)
-    wire.persist(db, keys)
-    old = db.redis.set(base + META_SUFFIX, dataset._manifest(version), get=True)
-    if old:
-        _delete_parts(db, base, old)
-
-
-def _delete_parts(db: Database, base: str, raw_manifest: bytes) -> None:
+    """Store a dataset in SmartRedis' layout, atomically: the tensors, the hash and the tensors it no
+    longer has go in one MULTI/EXEC (a tensor too large for one value has its chunks written first)."""
+    meta_key = base + META_SUFFIX
+    previous = db.redis.hget(meta_key, TENSOR_NAMES_FIELD)
+    stale = []
+    if previous:
+        try:
+            stale = [t for t in _unpack_strings(previous, ".tensor_names", meta_key) if t not in dataset._tensors]
+        except RedisRuntimeError:
+            stale = []
+    buffers: list[bytes | memoryview] = []
+    count = 0
+    staged: list[str] = []
     try:
-        manifest = json.loads(raw_manifest)
-    except ValueError:
-        return
-    for tensor in manifest.get("tensors", ()):
-        wire.delete_value(db, _tensor_key(base, manifest["version"], tensor))
+        for tensor, array in dataset._tensors.items():
+            key = _tensor_key(base, tensor)
+            header, payload, chunks = wire.stage_value(db, key, array)
+            staged += chunks
+            buffers += [_command("GETRANGE", key, "0", str(wire.HEADER_MAX_BYTES - 1)), *_set_command(key, [header, payload])]
+            count += 2
+        fields = dataset._meta_fields()
+        buffers += [_command("PERSIST", chunk) for chunk in staged]  # the chunks live from here on
+        count += len(staged)
+        buffers.append(_command("DEL", meta_key, *(_tensor_key(base, t) for t in stale)))
+        buffers.append(_command("HSET", meta_key, *(item for pair in fields for item in pair), ACK_FIELD, b"1"))
+        count += 2
+        replies = _transaction(db, meta_key, buffers, count)
+    except BaseException:
+        if staged:
+            db.redis.delete(*staged)
+        raise
+    for tensor, old in zip(dataset._tensors, replies[0:2 * len(dataset._tensors):2], strict=True):
+        if old:
+            wire.delete_replaced_chunks(db, _tensor_key(base, tensor), old)
+
+
+def _meta_and_tensors(db: Database, base: str, name: str, tensors: list[str]) -> tuple[dict[bytes, bytes], list]:
+    """The hash and the tensor values of a dataset, read in one MULTI/EXEC (one consistent state)."""
+    meta_key = base + META_SUFFIX
+    buffers = [_command("HGETALL", meta_key), *(_command("GET", _tensor_key(base, t)) for t in tensors)]
+    fields, *values = _transaction(db, meta_key, buffers, len(buffers))
+    if isinstance(fields, list):  # RESP2 HGETALL: field, value, field, value...
+        fields = dict(zip(fields[0::2], fields[1::2], strict=True))
+    return fields, values
 
 
 def get(db: Database, base: str, name: str) -> Dataset:
-    """Read a dataset; re-reads the manifest when an overwrite removed the version being read."""
+    """Read a dataset; reads again when a writer changed its tensors in the meantime."""
+    meta_key = base + META_SUFFIX
+    fields = db.redis.hgetall(meta_key)
     for _ in range(wire.READ_RETRIES):
-        raw = db.redis.get(base + META_SUFFIX)
-        if raw is None:
-            raise RedisKeyError(f"The dataset {name!r} (key {base + META_SUFFIX!r}) does not exist")
-        manifest = json.loads(raw)
-        dataset = Dataset._from_manifest(manifest)
+        if not fields or ACK_FIELD not in fields:
+            raise RedisKeyError(f"The dataset {name!r} (key {meta_key!r}) does not exist")
+        tensors = Dataset._from_meta(name, fields, meta_key)[1]
+        fields, values = _meta_and_tensors(db, base, name, tensors)
+        if not fields or ACK_FIELD not in fields:
+            continue
+        dataset, now = Dataset._from_meta(name, fields, meta_key)
+        if now != tensors:
+            continue  # replaced between the two reads: read the new one
         try:
-            for tensor in manifest["tensors"]:
-                dataset._tensors[tensor] = wire.get_array(db, _tensor_key(base, manifest["version"], tensor))
+            for tensor, raw in zip(tensors, values, strict=True):
+                key = _tensor_key(base, tensor)
+                if raw is None:
+                    raise RedisKeyError(f"The tensor {tensor!r} of dataset {name!r} (key {key!r}) does not exist")
+                dataset._tensors[tensor] = wire.decode_value(db, key, raw)
         except RedisKeyError:
+            fields = db.redis.hgetall(meta_key)
             continue
         return dataset
     raise RedisRuntimeError(f"The dataset {name!r} kept changing while being read")
 
 
 def delete(db: Database, base: str) -> bool:
-    raw = db.redis.get(base + META_SUFFIX)
-    if raw is None:
+    """Delete a dataset (its hash first, then its tensors); False when there is none."""
+    meta_key = base + META_SUFFIX
+    fields = db.redis.hgetall(meta_key)
+    if not fields:
         return False
-    db.redis.delete(base + META_SUFFIX)
-    _delete_parts(db, base, raw)
+    try:
+        tensors = Dataset._from_meta("", fields, meta_key)[1]
+    except RedisRuntimeError:
+        tensors = []
+    db.redis.delete(meta_key)
+    for tensor in tensors:
+        wire.delete_value(db, _tensor_key(base, tensor))
     return True
 
 
 def exists(db: Database, base: str) -> bool:
-    return bool(db.redis.exists(base + META_SUFFIX))
+    """Whether a whole dataset is stored at ``base`` (SmartRedis' check: the hash's ``.COMPLETE`` field)."""
+    return bool(db.redis.hexists(base + META_SUFFIX, ACK_FIELD))

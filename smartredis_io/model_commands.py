@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import textwrap
-import time
 from collections.abc import Callable
 
 import redis
 
-from smartredis_io import export_policy, models, torchscript_policy
+from smartredis_io import export_policy, models, placement, torchscript_policy
 from smartredis_io.client_base import ClientBase, command, names, poll
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
@@ -21,7 +19,6 @@ __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
 
 BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
 EXECUTABLE_BACKENDS = ("TORCH",)
-REPLY_SLICE_S = 1.0  # run_model waits for its reply in slices this long, looking for dead workers between
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +72,56 @@ def _check_file(path: str) -> str:
     return path
 
 
-def _raise_refused(replies: list) -> None:
-    """Raise the server's refusal of a request at once, rather than after the reply's pop times out."""
-    if replies and isinstance(replies[0], redis.exceptions.ResponseError):
-        raise replies[0]
-
-
 class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
     _model_timeout_s: float
-    #: whether this server runs ENQUEUE_LUA for this client (None: not tried yet; False: scripting refused)
-    _embeds: bool | None = None
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
 
+    #: whether models and scripts go on every shard, as SmartRedis puts them (a cluster with the
+    #: smartredis_io Redis module; see ``smartredis_io.placement``); None: not asked yet
+    _on_every_shard: bool | None = None
+
+    def _sharded(self) -> bool:
+        if self._on_every_shard is None:
+            self._on_every_shard = self._db.cluster and placement.module_loaded(self._db)
+        return self._on_every_shard
+
+    #: ``placement.shard_ranges`` of this cluster, looked up at the first run
+    _shard_ranges: list | None = None
+
+    def _copy_near(self, key: str, near: str | None, refresh: bool = False) -> str | bytes:
+        """The key a run uses: in a cluster with the module, the copy of the model or script on the
+        shard of its first input (as SmartRedis picks it), which the worker then finds with the input
+        in its request; else ``key`` itself."""
+        if not self._sharded():
+            return key
+        if self._shard_ranges is None or refresh:
+            self._shard_ranges = placement.shard_ranges(self._db)
+        slot = self._db.redis.keyslot(near) if near is not None else 0
+        return placement.key_on_shard(self._shard_ranges, slot, key)
+
     def _store(self, name: str, blob: bytes, manifest: models.Manifest) -> None:
+        if self._sharded():
+            placement.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
+            return
         models.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
+
+    def _blob_of(self, name: str, kind: str) -> bytes:
+        """The bytes of the stored model or script ``name``; ``RedisKeyError`` when there is none."""
+        if self._sharded():
+            return placement.get_blob(self._db, self._get_key("model", name), kind)
+        key, manifest = self._manifest_of(name, kind)
+        return models.load_blob(self._db, key, manifest)
+
+    def _delete(self, name: str, kind: str) -> None:
+        """Delete the stored model or script ``name``; ``RedisKeyError`` when there is none."""
+        if self._sharded():
+            placement.delete(self._db, self._get_key("model", name), kind)
+            return
+        self._manifest_of(name, kind)
+        models.delete(self._db, self._get_key("model", name))
 
     @command
     def set_model(
@@ -250,8 +280,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the retrieval fails
         """
         typecheck(name, "name", str)
-        key, manifest = self._manifest_of(name, "model")
-        return models.load_blob(self._db, key, manifest)
+        return self._blob_of(name, "model")
 
     @command
     def model_exists(self, name: str) -> bool:
@@ -264,6 +293,8 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the check fails
         """
         typecheck(name, "name", str)
+        if self._sharded():
+            return placement.exists(self._db, self._get_key("model", name))
         return models.load_manifest(self._db, self._get_key("model", name)) is not None
 
     def poll_model(self, name: str, poll_frequency_ms: int, num_tries: int) -> bool:
@@ -291,11 +322,22 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
-        self._manifest_of(name, "model")
-        models.delete(self._db, self._get_key("model", name))
+        self._delete(name, "model")
 
     def _alias_model(self, alias: str, target: str) -> None:
-        """Point the model name ``alias`` at the model stored under ``target`` (one write)."""
+        """Point the model name ``alias`` at the model stored under ``target`` (one write; on every
+        shard of a cluster, a copy of the model)."""
+        if self._sharded():
+            key = self._put_key("model", target)
+            reply = self._db.redis.execute_command("AI.MODELGET", placement.first_shard_key(key), "META", "BLOB")
+            meta = dict(zip(reply[0::2], reply[1::2], strict=True))
+            blob = meta[b"blob"]
+            manifest = models.Manifest(
+                "model", models.new_version(), backend=meta[b"backend"].decode(), device=meta[b"device"].decode(),
+                batch_size=int(meta[b"batchsize"]), min_batch_size=int(meta[b"minbatchsize"]),
+                min_batch_timeout=int(meta[b"minbatchtimeout"]), tag=meta[b"tag"].decode())
+            self._store(alias, b"".join(blob) if isinstance(blob, list) else blob, manifest)
+            return
         models.alias(self._db, self._put_key("model", alias), self._put_key("model", target))
 
     @command
@@ -368,8 +410,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the retrieval fails
         """
         typecheck(name, "name", str)
-        key, manifest = self._manifest_of(name, "script")
-        return models.load_blob(self._db, key, manifest).decode()
+        return self._blob_of(name, "script").decode()
 
     @command
     def delete_script(self, name: str) -> None:
@@ -381,8 +422,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
-        self._manifest_of(name, "script")
-        models.delete(self._db, self._get_key("model", name))
+        self._delete(name, "script")
 
     @command(timeout=lambda self: self._model_timeout_s + self._db.settings.command_timeout_s)
     def run_model(self, name: str, inputs: str | list[str] | None = None, outputs: str | list[str] | None = None) -> None:
@@ -428,55 +468,26 @@ class ModelCommands(ClientBase):
         self._run("script", name, fn_name, names(inputs, "inputs"), names(outputs, "outputs"), "run_script")
 
     def _run(self, kind: str, name: str, fn_name: str, inputs: list[str], outputs: list[str], method: str) -> None:
-        timeout_s = self._model_timeout_s
-        deadline = time.monotonic() + timeout_s
-        request = models.Request(
-            os.urandom(16).hex(), kind, self._get_key("model", name),
-            [self._get_key("tensor", t) for t in inputs], [self._put_key("tensor", t) for t in outputs],
-            time.time() + timeout_s, fn_name,
-        )
-        # One round trip: on one node, the request carries the model's manifest and the inputs
-        # (the worker then needs no round trip before it runs the model); in a cluster those keys
-        # live elsewhere and the worker reads them. The request and the reply share the {srio} tag,
-        # and the pop blocks until the reply. The wait is cut in slices: between them, workers
-        # whose heartbeat stopped are reaped (their requests run again elsewhere, or are answered
-        # with an error), so a dead worker costs seconds, not the whole timeout.
-        wait = min(REPLY_SLICE_S, timeout_s)
-        pop = ("BLPOP", request.reply_key, wait)
-        enqueue = self._enqueue_command(request)
-        popped = self._db.exchange([pop] if enqueue is None else [enqueue, pop], block_s=wait,
-                                   before_block=_raise_refused)[-1]
-        while popped is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RedisTimeoutError(
-                    f"{kind} {request.key!r} did not finish within {timeout_s * 1000:.0f} ms (SR_MODEL_TIMEOUT; "
-                    "no execution worker answered: is one running on this database?)", method,
-                )
-            self._reap_dead_workers()
-            wait = min(REPLY_SLICE_S, remaining)
-            popped = self._db.exchange([("BLPOP", request.reply_key, wait)], block_s=wait)[0]
-        if not popped[1].startswith(models.OK_REPLY_PREFIX):
-            raise RedisReplyError(json.loads(popped[1])["error"], method)
-
-    def _enqueue_command(self, request: models.Request) -> tuple | None:
-        """The command queueing ``request``, with its manifest and inputs where the server runs the
-        script for this client; None when it has been queued already."""
-        if self._db.cluster or self._embeds is False:
-            return ("RPUSH", models.QUEUE_KEY, request.encode())
-        if self._embeds is None:
-            # Tried alone once: a server (or ACL user) without scripting refuses it, and the
-            # reply's pop must not be sent behind a refused request.
-            refused = self._db.exchange([request.enqueue_command()], raise_on_error=False)[0]
-            self._embeds = not isinstance(refused, redis.exceptions.ResponseError)
-            if self._embeds:
-                return None
-            log.debug("requests are queued without their inputs: %s", refused)
-            return ("RPUSH", models.QUEUE_KEY, request.encode())
-        return request.enqueue_command()
-
-    def _reap_dead_workers(self) -> None:
-        try:
-            models.reap_dead_workers(self._db)
-        except redis.exceptions.RedisError as exc:  # e.g. an ACL user without the right: workers reap too
-            log.debug("could not look for dead workers: %s", exc)
+        """One round trip: the module checks the request against this user's ACL, queues it, and
+        answers once a worker has stored the outputs (or at the deadline)."""
+        timeout_ms = max(round(self._model_timeout_s * 1000), 1)
+        key = self._get_key("model", name)
+        input_keys = [self._get_key("tensor", t) for t in inputs]
+        output_keys = [self._put_key("tensor", t) for t in outputs]
+        for attempt in range(2):
+            target = self._copy_near(key, input_keys[0] if input_keys else None, refresh=attempt > 0)
+            command = models.execute_command(kind, target, fn_name, input_keys, output_keys, timeout_ms)
+            reply = self._db.exchange([command], raise_on_error=False, block_s=timeout_ms / 1000)[0]
+            if not (self._sharded() and isinstance(reply, redis.exceptions.ResponseError) and "is empty" in str(reply)):
+                break  # a cluster's copy not found: the shards may have changed; look them up once more
+        if not isinstance(reply, redis.exceptions.ResponseError):
+            return
+        text = str(reply)
+        if text.startswith("TIMEDOUT"):
+            raise RedisTimeoutError(f"{text} (SR_MODEL_TIMEOUT)", method)
+        if "unknown command" in text.lower():
+            raise RedisReplyError(f"{kind} {key!r} cannot run: the database does not serve AI.MODELEXECUTE; "
+                                  f"{models.MODULE_HINT}", method)
+        if isinstance(reply, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
+            raise RedisReplyError(f"NOPERM {text.removeprefix('NOPERM ')}", method)
+        raise RedisReplyError(text, method)

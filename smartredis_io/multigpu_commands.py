@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from smartredis_io import models
 from smartredis_io.client_base import command, names
 from smartredis_io.configoptions import typecheck
 from smartredis_io.error import (
@@ -359,11 +358,9 @@ class MultiGPUCommands(ModelCommands):
         missing = []
         for key in [*(gpu_key(name, gpu) for gpu in _check_gpus(first_gpu, num_gpus)), name]:
             try:
-                self._manifest_of(key, kind)
+                self._delete(key, kind)
             except RedisKeyError:
                 missing.append(key)
-                continue
-            models.delete(self._db, self._get_key("model", key))
         if missing:
             raise MissingKeyRuntimeError(f"Failed to remove {kind} copies {missing}: they do not exist",
                                     f"delete_{kind}_multigpu")

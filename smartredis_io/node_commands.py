@@ -9,11 +9,12 @@ script (RedisAI's ``AI.INFO`` fields).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from smartredis_io import _redispy, models
+from smartredis_io import _redispy, placement
 from smartredis_io.client_base import ClientBase, command
 from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import parse_address
@@ -54,11 +55,16 @@ def parse_fields(info: str) -> dict[str, str]:
     return fields
 
 
+#: AI.INFO's fields that count (summed over a cluster's copies of a model)
+_COUNTED = ("duration", "samples", "calls", "errors")
+
+
 class NodeCommands(ClientBase):
     """Commands run on given database nodes, and the model chunk size."""
 
     #: the chunk size models are stored with (``set_model_chunk_size``); None: the bulk limit
     _model_chunk_bytes: int | None = None
+    _sharded: Callable[[], bool]  # ModelCommands': models are on every shard
 
     def _node_pool(self, address: str) -> redis.ConnectionPool:
         typecheck(address, "address", str)
@@ -125,9 +131,10 @@ class NodeCommands(ClientBase):
     def get_ai_info(self, address: list[str], key: str, reset_stat: bool = False) -> list[dict]:
         """Returns ``AI.INFO``-style statistics of the script or model at a key, per address
 
-        The execution workers count, per model and script, the calls, errors, samples (rows of
-        the first input) and the microseconds spent running it; every address reports the same
-        statistics, which live in the database. The key is taken as given (no prefix is applied).
+        The smartredis_io Redis module counts, per model and script, the calls, errors, samples
+        (rows of the first input) and the microseconds the workers spent running it (``AI.INFO``,
+        asked of the server that holds the key); every address reports those statistics. The key
+        is taken as given (no prefix is applied).
 
         :param address: The addresses of the database nodes
         :type address: list[str]
@@ -149,19 +156,23 @@ class NodeCommands(ClientBase):
         typecheck(reset_stat, "reset_stat", bool)
         for node in address:
             self._node_pool(node)
-        manifest = models.load_manifest(self._db, key)
-        if manifest is None:
-            raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
-        stats_key = models.stats_key(key)
+        # In a cluster with the module the model has a copy on every shard (smartredis_io.placement),
+        # each with its own statistics: their sums are the database's.
+        copies = placement.shard_keys(self._db, key) if self._sharded() else [key]
+        replies = [self._db.exchange([("AI.INFO", copy, *(["RESETSTAT"] if reset_stat else []))],
+                                     raise_on_error=False)[0] for copy in copies]
+        failed = next((r for r in replies if isinstance(r, redis.exceptions.ResponseError)), None)
+        if failed is not None:
+            if "is empty" in str(failed) or "WRONGTYPE" in str(failed):
+                raise MissingKeyRuntimeError(f"AI.INFO command failed on server: no model or script at key {key!r}")
+            raise RedisRuntimeError(f"AI.INFO command failed on server: {failed}")
         if reset_stat:
-            self._db.redis.delete(stats_key)
             return [{} for _ in address]
-        counts = {_text(k): _text(v) for k, v in self._db.redis.hgetall(stats_key).items()}
-        info = {
-            "key": key, "type": manifest.kind.upper(), "backend": manifest.backend, "device": manifest.device,
-            "tag": manifest.tag,
-            **{field: counts.get(field, "0") for field in models.STATS_FIELDS},
-        }
+        fields = [{_text(k): _text(v) if isinstance(v, bytes) else str(v)
+                   for k, v in zip(reply[0::2], reply[1::2], strict=False)} for reply in replies]
+        info = {**fields[0], "key": key}
+        for name in _COUNTED:
+            info[name] = str(sum(int(f.get(name, 0)) for f in fields))
         return [dict(info) for _ in address]
 
     @command

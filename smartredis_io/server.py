@@ -1,8 +1,8 @@
 """Embedded redis-server launchers: standalone, a real N-shard Redis Cluster, and an Orchestrator with workers.
 
 Every launcher authenticates where asked to: a password for the default user, and ACL users with
-roles (``client``: data commands, writes only to its key patterns; ``worker``: what execution
-workers need; ``admin``: everything). A server that listens on anything but loopback must have one
+roles (``client``: data commands and RedisAI's commands, writes only to its key patterns;
+``worker``: what execution workers need; ``admin``: everything). A server that listens on anything but loopback must have one
 or the other. Secrets go to the server in a configuration file only its owner can read, never on a
 command line; TLS is used when ``tls`` files are given.
 """
@@ -25,7 +25,8 @@ from pathlib import Path
 import redis
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
-from smartredis_io.connection import ConnectionSettings, Database, plain_client
+from smartredis_io.connection import ConnectionSettings, plain_client
+from smartredis_io.redis_module import module_path
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -41,15 +42,23 @@ INSTALL_HINT = (
 )
 ROLES = ("client", "worker", "admin")
 # Commands every role needs: data types, key checks, blocking pops, and the cluster topology reads
-# redis-py makes. Nothing that changes the server or reads its configuration (@dangerous).
+# redis-py makes. Nothing that changes the server or reads its configuration (@dangerous), and no
+# server-side scripts (@scripting: EVAL, and FUNCTION LOAD, which @write would let through).
 _DATA_COMMANDS = (
-    "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous "
+    "-@all +@read +@write +@keyspace +@connection +@transaction +@blocking -@dangerous -@scripting "
     "+cluster|slots +cluster|shards +cluster|nodes +cluster|info +cluster|myid +cluster|keyslot"
 )
-_WORKER_COMMANDS = _DATA_COMMANDS + " +eval +evalsha +script|load +script|exists"
-# Keys of the run_model protocol a client writes: its requests and replies, and the registry it
-# cleans of dead workers while it waits.
-_CLIENT_PROTOCOL_KEYS = ("{srio}.requests", "{srio}.reply.*", "{srio}.workers", "{srio}.inflight.*")
+# RedisAI's data commands of the smartredis_io module (module commands are in no ACL category on
+# Redis 7.0, so each is named; naming one the server does not have is an error, so only with the module)
+_MODULE_DATA_COMMANDS = " ".join(f"+ai.{name}" for name in (
+    "tensorset", "tensorget", "modelstore", "modelset", "modelget", "modeldel", "scriptset", "scriptstore",
+    "scriptget", "scriptdel", "info", "config"))
+# The module's commands that run models and scripts: clients send them, the module checks their ACL.
+_MODULE_RUN_COMMANDS = "+ai.modelexecute +ai.scriptexecute +ai.scriptrun"
+# The module commands execution workers take requests and answer them with; no client has them.
+_WORKER_MODULE_COMMANDS = (
+    "+srio.pop +srio.take +srio.reply +srio.return +srio.pause +srio.heartbeat +srio.unregister"
+)
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,9 @@ class AclUser:
     Args:
         name: the user name (clients set ``SR_USERNAME`` to it).
         password: its password (clients set ``SR_PASSWORD``).
-        role: ``"client"``: reads every key, writes only ``write_keys`` (and the run_model request
-            and reply keys); ``"worker"``: what execution workers need, on every key; ``"admin"``:
-            every command on every key.
+        role: ``"client"``: reads every key, writes only ``write_keys``, runs models and scripts
+            (RedisAI's commands; a run's outputs must be keys it may write); ``"worker"``: what
+            execution workers need, on every key; ``"admin"``: every command on every key.
         write_keys: glob patterns of the keys a ``client`` may write, e.g. ``("sim1.*",)`` for a
             client writing with ``SSKEYOUT=sim1``; the chunk keys of a large value (``{key}...``)
             are allowed with their key.
@@ -80,16 +89,22 @@ class AclUser:
         if not self.password:
             raise ValueError(f"ACL user {self.name!r} needs a password")
 
-    def rule(self) -> list[str]:
-        """The ACL rule of this user, as ``user`` directive tokens."""
+    def rule(self, *, module: bool = False) -> list[str]:
+        """The ACL rule of this user, as ``user`` directive tokens (``module``: the server loads the
+        smartredis_io Redis module, whose commands the rule then names)."""
         head = [self.name, "reset", "on", f">{self.password}", "resetchannels"]
+        module_commands = _MODULE_DATA_COMMANDS.split() if module else []
         if self.role == "admin":
             return head + ["~*", "&*", "+@all"]
         if self.role == "worker":
-            return head + ["~*", *_WORKER_COMMANDS.split()]
+            return head + ["~*", *_DATA_COMMANDS.split(), *module_commands,
+                           *(_WORKER_MODULE_COMMANDS.split() if module else [])]
         patterns = [*self.write_keys, *(f"{{{p}" for p in self.write_keys if not p.startswith("{"))]
-        keys = ["%R~*", *(f"%W~{p}" for p in patterns), *(f"%RW~{k}" for k in _CLIENT_PROTOCOL_KEYS)]
-        return head + keys + _DATA_COMMANDS.split() + ["+eval"]
+        # A write key is readable and writable through one pattern: Redis grants a command that
+        # reads and writes one key (SET ... GET, HSET after HGETALL in one MULTI) only when a
+        # single pattern allows both; every key is readable anyway.
+        keys = ["%R~*", *(f"~{p}" for p in patterns)]
+        return head + keys + _DATA_COMMANDS.split() + module_commands + (_MODULE_RUN_COMMANDS.split() if module else [])
 
 
 @dataclass(frozen=True)
@@ -129,9 +144,14 @@ class RedisServer:
         tls: serve TLS only, with these files.
         extra_args: more redis-server arguments.
         startup_timeout_s: how long to wait for the server to answer.
+        module: load the smartredis_io Redis module (RedisAI's commands for SmartRedis clients;
+            see :mod:`smartredis_io.redis_module`): ``True`` (default) the one of this package,
+            a path for another build, ``False`` for a plain Redis.
+        module_args: the module's arguments (``NAME value`` pairs, e.g. ``("MODEL_CHUNK_SIZE", "1048576")``).
 
     Raises:
         ValueError: a non-loopback ``host`` without authentication, or two users of one name.
+        smartredis_io.redis_module.RedisModuleNotFoundError: ``module=True`` and the module is not built.
     """
 
     def __init__(
@@ -145,6 +165,8 @@ class RedisServer:
         tls: TlsFiles | None = None,
         extra_args: tuple[str, ...] = (),
         startup_timeout_s: float = 15.0,
+        module: bool | str = True,
+        module_args: Sequence[str] = (),
     ) -> None:
         if not _is_loopback(host) and not password and not users:
             raise ValueError(
@@ -163,6 +185,8 @@ class RedisServer:
         self._extra_args = tuple(extra_args)
         self._startup_timeout_s = startup_timeout_s
         self._binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
+        self.module = (module_path() if module is True else os.fspath(module)) if module else None
+        self._module_args = tuple(module_args)
         self._workdir: Path | None = None
         self._process: ManagedProcess | None = None
 
@@ -209,7 +233,10 @@ class RedisServer:
             lines += ['save ""', "appendonly no"]
         if self._password:
             lines.append(f"requirepass {_quote(self._password)}")
-        lines += ["user " + " ".join(_quote(token) for token in user.rule()) for user in self.users]
+        if self.module:
+            lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *self._module_args)))
+        lines += ["user " + " ".join(_quote(token) for token in user.rule(module=bool(self.module)))
+                  for user in self.users]
         return "\n".join(lines) + "\n"
 
     def start(self) -> RedisServer:
@@ -265,13 +292,14 @@ class RedisServer:
 class RedisCluster:
     """A Redis Cluster of ``shards`` primaries (no replicas), slots spread evenly.
 
-    Takes ``host``, ``password``, ``users`` and ``tls`` as :class:`RedisServer` does (every node gets
-    them; the cluster bus uses TLS too when ``tls`` is given).
+    Takes ``host``, ``password``, ``users``, ``tls``, ``module`` and ``module_args`` as
+    :class:`RedisServer` does (every node gets them; the cluster bus uses TLS too when ``tls`` is given).
     """
 
     def __init__(self, shards: int = 3, host: str = "127.0.0.1", *, password: str | None = None,
                  users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
-                 startup_timeout_s: float = 15.0) -> None:
+                 startup_timeout_s: float = 15.0, module: bool | str = True,
+                 module_args: Sequence[str] = ()) -> None:
         if shards < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 primaries, got shards={shards}")
         self.host = host
@@ -283,7 +311,7 @@ class RedisCluster:
         self._nodes = [
             RedisServer(host, password=password, users=users, tls=tls,
                         extra_args=(*cluster_args, "--cluster-port", str(free_port("127.0.0.1"))),
-                        startup_timeout_s=startup_timeout_s)
+                        startup_timeout_s=startup_timeout_s, module=module, module_args=module_args)
             for _ in range(shards)
         ]
 
@@ -396,17 +424,20 @@ class Orchestrator:
     ``worker_user`` (default ``nobody``) once connected, unless ``allow_root_workers`` is set. They
     connect as the first ACL user of role ``worker`` if there is one, else as the default user.
 
-    ``password``, ``users``, ``tls`` and ``host`` are those of :class:`RedisServer`.
+    ``password``, ``users``, ``tls``, ``host``, ``module`` and ``module_args`` are those of
+    :class:`RedisServer`: the database loads the smartredis_io Redis module, so that SmartRedis
+    clients in C, C++, Fortran and Python use it too.
     """
 
     def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
                  host: str = "127.0.0.1", worker_env: dict[str, str] | None = None,
                  worker_user: str | None = None, allow_root_workers: bool = False,
-                 password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None) -> None:
+                 password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
+                 module: bool | str = True, module_args: Sequence[str] = ()) -> None:
         if shards not in (1,) and shards < 3:
             raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
         self.cluster = shards > 1
-        auth = {"password": password, "users": users, "tls": tls}
+        auth = {"password": password, "users": users, "tls": tls, "module": module, "module_args": module_args}
         self.database: RedisServer | RedisCluster = (
             RedisCluster(shards, host, **auth) if self.cluster else RedisServer(host, **auth)
         )
@@ -436,8 +467,10 @@ class Orchestrator:
 
     @property
     def worker_pids(self) -> list[int]:
-        """Process id of every running worker process started here."""
-        return [w.pid for w in self.workers if w.pid]
+        """Process id of every worker process started here that runs models now (a supervisor
+        process per ``add_worker`` starts it, and starts a new one when it dies)."""
+        prefix = f"orchestrator-{id(self):x}-"
+        return [pid for name, pid in self._registry().items() if name.startswith(prefix)]
 
     def add_worker(self) -> ManagedProcess:
         """Start one more worker process and wait until it takes requests."""
@@ -462,12 +495,15 @@ class Orchestrator:
         self.workers.append(worker)
         return worker, f"{name}.0"
 
+    def _registry(self) -> dict[str, int]:
+        """Name -> pid of every worker registered on the database (``SRIO.WORKERS``; each registers on every server)."""
+        host = "127.0.0.1" if self.database.host in ("0.0.0.0", "::") else self.database.host
+        port = self.database.ports[0] if self.cluster else self.database.port
+        with plain_client((host, port), self.settings(), LAUNCHER_TIMEOUT_S) as client:
+            return {name.decode(): int(pid) for name, pid, *_ in client.execute_command("SRIO.WORKERS")}
+
     def _registered(self, names: list[str]) -> bool:
-        db = Database(self.settings())
-        try:
-            return all(db.redis.hexists("{srio}.workers", name) for name in names)
-        finally:
-            db.close()
+        return set(names) <= set(self._registry())
 
     def _wait_registered(self, started: list[tuple[ManagedProcess, str]]) -> None:
         deadline = time.monotonic() + WORKER_READY_TIMEOUT_S

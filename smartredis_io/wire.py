@@ -13,7 +13,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,7 @@ HEADER_MAX_BYTES = _FIXED.size + 8 * MAX_NDIM + _CHUNKS.size
 READ_RETRIES = 3
 LEASE_MARGIN_S = 60.0  # how much longer than its operation's deadline an unpublished part lives
 MAX_CHUNKS = 1 << 20
+PROBE_FIRST = 16  # chunk keys a read looks at in its first round trip; each further one looks at 4x more
 MAX_ARRAY_BYTES = 1 << 63  # numpy's limit on an array's extent, zero-length dimensions aside  # more chunks than any real value has (512 TB at the bulk limit)
 
 #: numpy has no bfloat16: such tensors travel as their raw 16-bit pattern with this dtype, which is
@@ -105,9 +106,18 @@ class Header:
         """When a chunked value was written (seconds since the epoch); None for an inline value."""
         return int(self.version[:16], 16) / 1e9 if self.chunks else None
 
-    def chunk_keys(self, key: str) -> list[str]:
-        """The keys of the chunks of the value at ``key``, in order."""
-        return [tagged_key(key, f".chunk.{self.version}.{i}") for i in range(self.chunks)]
+    def chunk_keys(self, key: str, indices: range | None = None) -> list[str]:
+        """The keys of the chunks of the value at ``key``, in order (``indices``: of those only)."""
+        return [tagged_key(key, f".chunk.{self.version}.{i}") for i in (indices or range(self.chunks))]
+
+    def probes(self) -> Iterator[range]:
+        """The chunk indices in batches that grow fourfold: a header that claims more chunks than
+        exist is found out after as many round trips as the stored chunks take, not the claimed."""
+        start, size = 0, PROBE_FIRST
+        while start < self.chunks:
+            end = min(start + size, self.chunks)
+            yield range(start, end)
+            start, size = end, size * 4
 
 
 def encode_header(code: int, shape: Sequence[int], chunks: int = 0, crc: int = 0, payload: int = 0,
@@ -161,7 +171,16 @@ def delete_replaced_chunks(db: Database, key: str, old: bytes) -> None:
     except RedisRuntimeError:
         return
     if header.chunks:
-        db.redis.delete(*header.chunk_keys(key))  # one slot: the chunks share the key's hash tag
+        _delete_chunks(db, key, header)
+
+
+def _delete_chunks(db: Database, key: str, header: Header) -> None:
+    """Delete the chunks a header names, up to the first one that does not exist (one slot: the
+    chunks share the key's hash tag)."""
+    for batch in header.probes():
+        names = header.chunk_keys(key, batch)
+        if db.redis.delete(*names) < len(names):
+            return
 
 
 def encode_inline(array: np.ndarray) -> bytes | None:
@@ -216,6 +235,27 @@ def put_array(db: Database, key: str, array: np.ndarray, lease: int | None = Non
     with writer:
         for i in range(0, payload.nbytes, limit):
             writer.put_chunk(payload[i:i + limit])
+
+
+def stage_value(db: Database, key: str, array: np.ndarray) -> tuple[bytes, memoryview, list[str]]:
+    """What a caller writes to ``key`` itself (e.g. in a transaction) to store ``array`` there: the
+    header and the payload (a view, not a copy) of an inline value; for a value above the bulk limit,
+    its chunks are written here with a lease (``lease_ms``), and the header alone is returned with their
+    keys, which the caller makes permanent (PERSIST) when it publishes the header."""
+    code = dtype_code(array.dtype)
+    payload = _as_bytes(array)
+    limit = bulk_limit()
+    if payload.nbytes + HEADER_MAX_BYTES <= limit:
+        return encode_header(code, array.shape), payload, []
+    writer = ChunkedWriter(db, key, limit, code, array.shape)
+    try:
+        for i in range(0, payload.nbytes, limit):
+            writer.put_chunk(payload[i:i + limit])
+    except BaseException:
+        writer._abort()
+        raise
+    header = encode_header(code, array.shape, len(writer._written), writer._crc, writer._nbytes, writer._version)
+    return header, memoryview(b""), list(writer._written)
 
 
 class ChunkedWriter:
@@ -391,15 +431,24 @@ def _claims(key: str, claimed: int, stored: int) -> str:
 
 
 def stored_chunk_bytes(db: Database, key: str, header: Header) -> int | None:
-    """Bytes the chunks of a chunked value hold (one round trip); None when one of them is gone.
+    """Bytes the chunks of a chunked value hold; None when one of them is gone.
 
-    Read before anything is allocated for the value, so a header that claims more than is stored
-    costs nothing.
+    Read before anything is allocated for the value, in batches (:meth:`Header.probes`) that stop
+    at the first missing chunk or once more bytes than claimed are found: a header that claims more
+    than is stored costs what is stored, not what it claims.
     """
-    if header.chunks > MAX_CHUNKS:
-        raise RedisInternalError(f"The value at key {key!r} is corrupt: its header claims {header.chunks} chunks")
-    lengths = db.exchange([("STRLEN", chunk) for chunk in header.chunk_keys(key)])
-    return None if any(n == 0 for n in lengths) else sum(lengths)
+    if header.chunks > MAX_CHUNKS or header.chunks > header.payload_bytes:
+        raise RedisInternalError(f"The value at key {key!r} is corrupt: its header claims {header.chunks} chunks "
+                                 f"of {header.payload_bytes} bytes in all")
+    total = 0
+    for batch in header.probes():
+        lengths = db.exchange([("STRLEN", chunk) for chunk in header.chunk_keys(key, batch)])
+        if any(n == 0 for n in lengths):
+            return None
+        total += sum(lengths)
+        if total > header.payload_bytes:
+            break  # more than claimed: corrupt, whatever the rest holds
+    return total
 
 
 def _read_chunks(db: Database, key: str, header: Header, target: np.ndarray) -> bool:
@@ -429,5 +478,5 @@ def delete_value(db: Database, key: str) -> int:
     except RedisRuntimeError:
         header = None
     if header and header.chunks:
-        db.redis.delete(*header.chunk_keys(key))
+        _delete_chunks(db, key, header)
     return db.redis.delete(key)

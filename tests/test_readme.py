@@ -165,6 +165,7 @@ EXPECTED_OUTPUT = {
     'print(client.get_tensor("x"))': ["[0. 1. 2. 3.]"],
     'print(client.key_exists("run1/last.ckpt"), client.model_exists("boring"))': ["True True"],
     'print(client.get_tensor("scores").shape)': ["(5, 2)"],
+    'print(analysis.get_tensor("field").sum())': ["15.0"],
 }
 
 

@@ -6,7 +6,9 @@ iteration appends it to the list ``iteration_i`` (rank 0 first waits until the c
 deleted the previous list). The consumer, with ``client_threads`` client threads, polls until the
 list holds one dataset per producer (``poll_list``), reads them all (``get_list``:
 ``get_datasets_from_list``, or with several threads one ``get_dataset_list_range`` slice each) and
-deletes the list.
+deletes the list. Where the published SmartRedis package is installed, the iterations are split
+in rounds that alternate between smartredis_io and the published client at both ends (timings
+``smartredis_FUNCTION`` for the latter, with lists and datasets of their own).
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ import numpy as np
 from benchmarks.smartsim_scaling.launch import (
     BARRIER_TIMEOUT_S,
     NAME_TAGS,
+    PUBLISHED,
     App,
     Comm,
     Deployment,
     Sweep,
     Timings,
+    published_available,
+    published_client,
+    published_dataset,
 )
 from benchmarks.smartsim_scaling.options import add_int_list, tensor_bytes
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
 COMMAND = "aggregation"
 POLL_FREQUENCY_MS = 5
+ROUNDS = 4  # smartredis_io and the published client take turns this many times
 PRODUCER_WAIT_S = 0.002
 HELP = "producers put_dataset + append_to_list; one consumer poll_list_length + get_datasets_from_list"
 DESCRIPTION = f"""{HELP}.
@@ -48,6 +55,7 @@ TABLE = {
     "db_nodes": "db", "producers": "producers", "tensors_per_dataset": "tensors/ds",
     "tensor_bytes": "bytes", "client_threads": "threads", "get_list_ms": "get_list ms",
     "poll_list_ms": "poll_list ms", "get_list_gbps": "get_list GB/s",
+    "smartredis_get_list_ms": "SmartRedis get_list ms",
 }
 
 
@@ -87,7 +95,7 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 def _apps(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
     common = {"address": dep.address, "cluster": dep.cluster, "iterations": attributes["iterations"],
-              "list_prefix": f"{run_dir.name}.iteration_"}
+              "list_prefix": f"{run_dir.name}.iteration_", "published": published_available()}
     producer = {**common, "tensor_bytes": attributes["tensor_bytes"],
                 "tensors_per_dataset": attributes["tensors_per_dataset"],
                 "dataset_prefix": f"{run_dir.name}.aggregation_rank_"}
@@ -102,18 +110,29 @@ def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:
     times = read_timings(run_dir)
     row = {k: attributes[k] for k in ("db_nodes", "producers", "tensors_per_dataset", "tensor_bytes",
                                       "client_threads")}
-    for function in ("get_list", "poll_list"):
+    for function in ("get_list", "poll_list", PUBLISHED + "get_list", PUBLISHED + "poll_list"):
         if times.get(function):
             row[f"{function}_ms"] = float(np.median(times[function])) * 1e3
     return {**row, **derived(attributes, times)}
 
 
-def _connect(params: Mapping[str, Any], timings: Timings):
-    from smartredis_io import Client
+def schedule(iterations: int, published: bool) -> list[str]:
+    """The library of each iteration: ``""`` (smartredis_io) or ``PUBLISHED``, in rounds that alternate."""
+    libraries = ["", PUBLISHED] if published else [""]
+    rounds = max(1, min(ROUNDS * len(libraries), iterations))
+    sizes = [iterations // rounds + (r < iterations % rounds) for r in range(rounds)]
+    return [libraries[r % len(libraries)] for r, size in enumerate(sizes) for _ in range(size)]
 
+
+def _connect(params: Mapping[str, Any], timings: Timings, library: str = ""):
     start = time.perf_counter()
-    client = Client(params["cluster"], params["address"])
-    timings.add("client()", time.perf_counter() - start)
+    if library:
+        client = published_client(params["address"], params["cluster"])
+    else:
+        from smartredis_io import Client
+
+        client = Client(params["cluster"], params["address"])
+    timings.add(f"{library}client()", time.perf_counter() - start)
     return client
 
 
@@ -121,29 +140,36 @@ def producer(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
     """One producer rank (SmartSim-Scaling's ``run_aggregation_production``)."""
     from smartredis_io import Dataset
 
-    client = _connect(params, timings)
+    plan = schedule(params["iterations"], params.get("published", False))
+    clients, datasets = {}, {}
+    for library in dict.fromkeys(plan):
+        clients[library] = _connect(params, timings, library)
     comm.barrier()
     array = np.arange(params["tensor_bytes"] // 4, dtype=np.float32)
-    dataset = Dataset(f"{params['dataset_prefix']}{comm.rank}")
-    for j in range(params["tensors_per_dataset"]):
-        dataset.add_tensor(f"tensor_{j}", array)
-    start = time.perf_counter()
-    client.put_dataset(dataset)
-    timings.add("put_dataset", time.perf_counter() - start)
+    for library, client in clients.items():
+        name = f"{params['dataset_prefix']}{library}{comm.rank}"
+        dataset = published_dataset(name) if library else Dataset(name)
+        for j in range(params["tensors_per_dataset"]):
+            dataset.add_tensor(f"tensor_{j}", array)
+        start = time.perf_counter()
+        client.put_dataset(dataset)
+        timings.add(f"{library}put_dataset", time.perf_counter() - start)
+        datasets[library] = dataset
 
     prefix = params["list_prefix"]
-    for i in range(params["iterations"]):
+    for i, library in enumerate(plan):
         # Rank 0 holds everyone back until the consumer has deleted the previous list.
         if comm.rank == 0 and i:
+            previous = clients[plan[i - 1]]
             deadline = time.monotonic() + BARRIER_TIMEOUT_S
-            while client.get_list_length(f"{prefix}{i - 1}") != 0:
+            while previous.get_list_length(f"{prefix}{plan[i - 1]}{i - 1}") != 0:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the consumer never consumed list {prefix}{i - 1}")
+                    raise TimeoutError(f"the consumer never consumed list {prefix}{plan[i - 1]}{i - 1}")
                 time.sleep(PRODUCER_WAIT_S)
         comm.barrier()
         start = time.perf_counter()
-        client.append_to_list(f"{prefix}{i}", dataset)
-        timings.add("append_to_list", time.perf_counter() - start)
+        clients[library].append_to_list(f"{prefix}{library}{i}", datasets[library])
+        timings.add(f"{library}append_to_list", time.perf_counter() - start)
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:
@@ -156,28 +182,32 @@ def _slices(length: int, parts: int) -> list[tuple[int, int]]:
 def consumer(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
     """The consumer (SmartSim-Scaling's ``run_aggregation_consumer``), with ``client_threads`` client threads.
 
-    SmartRedis sizes its client's thread pool from ``SR_THR_COUNT``; ``smartredis_io`` has no such
-    pool, so with more than one thread the consumer fans the list out itself: one client per thread,
-    each reading a contiguous slice with ``get_dataset_list_range``, all timed as ``get_list``.
+    SmartRedis sizes its client's thread pool from ``SR_THR_COUNT`` (the published client uses it);
+    ``smartredis_io`` has no such pool, so with more than one thread the consumer fans the list out
+    itself: one client per thread, each reading a contiguous slice with ``get_dataset_list_range``,
+    all timed as ``get_list``.
     """
     threads = params["client_threads"]
     os.environ["SR_THR_COUNT"] = str(threads)
+    plan = schedule(params["iterations"], params.get("published", False))
     client = _connect(params, timings)
+    published = _connect(params, timings, PUBLISHED) if PUBLISHED in plan else None
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     clients = [client] + [_connect(params, timings) for _ in range(threads - 1)]
     comm.barrier()
     prefix, length = params["list_prefix"], params["list_length"]
     num_tries = int(BARRIER_TIMEOUT_S * 1000 / POLL_FREQUENCY_MS)
     clock = time.perf_counter
-    loop_start = clock()
-    for i in range(params["iterations"]):
-        name = f"{prefix}{i}"
+    seconds = dict.fromkeys(plan, 0.0)
+    for i, library in enumerate(plan):
+        name = f"{prefix}{library}{i}"
+        reader = published if library else client
         t0 = clock()
-        if not client.poll_list_length(name, length, POLL_FREQUENCY_MS, num_tries):
+        if not reader.poll_list_length(name, length, POLL_FREQUENCY_MS, num_tries):
             raise TimeoutError(f"aggregation list {name} never reached length {length}")
         t1 = clock()
-        if pool is None:
-            datasets = client.get_datasets_from_list(name)
+        if pool is None or library:
+            datasets = reader.get_datasets_from_list(name)
         else:
             ranges = _slices(length, threads)
             parts = pool.map(lambda c, r, n=name: c.get_dataset_list_range(n, *r), clients, ranges)
@@ -185,9 +215,11 @@ def consumer(comm: Comm, params: Mapping[str, Any], timings: Timings) -> None:
         t2 = clock()
         if len(datasets) != length:
             raise AssertionError(f"{name}: {len(datasets)} datasets, expected {length}")
-        timings.add("poll_list", t1 - t0)
-        timings.add("get_list", t2 - t1)
-        client.delete_list(name)
-    timings.add("loop_time", clock() - loop_start)
+        timings.add(f"{library}poll_list", t1 - t0)
+        timings.add(f"{library}get_list", t2 - t1)
+        reader.delete_list(name)
+        seconds[library] += clock() - t0
+    for library, total in seconds.items():
+        timings.add(f"{library}loop_time", total)
     if pool is not None:
         pool.shutdown()

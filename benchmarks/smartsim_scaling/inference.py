@@ -5,7 +5,10 @@ As SmartSim-Scaling's ``inference_scaling_imagenet.cpp``: the model (random weig
 batch_size=BATCH_SIZE)`` so that the execution workers batch concurrent requests as RedisAI does;
 each client then does one warm-up and ``iterations`` x (``put_tensor`` of an NHWC float32 image
 batch, ``run_script`` preprocessing, ``run_model``, ``unpack_tensor`` of the logits into a
-preallocated array), recording each step and the ``loop_time``.
+preallocated array), recording each step and the ``loop_time``. Where the published SmartRedis
+package is installed, each client also runs the same loop with its client (its own copy of the
+model and script, set by it, as its cluster mode expects), the two taking turns in rounds; those
+timings are ``smartredis_STEP`` and ``smartredis_loop_time``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,21 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.smartsim_scaling.launch import App, Comm, Deployment, Sweep, Timings
+from benchmarks.smartsim_scaling.launch import (
+    PUBLISHED,
+    App,
+    Comm,
+    Deployment,
+    Sweep,
+    Timings,
+    published_available,
+    published_client,
+)
 from benchmarks.smartsim_scaling.options import add_int_list, device
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
 COMMAND = "inference"
+ROUNDS = 4  # our client and the published one take turns this many times
 STEPS = ("put_tensor", "run_script", "run_model", "unpack_tensor")
 SCRIPT_KEY = "scaling_preprocess_script"
 NUM_CLASSES = 1000
@@ -49,6 +62,7 @@ TABLE = {
     "db_nodes": "db", "colocated": "colocated", "workers": "workers", "clients": "clients", "batch_size": "batch",
     "put_tensor_ms": "put ms", "run_script_ms": "script ms", "run_model_ms": "model ms",
     "unpack_tensor_ms": "unpack ms", "loop_ms_per_iter": "ms/iter", "inferences_per_s": "images/s",
+    "smartredis_run_model_ms": "SmartRedis model ms", "smartredis_loop_ms_per_iter": "SmartRedis ms/iter",
 }
 
 
@@ -116,10 +130,15 @@ def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list
     client.set_model(model_key, model, "TORCH", device,
                      batch_size=attributes["batch_size"])
     client.set_script(SCRIPT_KEY, PREPROCESS_SCRIPT, device)
+    published = published_available() and not dep.address.startswith("unix://")  # it has no socket-path form
+    if published:
+        theirs = published_client(dep.address, dep.cluster)
+        theirs.set_model(f"{model_key}.published", model, "TORCH", device, batch_size=attributes["batch_size"])
+        theirs.set_script(f"{SCRIPT_KEY}.published", PREPROCESS_SCRIPT, device)
     params = {
         "address": dep.address, "cluster": dep.cluster, "model_key": model_key, "script_key": SCRIPT_KEY,
         "images_per_request": attributes["images_per_request"], "image_size": attributes["image_size"],
-        "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.",
+        "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.", "published": published,
     }
     return [App("clients", f"{__name__}:inference_client", attributes["clients"], params)]
 
@@ -127,7 +146,7 @@ def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list
 def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:
     times = read_timings(run_dir)
     row = {k: attributes[k] for k in ("db_nodes", "colocated", "workers", "clients", "batch_size")}
-    for step in STEPS:
+    for step in (*STEPS, *(PUBLISHED + step for step in STEPS)):
         if times.get(step):
             row[f"{step}_ms"] = float(np.median(times[step])) * 1e3
     if times.get("loop_time"):
@@ -147,33 +166,57 @@ def inference_client(comm: Comm, params: Mapping[str, Any], timings: Timings) ->
 
     n, size = params["images_per_request"], params["image_size"]
     images = np.random.default_rng(comm.rank).uniform(0, 255, (n, size, size, 3)).astype(np.float32)
-    result = np.empty((n, NUM_CLASSES), dtype=np.float32)
-    # Keys per rank, overwritten each iteration (SmartSim-Scaling makes one per iteration; this keeps memory flat).
-    prefix = f"{params['key_prefix']}rank_{comm.rank}"
-    in_key, pre_key, out_key = f"{prefix}.input", f"{prefix}.preprocessed", f"{prefix}.output"
-    steps = (
-        lambda: client.put_tensor(in_key, images),
-        lambda: client.run_script(params["script_key"], PREPROCESS_FN, [in_key], [pre_key]),
-        lambda: client.run_model(params["model_key"], [pre_key], [out_key]),
-        lambda: client.unpack_tensor(out_key, result),
-    )
-    for step in steps:  # warm-up: loads the model and script into the workers; not recorded
-        step()
+    loops = [("", _steps(client, params, f"{params['key_prefix']}rank_{comm.rank}", "", images))]
+    if params.get("published"):
+        theirs = published_client(params["address"], params["cluster"])
+        loops.append((PUBLISHED, _steps(theirs, params, f"{params['key_prefix']}rank_{comm.rank}.published",
+                                        ".published", images)))
+    for _, (steps, _, _) in loops:  # warm-up: loads the model and script into the workers; not recorded
+        for step in steps:
+            step()
     comm.barrier()
 
     clock = time.perf_counter
-    samples: list[list[float]] = [[] for _ in steps]
-    loop_start = clock()
-    for _ in range(params["iterations"]):
-        for step, times in zip(steps, samples, strict=True):
-            t0 = clock()
-            step()
-            times.append(clock() - t0)
-    timings.add("loop_time", clock() - loop_start)
-    if not np.isfinite(result).all():
-        raise AssertionError(f"rank {comm.rank}: the model returned non-finite logits")
-    for name, times in zip(STEPS, samples, strict=True):
-        timings.extend(name, times)
-    for key in (in_key, pre_key, out_key):
-        client.delete_tensor(key)
+    rounds = max(1, min(ROUNDS, params["iterations"]))
+    sizes = [params["iterations"] // rounds + (r < params["iterations"] % rounds) for r in range(rounds)]
+    samples = {prefix: [[] for _ in STEPS] for prefix, _ in loops}
+    seconds = dict.fromkeys(samples, 0.0)
+    for count in sizes:
+        for prefix, (steps, _, _) in loops:
+            comm.barrier()  # the clients take turns, every rank together
+            loop_start = clock()
+            for _ in range(count):
+                for step, times in zip(steps, samples[prefix], strict=True):
+                    t0 = clock()
+                    step()
+                    times.append(clock() - t0)
+            seconds[prefix] += clock() - loop_start
+    for prefix, (_, result, cleanup) in loops:
+        if not np.isfinite(result).all():
+            raise AssertionError(f"rank {comm.rank}: the model returned non-finite logits")
+        timings.add(f"{prefix}loop_time", seconds[prefix])
+        for name, times in zip(STEPS, samples[prefix], strict=True):
+            timings.extend(f"{prefix}{name}", times)
+        cleanup()
     comm.barrier()
+
+
+def _steps(client: Any, params: Mapping[str, Any], prefix: str, suffix: str, images: np.ndarray) -> tuple:
+    """One iteration's steps with ``client`` (either library: they share SmartRedis's API), the logits
+    array they fill, and the clean-up of their keys (per rank, overwritten each iteration: SmartSim-Scaling
+    makes one per iteration; this keeps memory flat)."""
+    result = np.empty((images.shape[0], NUM_CLASSES), dtype=np.float32)
+    in_key, pre_key, out_key = f"{prefix}.input", f"{prefix}.preprocessed", f"{prefix}.output"
+    steps = (
+        lambda: client.put_tensor(in_key, images),
+        lambda: client.run_script(params["script_key"] + suffix, PREPROCESS_FN, [in_key], [pre_key]),
+        lambda: client.run_model(params["model_key"] + suffix, [pre_key], [out_key]),
+        (lambda: client.unpack_tensor(out_key, result)) if hasattr(client, "unpack_tensor")
+        else (lambda: result.__setitem__(Ellipsis, client.get_tensor(out_key))),  # the published Python client
+    )
+
+    def cleanup() -> None:
+        for key in (in_key, pre_key, out_key):
+            client.delete_tensor(key)
+
+    return steps, result, cleanup

@@ -282,10 +282,42 @@ def versions(address: str | None = None) -> dict[str, Any]:
         "redis-py": _version("redis"),
         "hiredis": _version("hiredis"),
         "torch": _version("torch"),
+        "smartredis": _version("smartredis"),
     }
     if address:
         found["redis_server"] = server_info(address).get("redis_version")
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# The clients compared: smartredis_io, the published SmartRedis package, raw redis-py
+
+#: prefix of the timing names of the published SmartRedis client (``smartredis_put_tensor``...)
+PUBLISHED = "smartredis_"
+#: SmartRedis 0.6.1's own settings for its client in the benchmarks: its log off the console, and a
+#: socket timeout longer than a run (its default, 250 ms, makes a longer run_model fail and be sent again)
+PUBLISHED_ENV = {"SR_LOG_FILE": os.devnull, "SR_LOG_LEVEL": "QUIET", "SR_SOCKET_TIMEOUT": "600000"}
+
+
+def published_available() -> bool:
+    """Whether the published SmartRedis client (``pip install smartredis==0.6.1``) is importable."""
+    return importlib.util.find_spec("smartredis") is not None
+
+
+def published_client(address: str, cluster: bool) -> Any:
+    """A client of the published SmartRedis package (its C++ core, RedisAI's commands) for ``address``."""
+    for name, value in PUBLISHED_ENV.items():
+        os.environ.setdefault(name, value)
+    import smartredis
+
+    return smartredis.Client(address=address, cluster=cluster)
+
+
+def published_dataset(name: str) -> Any:
+    """A dataset of the published SmartRedis package."""
+    import smartredis
+
+    return smartredis.Dataset(name)
 
 
 REDIS_PY_BUFFER_CUTOFF = 6000  # redis-py's own: values above it are sent as separate buffers

@@ -7,7 +7,9 @@ Columns of the CSV: the run's name, command and date, its attributes (``clients`
 
 Plots (PNG): ``box_FUNCTION.png``, one box per run of that function's times, and for throughput
 runs ``throughput_dbN.png``: aggregate GB/s against tensor size, one line per client count, raw
-redis-py dashed, one figure per database size.
+redis-py dashed, the published SmartRedis client dotted, one figure per database size. The
+published client's functions are timed as ``smartredis_FUNCTION`` (inference and aggregation runs
+alternate it with ours round by round).
 """
 
 from __future__ import annotations
@@ -67,12 +69,15 @@ def _median(values: Sequence[float] | None) -> float | None:
 
 
 def derived(attributes: Mapping[str, Any], times: Mapping[str, Sequence[float]]) -> dict[str, Any]:
-    """Per-command figures computed from the timings (throughput: GB/s, raw redis-py GB/s, ratio)."""
+    """Per-command figures computed from the timings (throughput: GB/s of ours, of raw redis-py and of the
+    published SmartRedis client, and their ratios)."""
     out: dict[str, Any] = {}
     loop = times.get("loop_time")
     iterations = attributes.get("iterations")
     if loop and iterations:
-        out["loop_ms_per_iter"] = _median(loop) / iterations * 1e3
+        # an aggregation consumer shares its iterations between the libraries: one get_list each
+        per_loop = len(times["get_list"]) if times.get("get_list") else iterations
+        out["loop_ms_per_iter"] = _median(loop) / per_loop * 1e3
     if "redis_loop_time" in times and attributes.get("tensor_bytes"):
         ours = aggregate_gbps(attributes["tensor_bytes"], iterations, loop)
         raw = aggregate_gbps(attributes["tensor_bytes"], iterations, times["redis_loop_time"])
@@ -82,6 +87,14 @@ def derived(attributes: Mapping[str, Any], times: Mapping[str, Sequence[float]])
             redis_gbps=raw,
             ratio_to_redis=ours / raw if ours is not None and raw else None,
         )
+    published = times.get("smartredis_loop_time")
+    if published and iterations:
+        per_loop = len(times["smartredis_get_list"]) if times.get("smartredis_get_list") else iterations
+        out["smartredis_loop_ms_per_iter"] = _median(published) / per_loop * 1e3
+        if attributes.get("tensor_bytes") and "redis_loop_time" in times:
+            gbps = aggregate_gbps(attributes["tensor_bytes"], iterations, published)
+            out.update(smartredis_gbps=gbps,
+                       smartredis_to_ours=gbps / out["throughput_gbps"] if gbps and out.get("throughput_gbps") else None)
     if "get_list" in times and attributes.get("tensor_bytes"):
         list_bytes = attributes["producers"] * attributes["tensors_per_dataset"] * attributes["tensor_bytes"]
         out["get_list_gbps"] = list_bytes / _median(times["get_list"]) / GB
@@ -187,12 +200,16 @@ def _throughput_plots(frame, out_dir: Path, plt) -> list[Path]:
     for db_nodes, group in data.groupby("db_nodes"):
         fig, ax = plt.subplots(figsize=(8, 5))
         for i, (clients, by_clients) in enumerate(group.groupby("clients")):
-            curve = by_clients.groupby("tensor_bytes")[["throughput_gbps", "redis_gbps"]].median().sort_index()
+            columns = ["throughput_gbps", "redis_gbps", *(["smartredis_gbps"] if "smartredis_gbps" in group else [])]
+            curve = by_clients.groupby("tensor_bytes")[columns].median().sort_index()
             color = f"C{i}"
-            ax.plot(curve.index, curve["throughput_gbps"], ".-", color=color,
-                    label=f"{clients} client{'s' if clients != 1 else ''}: smartredis_io")
+            who = f"{clients} client{'s' if clients != 1 else ''}"
+            ax.plot(curve.index, curve["throughput_gbps"], ".-", color=color, label=f"{who}: smartredis_io")
             ax.plot(curve.index, curve["redis_gbps"], "x--", color=color, alpha=0.6,
-                    label=f"{clients} client{'s' if clients != 1 else ''}: raw redis-py SET/GET")
+                    label=f"{who}: raw redis-py SET/GET")
+            if "smartredis_gbps" in curve and curve["smartredis_gbps"].notna().any():
+                ax.plot(curve.index, curve["smartredis_gbps"], "s:", color=color, alpha=0.8,
+                        label=f"{who}: published SmartRedis 0.6.1 (module)")
         sizes = sorted(group["tensor_bytes"].unique())
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [_size_label(s) for s in sizes], rotation=45)
@@ -223,6 +240,8 @@ def throughput_table(frame) -> str:
             "raw_ms": r.redis_loop_ms_per_iter,
             "raw_gbps": r.redis_gbps,
             "ratio": r.ratio_to_redis,
+            "published_gbps": getattr(r, "smartredis_gbps", None),
+            "published_ratio": getattr(r, "smartredis_to_ours", None),
         }
         for r in data.itertuples()
     ]
@@ -230,6 +249,7 @@ def throughput_table(frame) -> str:
         "db": "database", "clients": "clients", "tensor": "tensor",
         "loop": "loop_time (s, median)", "ms": "ms / iteration", "gbps": "GB/s",
         "raw_ms": "redis-py ms / iteration", "raw_gbps": "redis-py GB/s", "ratio": "ratio to redis-py",
+        "published_gbps": "SmartRedis 0.6.1 GB/s", "published_ratio": "SmartRedis / smartredis_io",
     })
 
 

@@ -4,8 +4,10 @@ As SmartSim-Scaling's ``throughput_scaling.cpp``: every rank connects (``client(
 ``iterations`` x (``put_tensor`` of a tensor of ``tensor_bytes`` bytes under its own key, then
 ``unpack_tensor`` into a preallocated array), recording each call and the ``loop_time``. In the
 same processes, against the same server, the same loop with raw redis-py ``SET``/``GET`` of the
-same bytes is the ceiling (``redis_set``, ``redis_get``, ``redis_loop_time``); the two loops take
-turns in rounds so that both see the same load on a shared machine.
+same bytes is the ceiling (``redis_set``, ``redis_get``, ``redis_loop_time``), and where the
+published SmartRedis package is installed its client runs the same loop through the smartredis_io
+Redis module (``smartredis_put_tensor``, ``smartredis_unpack_tensor``, ``smartredis_loop_time``); the
+loops take turns in rounds so that all see the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -19,7 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.smartsim_scaling.launch import NAME_TAGS, App, Comm, Deployment, Sweep, Timings, raw_client
+from benchmarks.smartsim_scaling.launch import (
+    NAME_TAGS,
+    PUBLISHED,
+    App,
+    Comm,
+    Deployment,
+    Sweep,
+    Timings,
+    published_available,
+    published_client,
+    raw_client,
+)
 from benchmarks.smartsim_scaling.options import add_int_list, tensor_bytes
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
@@ -37,13 +50,15 @@ Each permutation of --client_nodes x --clients_per_node x --tensor_bytes x --db_
 directory under --exp_dir. GB/s is SmartSim-Scaling's aggregate throughput: tensor_bytes x iterations /
 loop_time summed over clients (each iteration moves the bytes twice, put and get). The ceiling is
 raw redis-py SET + GET of the same bytes in the same processes, taking turns with our loop in
-{ROUNDS} rounds; redis-py sends the value without copying it (its pure-Python packer: the hiredis
+{ROUNDS} rounds, with the published SmartRedis client (0.6.1, when installed) as a third loop;
+redis-py sends the value without copying it (its pure-Python packer: the hiredis
 one copies large values at ~0.1 GB/s). The default sweep is SmartSim-Scaling's tensor sizes and 100
 iterations with 1 and 4 clients on a standalone server and a 3-shard cluster: about 2 minutes on
 2 cores, well under 10."""
 TABLE = {
     "db_nodes": "db", "clients": "clients", "tensor_bytes": "bytes", "loop_ms_per_iter": "ms/iter",
     "throughput_gbps": "GB/s", "redis_gbps": "redis-py GB/s", "ratio_to_redis": "ratio",
+    "smartredis_gbps": "SmartRedis GB/s", "smartredis_to_ours": "SmartRedis/ours",
 }
 
 
@@ -78,7 +93,8 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 def _apps(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
     params = {"address": dep.address, "cluster": dep.cluster, "tensor_bytes": attributes["tensor_bytes"],
-              "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}."}
+              "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.",
+              "published": published_available()}
     return [App("clients", f"{__name__}:throughput_client", attributes["clients"], params)]
 
 
@@ -145,19 +161,29 @@ def throughput_client(comm: Comm, params: Mapping[str, Any], timings: Timings) -
     raw = raw_client(params["address"], params["cluster"])
     payload = array.tobytes()
     raw_key = f"{key}.raw"
-    # Keys are overwritten each iteration, as in SmartSim-Scaling, so that memory stays flat.
-    ours, ceiling = alternating_loops(comm, params["iterations"], [
+    loops = [
         (lambda: client.put_tensor(key, array), lambda: client.unpack_tensor(key, result)),
         (lambda: raw.set(raw_key, payload), lambda: raw.get(raw_key)),
-    ])
-    if not np.array_equal(result, array):
+    ]
+    names = [("put_tensor", "unpack_tensor", "loop_time"), ("redis_set", "redis_get", "redis_loop_time")]
+    published = published_client(params["address"], params["cluster"]) if params.get("published") else None
+    published_key, published_result = f"{key}.published", np.zeros_like(array)
+    if published is not None:
+        # its Python client has no unpack_tensor (a C++ call): get_tensor returns a new array
+        loops.append((lambda: published.put_tensor(published_key, array),
+                      lambda: published_result.__setitem__(Ellipsis, published.get_tensor(published_key))))
+        names.append(tuple(PUBLISHED + name for name in names[0]))
+    # Keys are overwritten each iteration, as in SmartSim-Scaling, so that memory stays flat.
+    measured = alternating_loops(comm, params["iterations"], loops)
+    if not np.array_equal(result, array) or (published is not None and not np.array_equal(published_result, array)):
         raise AssertionError(f"rank {comm.rank}: unpack_tensor returned other values than were put")
-    for (puts, gets, seconds), names in ((ours, ("put_tensor", "unpack_tensor", "loop_time")),
-                                         (ceiling, ("redis_set", "redis_get", "redis_loop_time"))):
-        timings.extend(names[0], puts)
-        timings.extend(names[1], gets)
-        timings.add(names[2], seconds)
+    for (puts, gets, seconds), (put_name, get_name, loop_name) in zip(measured, names, strict=True):
+        timings.extend(put_name, puts)
+        timings.extend(get_name, gets)
+        timings.add(loop_name, seconds)
     client.delete_tensor(key)
+    if published is not None:
+        published.delete_tensor(published_key)
     raw.delete(raw_key)
     raw.close()
     comm.barrier()

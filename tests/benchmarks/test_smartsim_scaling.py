@@ -22,6 +22,9 @@ from benchmarks.smartsim_scaling.results import CSV_NAME, RESULTS_DIR, aggregate
 TINY_THROUGHPUT = ["--tensor_bytes", "1024", "65536", "--clients_per_node", "2", "--iterations", "3"]
 THROUGHPUT_FUNCTIONS = {"client()", "put_tensor", "unpack_tensor", "loop_time", "redis_set", "redis_get",
                         "redis_loop_time", "main()"}
+PUBLISHED = launch.published_available()  # the published SmartRedis client (the test extra has it)
+if PUBLISHED:
+    THROUGHPUT_FUNCTIONS |= {"smartredis_put_tensor", "smartredis_unpack_tensor", "smartredis_loop_time"}
 
 
 def _runs(exp_dir: Path) -> list[Path]:
@@ -86,6 +89,8 @@ def test_throughput_writes_one_run_per_permutation_with_smartsim_scaling_timings
             assert set(counts) == THROUGHPUT_FUNCTIONS
             assert counts["put_tensor"] == counts["unpack_tensor"] == counts["redis_set"] == 3
             assert counts["loop_time"] == counts["client()"] == 1
+            if PUBLISHED:
+                assert counts["smartredis_put_tensor"] == counts["smartredis_unpack_tensor"] == 3
 
 
 def test_throughput_reports_ratio_to_redis_py_and_stops_its_database(throughput_dir):
@@ -95,6 +100,8 @@ def test_throughput_reports_ratio_to_redis_py_and_stops_its_database(throughput_
     for row in standalone_rows + cluster_rows:
         assert row["throughput_gbps"] > 0 and row["redis_gbps"] > 0
         assert row["ratio_to_redis"] == pytest.approx(row["throughput_gbps"] / row["redis_gbps"])
+        if PUBLISHED:
+            assert row["smartredis_to_ours"] == pytest.approx(row["smartredis_gbps"] / row["throughput_gbps"])
     # the embedded standalone server was torn down after its sweep
     standalone = next(r for r in _runs(throughput_dir) if "DBN1" in r.name)
     address = json.loads((standalone / "run.json").read_text())["apps"][0]["params"]["address"]
@@ -105,7 +112,9 @@ def test_throughput_reports_ratio_to_redis_py_and_stops_its_database(throughput_
 
 def test_process_results_writes_csv_and_plots(throughput_dir, capsys):
     assert main(["process_results", "--scaling_dir", str(throughput_dir), "--overwrite"]) == 0
-    assert "| ratio to redis-py |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| ratio to redis-py |" in out
+    assert not PUBLISHED or "| SmartRedis / smartredis_io |" in out
     out_dir = throughput_dir / RESULTS_DIR
     with open(out_dir / CSV_NAME) as f:
         table = list(csv.DictReader(f))
@@ -141,10 +150,13 @@ def test_aggregation_end_to_end(tmp_path, redis_server):
     assert len(runs) == 4
     for run_dir in runs:
         consumer = _functions(run_dir / "rank_0_timing.csv")
-        assert consumer["get_list"] == consumer["poll_list"] == 3 and consumer["loop_time"] == 1
+        ours, theirs = consumer["get_list"], consumer.get("smartredis_get_list", 0)
+        assert ours + theirs == 3 and consumer["poll_list"] == ours and consumer["loop_time"] == 1
+        assert (theirs > 0) == PUBLISHED, "the published client takes its turns"
         for rank in (0, 1):
             producer = _functions(run_dir / f"producer_rank_{rank}_timing.csv")
-            assert producer["append_to_list"] == 3 and producer["put_dataset"] == 1
+            assert producer["append_to_list"] + producer.get("smartredis_append_to_list", 0) == 3
+            assert producer["put_dataset"] == 1
     rows = json.loads((exp_dir / "summary.json").read_text())
     assert all(r["get_list_gbps"] > 0 and r["producers"] == 2 for r in rows)
     assert main(["process_results", "--scaling_dir", str(exp_dir)]) == 0
@@ -162,6 +174,7 @@ def test_inference_end_to_end(tmp_path):
             counts = _functions(run_dir / f"rank_{rank}_timing.csv")
             for step in ("put_tensor", "run_script", "run_model", "unpack_tensor"):
                 assert counts[step] == 3
+                assert counts.get(f"smartredis_{step}", 0) == (3 if PUBLISHED else 0)
     rows = json.loads((exp_dir / "summary.json").read_text())
     assert all(r["run_model_ms"] > 0 and r["inferences_per_s"] > 0 for r in rows)
 

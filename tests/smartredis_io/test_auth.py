@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from smartredis_io import (
 )
 from smartredis_io.error import RedisConnectionError, RedisReplyError
 from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
+from tests.support.srio_workers import busy_worker, registry
 
 X = np.ones((2, 4), dtype=np.float32)
 
@@ -88,7 +90,7 @@ def test_acl_users_write_only_their_keys_and_cannot_replace_a_model(uid: str) ->
         alice.use_tensor_ensemble_prefix(False)
         with pytest.raises(RedisReplyError, match="permission denied to user .alice."):
             alice.put_tensor(f"{uid}elsewhere", X)
-        with pytest.raises(RedisReplyError, match="holds a model"):
+        with pytest.raises(RedisReplyError, match="NOPERM.*write output key"):
             alice.run_model(f"{uid}shared", f"{uid}alice.x", f"{uid}shared")  # the worker is no way round
         admin.put_tensor(uid + "x", X)
         admin.run_model(f"{uid}shared", uid + "x", uid + "y")  # the model is intact
@@ -100,21 +102,60 @@ def test_acl_users_write_only_their_keys_and_cannot_replace_a_model(uid: str) ->
         alice.close()
 
 
-def test_a_client_without_scripting_rights_still_runs_models(uid: str) -> None:
-    """Where the server refuses scripts to a client, its requests go without their inputs."""
-    with Orchestrator(workers=1) as orch:
-        with redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password) as plain:
-            plain.acl_setuser("noscript", enabled=True, passwords=["+noscript-pw"], keys=["*"],
-                              commands=["+@all", "-@scripting"])
-        client = Client(_options(orch.address, SR_USERNAME="noscript", SR_PASSWORD="noscript-pw"))
-        module = linear(0)
-        client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)))
-        for i in range(3):
-            client.put_tensor(uid + "x", X + i)
-            client.run_model(uid, uid + "x", uid + "y")
-            expected = module(torch.from_numpy(X + i)).detach().numpy()
-            np.testing.assert_allclose(client.get_tensor(uid + "y"), expected, rtol=1e-6)
-        client.close()
+def test_a_client_user_cannot_reach_the_protocol_or_write_beyond_its_keys(uid: str) -> None:
+    """A ``client`` user against real workers: it cannot stop them, forge or take requests, delete
+    another user's request, or freeze the server with a script; a run whose output it may not
+    write is refused with NOPERM and writes nothing (RedisAI's command as smartredis_io's run_script)."""
+    users = [AclUser("alice", "alice-pw", write_keys=("alice.*",)), AclUser("bob", "bob-pw", write_keys=("bob.*",)),
+             AclUser("runner", "runner-pw", role="worker")]
+    with Orchestrator(workers=1, users=users) as orch:
+        admin = redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password)
+        alice = redis.Redis(host="127.0.0.1", port=orch.database.port, username="alice", password="alice-pw")
+        bob = Client(_options(orch.address, SR_USERNAME="bob", SR_PASSWORD="bob-pw"))
+        script, model = f"{uid}script", f"{uid}model"
+        with Client(_options(orch.address, SR_PASSWORD=orch.settings().password)) as owner:
+            owner.set_script(script, SCRIPT)
+            owner.set_model(model, torchscript_bytes(linear(0), torch.from_numpy(X)))
+        bob.put_tensor("bob.x", X)
+        (worker,) = registry(admin)
+        pids = set(orch.worker_pids)
+
+        slow = threading.Thread(target=bob.run_script, args=(script, "slow", ["bob.x"], ["bob.y"]))
+        slow.start()  # bob's request is in flight while alice tries
+        busy_worker(admin)
+        attempts = [
+            ("SRIO.UNREGISTER", worker), ("SRIO.PAUSE", worker), ("SRIO.HEARTBEAT", worker, 1),  # stop a worker
+            ("SRIO.POP", "alice", 100), ("SRIO.TAKE", "alice", script, 1, 1, 100),  # take others' requests
+            ("SRIO.REPLY", worker, 1, 0, 0, 0, "OK"), ("SRIO.RETURN", worker, 1),  # forge or hand back a reply
+            ("SRIO.WORKERS",),
+            ("DEL", "bob.x"), ("SET", "bob.y", "forged"),  # another user's keys
+            ("EVAL", "while true do end", 0), ("FUNCTION", "LOAD", "#!lua name=spin\nwhile true do end"),
+        ]
+        for command in attempts:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                alice.execute_command(*command)
+        slow.join()
+        np.testing.assert_array_equal(bob.get_tensor("bob.y"), X)  # bob's run was untouched
+
+        with pytest.raises(redis.exceptions.NoPermissionError, match="write output key 'bob.z'"):
+            alice.execute_command("AI.SCRIPTEXECUTE", script, "double", "INPUTS", 1, "bob.x", "OUTPUTS", 1, "bob.z")
+        with pytest.raises(redis.exceptions.NoPermissionError, match="write output key 'bob.z'"):
+            alice.execute_command("AI.SCRIPTRUN", script, "double", "INPUTS", "bob.x", "OUTPUTS", "alice.ok", "bob.z")
+        with pytest.raises(redis.exceptions.NoPermissionError, match="write output key 'bob.z'"):
+            alice.execute_command("AI.MODELEXECUTE", model, "INPUTS", 1, "bob.x", "OUTPUTS", 1, "bob.z")
+        with Client(_options(orch.address, SR_USERNAME="alice", SR_PASSWORD="alice-pw")) as client:
+            with pytest.raises(RedisReplyError, match="NOPERM.*write output key 'bob.z'"):
+                client.run_model(model, ["bob.x"], ["bob.z"])
+            with pytest.raises(RedisReplyError, match="NOPERM.*write output key 'bob.z'"):
+                client.run_script(script, "double", ["bob.x"], ["bob.z"])
+            client.run_script(script, "double", ["bob.x"], ["alice.z"])  # reading others' tensors is allowed
+            np.testing.assert_array_equal(client.get_tensor("alice.z"), 2 * X)
+        assert not admin.exists("bob.z", "alice.ok"), "a refused run writes nothing"
+        assert set(orch.worker_pids) == pids, "no worker was stopped"
+        assert not [k for k in admin.keys("*") if k.startswith(b"{srio}")], "no protocol key exists to reach"
+        bob.close()
+        alice.close()
+        admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +187,23 @@ def test_tls(tls_files: TlsFiles, uid: str) -> None:
             np.testing.assert_allclose(client.get_tensor(uid + "y"), 2 * X)
         with Client(_options(f"rediss://:pw@{orch.address}", SR_TLS_CA_CERT=tls_files.ca_cert_file)) as client:
             np.testing.assert_allclose(client.get_tensor(uid + "y"), 2 * X)
+
+
+def test_the_published_smartredis_client_gets_noperm_for_an_output_it_may_not_write(uid: str) -> None:
+    """SmartRedis 0.6.1 cannot authenticate: it runs as the default user, here narrowed to a client's rights."""
+    smartredis = pytest.importorskip("smartredis")
+    users = [AclUser("root", "root-pw", role="admin"), AclUser("runner", "runner-pw", role="worker")]
+    with Orchestrator(workers=1, users=users) as orch:
+        admin = redis.Redis(host="127.0.0.1", port=orch.database.port, username="root", password="root-pw")
+        narrowed = AclUser("sim", "unused", write_keys=("sim.*",)).rule(module=True)[5:]  # the client role's rights
+        admin.execute_command("ACL", "SETUSER", "default", "reset", "on", "nopass", "resetchannels", *narrowed)
+        with Client(_options(orch.address, SR_USERNAME="root", SR_PASSWORD="root-pw")) as owner:
+            owner.set_model(f"{uid}model", torchscript_bytes(linear(0), torch.from_numpy(X)))
+        client = smartredis.Client(address=orch.address, cluster=False)
+        client.put_tensor("sim.x", X)
+        client.run_model(f"{uid}model", ["sim.x"], ["sim.y"])  # its own keys: runs
+        assert client.tensor_exists("sim.y")
+        with pytest.raises(smartredis.error.RedisReplyError, match="NOPERM"):
+            client.run_model(f"{uid}model", ["sim.x"], [f"{uid}elsewhere"])
+        assert not admin.exists(f"{uid}elsewhere")
+        admin.close()

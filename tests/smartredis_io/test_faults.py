@@ -25,12 +25,12 @@ from smartredis_io import (
     Orchestrator,
     RedisServer,
     SmartRedisCheckpointIO,
-    models,
     wire,
 )
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
+from tests.support.srio_workers import busy_worker, registry, wait_until
 
 X = np.ones((2, 4), dtype=np.float32)
 
@@ -120,23 +120,8 @@ def test_a_killed_server_fails_calls_at_once(uid: str) -> None:
         assert elapsed < 2
 
 
-def _registry(orch: Orchestrator) -> tuple[dict[str, int], dict[str, bytes]]:
-    settings = orch.settings()
-    with redis.Redis(host="127.0.0.1", port=orch.database.port, password=settings.password) as plain:
-        workers = {k.decode(): int(v) for k, v in plain.hgetall("{srio}.workers").items()}
-        inflight = {key.decode().removeprefix(models.INFLIGHT_PREFIX): plain.lindex(key, 0)
-                    for key in plain.scan_iter(match=models.INFLIGHT_PREFIX + "*")}
-    return workers, inflight
-
-
-def _wait_for_busy_worker(orch: Orchestrator, exclude: set[str] = frozenset(), seconds: float = 10) -> str:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        busy = [name for name in _registry(orch)[1] if name not in exclude]
-        if busy:
-            return busy[0]
-        time.sleep(0.01)
-    raise AssertionError("no worker took the request")
+def _plain(orch: Orchestrator) -> redis.Redis:
+    return redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password)
 
 
 class _Run:
@@ -163,33 +148,37 @@ class _Run:
 @pytest.mark.slow
 def test_a_worker_killed_mid_run_is_replaced_and_unregistered(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
+        plain = _plain(orch)
         run = _Run(orch, uid, "slow")
-        victim = _wait_for_busy_worker(orch)
-        os.kill(_registry(orch)[0][victim], signal.SIGKILL)
+        victim = busy_worker(plain)
+        os.kill(registry(plain)[victim].pid, signal.SIGKILL)
         run.join()
         assert run.error is None, run.error
         assert run.elapsed < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
         np.testing.assert_allclose(run.client.get_tensor(uid + "y"), X)
-        workers, inflight = _registry(orch)
-        assert victim not in workers and victim not in inflight
+        wait_until(lambda: victim not in registry(plain), 10, "the dead worker is unregistered")
+        wait_until(lambda: len(registry(plain)) == 2, 60, "a new worker replaces it")
         run.client.close()
+        plain.close()
 
 
 @pytest.mark.slow
 def test_a_request_whose_workers_die_twice_fails_fast(uid: str) -> None:
     with Orchestrator(workers=2) as orch:
+        plain = _plain(orch)
         run = _Run(orch, uid, "spin")
-        first = _wait_for_busy_worker(orch)
-        pids = _registry(orch)[0]
+        first = busy_worker(plain)
+        pids = {name: entry.pid for name, entry in registry(plain).items()}
         os.kill(pids[first], signal.SIGKILL)
-        second = _wait_for_busy_worker(orch, exclude={first}, seconds=15)
-        os.kill(pids[second], signal.SIGKILL)
+        second = busy_worker(plain, seconds=15, exclude=frozenset({first}))
+        os.kill(registry(plain)[second].pid, signal.SIGKILL)
         run.join()
         assert isinstance(run.error, RedisReplyError), run.error
         assert "died" in str(run.error) and "retried once" in str(run.error)
         assert run.elapsed < 30
-        assert _registry(orch) == ({}, {})
+        assert not any(entry.running for entry in registry(plain).values())
         run.client.close()
+        plain.close()
 
 
 @pytest.mark.slow

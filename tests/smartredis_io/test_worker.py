@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
+import signal
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from smartredis_io import Client, Orchestrator, models, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
+from tests.support.srio_workers import WorkerEntry, registry, wait_until
 
 X = np.random.default_rng(1).random((3, 4), dtype=np.float32)
 
@@ -107,33 +107,6 @@ def test_a_refused_request_fails_at_once(orch_client: Client, orch_raw, uid: str
     orch_client.run_model(uid, uid + "x", uid + "y")
 
 
-def _run_raw(raw: redis.Redis, request: models.Request, carried: list[bytes]) -> dict:
-    """Queue ``request`` as a client could, carrying ``carried`` as its manifest and inputs; the reply."""
-    values = b"".join(b"%d:%s" % (len(v), v) for v in carried)
-    raw.rpush(models.QUEUE_KEY, request.encode().encode() + b"\n" + values)
-    popped = raw.blpop([request.reply_key], timeout=30)
-    assert popped is not None, "no worker answered"
-    return json.loads(popped[1])
-
-
-def test_a_request_cannot_bring_its_own_model(orch_client: Client, orch_raw, uid: str) -> None:
-    """A manifest carried in a request is not trusted: workers run the model stored under the key."""
-    module, other = linear(0), linear(1)
-    orch_client.set_model(uid, torchscript_bytes(module, torch.from_numpy(X)))
-    orch_client.set_model(uid + "other", torchscript_bytes(other, torch.from_numpy(X)))
-    orch_client.put_tensor(uid + "x", X)
-    for _ in range(4):  # both workers have the model loaded
-        orch_client.run_model(uid, uid + "x", uid + "y")
-    forged = json.loads(orch_raw.get(uid + "other"))  # the other model's manifest, its blob named
-    forged["blob"] = models.blob_key(uid + "other", forged["version"])
-    manifest = json.dumps(forged).encode()
-    for _ in range(4):
-        request = models.Request(uuid.uuid4().hex, "model", uid, [uid + "x"], [uid + "y"], time.time() + 30)
-        reply = _run_raw(orch_raw, request, [manifest, orch_raw.get(uid + "x")])
-        assert reply["ok"], reply
-        np.testing.assert_allclose(orch_client.get_tensor(uid + "y"), _expected(module, X), rtol=1e-6)
-
-
 def test_set_model_from_file_and_delete(orch_client: Client, uid: str, tmp_path) -> None:
     path = tmp_path / "model.pt"
     path.write_bytes(torchscript_bytes(linear(0), torch.from_numpy(X)))
@@ -193,9 +166,16 @@ def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_clien
     orch_raw.hset(uid + "hash", "f", "v")
     with pytest.raises(RedisReplyError, match="WRONGTYPE"):
         orch_client.run_model(uid + "ok", [uid + "hash"], [uid + "y"])
-    orch_raw.rpush(models.QUEUE_KEY, b"not a request", b"m\n{}", b'"m"\n0\n{}')  # garbage is skipped
+    pids = set(orchestrator.worker_pids)
+    # Foreign values where a worker reads: each request fails with an error, no worker dies.
+    orch_raw.set(uid + "garbage", b"not a tensor")
+    with pytest.raises(RedisReplyError, match="not a tensor"):
+        orch_client.run_model(uid + "ok", [uid + "garbage"], [uid + "y"])
+    orch_raw.set(uid + "bad", b'{"kind": "model", "version": ')  # looks like a manifest, is not one
+    with pytest.raises(RedisReplyError, match="is empty"):
+        orch_client.run_model(uid + "bad", [uid + "x"], [uid + "y"])
     orch_client.run_model(uid + "ok", [uid + "x"], [uid + "y"])  # the workers are still fine
-    assert orch_raw.llen(models.QUEUE_KEY) == 0
+    assert set(orchestrator.worker_pids) == pids
     assert all(worker.is_running() for worker in orchestrator.workers)
 
 
@@ -249,12 +229,13 @@ def test_batching(orchestrator: Orchestrator, orch_client: Client, uid: str) -> 
 def test_run_model_without_workers_times_out(redis_server, monkeypatch, uid: str) -> None:
     monkeypatch.setenv("SR_MODEL_TIMEOUT", "300")
     with Client(False, redis_server.address) as client:
+        client.set_script(uid, SCRIPT)
+        client.put_tensor(uid + "x", X)
         start = time.monotonic()
         with pytest.raises(RedisTimeoutError, match="no execution worker"):
-            client.run_model(uid, [uid], [uid])
+            client.run_script(uid, "double", [uid + "x"], [uid + "y"])
         assert time.monotonic() - start < 2.0
-    with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
-        plain.delete(models.QUEUE_KEY)  # the request nobody took
+        assert not client.tensor_exists(uid + "y")
 
 
 @pytest.mark.slow
@@ -279,39 +260,47 @@ def _alive(pid: int) -> bool:
 
 
 def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
-    """``python -m smartredis_io.worker --workers 2``: two processes share the queue and stop together."""
+    """``python -m smartredis_io.worker --workers 2``: a supervisor and two worker processes that share
+    the requests; a worker that dies is started again; everything stops together."""
     import sys
 
     from lightning_storage_plugins.services import ManagedProcess
 
     name = f"cli-{uid}"
+    plain = redis.Redis(host=redis_server.host, port=redis_server.port)
+
+    def workers() -> dict[str, WorkerEntry]:
+        return {n: e for n, e in registry(plain).items() if n.startswith(name)}
+
     cli = ManagedProcess(
         "worker-cli",
         [sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address, "--workers", "2",
          "--name", name, *(["--user", "nobody"] if os.geteuid() == 0 else [])],
-        ready=lambda: len([n for n in _registered(redis_server) if n.startswith(name)]) == 2,
+        ready=lambda: len(workers()) == 2,
         startup_timeout_s=90,
     )
     with cli, Client(False, redis_server.address) as client:
-        with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
-            registered = plain.hgetall("{srio}.workers")
-        pids = {int(pid) for n, pid in registered.items() if n.decode().startswith(name)}
-        assert len(pids) == 2 and cli.pid in pids
+        pids = {entry.pid for entry in workers().values()}
+        assert len(pids) == 2 and all(_parent_of(pid) == cli.pid for pid in pids)
         client.set_script(uid, SCRIPT)
         client.put_tensor(uid + "x", X)
         for i in range(4):
             client.run_script(uid, "double", [uid + "x"], [f"{uid}y{i}"])
             np.testing.assert_allclose(client.get_tensor(f"{uid}y{i}"), 2 * X)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), "the child worker stopped with its parent"
-    assert not [n for n in _registered(redis_server) if n.startswith(name)]
+        victim = min(pids)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: len(workers()) == 2 and victim not in {e.pid for e in workers().values()}, 60,
+                   "the supervisor starts a new worker")
+        client.run_script(uid, "double", [uid + "x"], [uid + "z"])
+        pids = {entry.pid for entry in workers().values()}
+    wait_until(lambda: not any(_alive(pid) for pid in pids), 10, "the workers stop with their supervisor")
+    assert not workers(), "they unregistered"
+    plain.close()
 
 
-def _registered(redis_server) -> list[str]:
-    with redis.Redis(host=redis_server.host, port=redis_server.port) as plain:
-        return [n.decode() for n in plain.hkeys("{srio}.workers")]
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def _uid_of(pid: int) -> int:

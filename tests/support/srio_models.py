@@ -26,6 +26,23 @@ def spin(x):
     for i in range(1000000000):
         y = y + 1
     return y
+
+def forever(x):
+    # Never returns: only the request's deadline stops it.
+    while True:
+        x = x + 1
+    return x
+
+def uninitialized(x):
+    # Memory nobody wrote: the bytes of an earlier run, unless the worker fills it.
+    return torch.empty(x.shape[0])
+
+def seed(x):
+    torch.manual_seed(7)
+    return x
+
+def draw(x):
+    return torch.rand(x.shape[0])
 '''
 
 

@@ -1,0 +1,46 @@
+"""What the smartredis_io module knows of its execution workers, as a test sees it (``SRIO.WORKERS``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """One registered worker: its process id and the requests it is running."""
+
+    pid: int
+    running: int
+
+
+def registry(client: redis.Redis | list[redis.Redis]) -> dict[str, WorkerEntry]:
+    """Every worker registered on the server(s) ``client`` talks to, by name (every worker registers
+    on every server; ``running`` counts the requests of all of them)."""
+    entries: dict[str, WorkerEntry] = {}
+    for node in client if isinstance(client, list) else [client]:
+        for name, pid, running, *_ in node.execute_command("SRIO.WORKERS"):
+            known = entries.get(name.decode())
+            entries[name.decode()] = WorkerEntry(int(pid), int(running) + (known.running if known else 0))
+    return entries
+
+
+def wait_until(condition: Callable[[], object], seconds: float, what: str) -> object:
+    """Poll ``condition`` until it returns something true (that value), or fail naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"not within {seconds} s: {what}")
+
+
+def busy_worker(client: redis.Redis | list[redis.Redis], seconds: float = 10, exclude: frozenset[str] = frozenset()) -> str:
+    """The name of a worker running a request (waiting until one does)."""
+    return wait_until(lambda: next((name for name, entry in registry(client).items()
+                                    if entry.running and name not in exclude), None),
+                      seconds, "a worker takes the request")
