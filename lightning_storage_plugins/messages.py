@@ -12,12 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 
-__all__ = ["plain_text", "warn_once"]
+__all__ = ["global_rank", "plain_text", "warn", "warn_once"]
 
-# ECMA-48 control sequences (colours, bold: ``\x1b[1m``) and the other C0/C1 escapes.
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\x9b]")
+# ECMA-48 control sequences (colours, bold: ``\x1b[1m``), operating-system commands (a terminal's
+# title: ``\x1b]0;...\x07``), the other escapes, and control characters but newline and tab.
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-_]"
+                      r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\x9b]")
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
 
@@ -28,13 +31,18 @@ def plain_text(text: str) -> str:
 
 
 def global_rank() -> int:
-    """This process' global rank: Lightning's ``rank_zero_only.rank`` where Lightning is present (the
-    strategy sets it), else the launcher's ``RANK`` variable, else 0."""
-    try:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-    except ImportError:
-        return int(os.environ.get("RANK", 0) or 0)
-    return int(getattr(rank_zero_only, "rank", 0) or 0)
+    """This process' global rank: Lightning's ``rank_zero_only.rank`` where Lightning is in use (its
+    strategies set it; Lightning is not imported for this), else the launcher's ``RANK``, else 0."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    rank = getattr(getattr(rank_zero, "rank_zero_only", None), "rank", None)
+    if rank is None:
+        rank = os.environ.get("RANK") or 0
+    return int(rank)
+
+
+def warn(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log ``message % args`` as a warning on global rank zero (at debug level on other ranks)."""
+    logger.log(logging.WARNING if global_rank() == 0 else logging.DEBUG, message, *args)
 
 
 def warn_once(logger: logging.Logger, message: str, *args: object) -> None:
@@ -45,4 +53,4 @@ def warn_once(logger: logging.Logger, message: str, *args: object) -> None:
         if (logger.name, text) in _warned:
             return
         _warned.add((logger.name, text))
-    logger.log(logging.WARNING if global_rank() == 0 else logging.DEBUG, "%s", text)
+    warn(logger, "%s", text)

@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import threading
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
@@ -26,7 +27,7 @@ from typing_extensions import override
 from lightning_storage_plugins.messages import plain_text
 
 __all__ = ["CheckpointDir", "OrderedCheckpointIO", "SaveOrder", "WeightsOnlyError", "check_weights_only",
-           "remove_local"]
+           "live_plugins", "remove_local"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,14 @@ def remove_local(path: str) -> bool:
     return True
 
 
+_live: weakref.WeakSet[OrderedCheckpointIO[Any]] = weakref.WeakSet()
+
+
+def live_plugins() -> list[OrderedCheckpointIO[Any]]:
+    """The single-file plugins made in this process that still exist."""
+    return list(_live)
+
+
 class CheckpointDir(NamedTuple):
     """Where a ``ModelCheckpoint`` of the starting run saves: its directory, and whether its ``last``
     checkpoints are links (``save_last="link"``: Lightning makes them in the local filesystem)."""
@@ -176,6 +185,7 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         super().__init__()
         self.weights_only = check_weights_only(weights_only)
         self._start_process_state()
+        _live.add(self)
 
     def _start_process_state(self) -> None:
         """Make this process' own state (at construction, and in a pickled copy)."""

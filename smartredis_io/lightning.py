@@ -89,9 +89,11 @@ def _link_target(path: str) -> str:
     raise OSError(f"Too many levels of links from checkpoint path {path}")
 
 
-def _settings(address: str, cluster: bool | None, options: ConfigOptions | None) -> ConnectionSettings:
+def _settings(address: str, cluster: bool | None, options: ConfigOptions | None,
+              address_source: str = "") -> ConnectionSettings:
     """Connection settings as a SmartRedis client reads them, the address (and cluster flag) given winning."""
     settings = ConnectionSettings.from_options(options, address=address or None, cluster=bool(cluster))
+    settings = settings.with_(address_source=address_source)
     return settings if cluster is not None else settings.with_(cluster=detect_cluster(settings))
 
 
@@ -175,6 +177,7 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
         self.config_options = config_options
         options = config_options or ConfigOptions.create_from_environment("")
         self.address = address or options.string_or("SSDB", "")
+        self.address_source = "" if address else "SSDB"
         if not self.address:
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
         if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
@@ -192,7 +195,7 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
     def db(self) -> Database:
         """One connection per process (re-made after a fork)."""
         if self._db is None or self._pid != os.getpid():
-            settings = _settings(self.address, self.cluster, self.config_options)
+            settings = _settings(self.address, self.cluster, self.config_options, self.address_source)
             self.cluster = settings.cluster
             self._db = Database(settings)
             self._pid = os.getpid()
@@ -211,7 +214,8 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
         except redis.exceptions.TimeoutError as exc:
             raise RedisTimeoutError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
         except redis.exceptions.ConnectionError as exc:
-            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {self.address}: {exc}") from None
+            where = f"{self.address} ({self.address_source})" if self.address_source else self.address
+            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {where}: {exc}") from None
         except redis.exceptions.RedisError as exc:
             raise RedisReplyError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
 
@@ -382,6 +386,7 @@ class SmartRedisModelPublisher(pl.Callback):
         self.config_options = config_options
         options = config_options or ConfigOptions.create_from_environment("")
         self.address = address or options.string_or("SSDB", "")
+        self.address_source = "" if address else "SSDB"
         if not self.address:
             raise ValueError("SmartRedisModelPublisher needs an address (or $SSDB)")
         self.cluster = cluster
@@ -399,7 +404,7 @@ class SmartRedisModelPublisher(pl.Callback):
     def client(self) -> Client:
         """The client the models are published with (connected on first use)."""
         if self._client is None:
-            settings = _settings(self.address, self.cluster, self.config_options)
+            settings = _settings(self.address, self.cluster, self.config_options, self.address_source)
             options = (self.config_options or ConfigOptions.create_from_environment("")).derived(
                 SSDB=self.address, SR_DB_TYPE="Clustered" if settings.cluster else "Standalone")
             self._client = Client(options)
