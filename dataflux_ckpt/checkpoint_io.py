@@ -303,6 +303,11 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
                     f"{type(self).__name__} saves checkpoints to gs://bucket/...; ModelCheckpoint's directory "
                     f"{dirpath!r} is a local path (give ModelCheckpoint(dirpath='gs://bucket/...') or "
                     "Trainer(default_root_dir='gs://bucket/...'))")
+            if not dirpath.startswith("gs://"):
+                # Lightning resolves the directory through fsspec, which knows gs:// (gcsfs) but
+                # lists and removes nothing under other spellings.
+                raise ValueError(f"ModelCheckpoint's directory {dirpath!r} must start with gs:// "
+                                 f"(the scheme {type(self).__name__} saves to)")
             prefix = parse_gcs_prefix(dirpath)
             check_bucket_name(prefix.bucket)
             if checkpoint_dir.links:
