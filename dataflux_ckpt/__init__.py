@@ -6,8 +6,9 @@ multipart server processes) need neither torch nor Lightning until a checkpoint 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_storage_plugins.lazy import lazy_exports
 
 _EXPORTS = {
     "CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
@@ -97,14 +98,4 @@ if TYPE_CHECKING:
     from dataflux_ckpt.xml_server import XmlMultipartServer
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
