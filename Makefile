@@ -29,11 +29,10 @@ OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post
 OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/dataflux_ckpt/test_trainer.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
 	tests/smartredis_io/test_lightning.py
-# Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: its build gets
-# the plain architecture numbers.
-ifdef TORCH_CUDA_ARCH_LIST
-export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E 's/([0-9])a\b/\1/g')
-endif
+# Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
+# gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
+# $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
+ARCH_LIST = $(if $(TORCH_CUDA_ARCH_LIST),TORCH_CUDA_ARCH_LIST="$$($(1) -c 'import sys; from fastpersist._deepspeed_compat import sanitized_arch_list; print(sanitized_arch_list(sys.argv[1]))' '$(TORCH_CUDA_ARCH_LIST)')")
 # The smartredis_io Redis module, built in place (an editable install finds it; wheels build their own).
 # Its header, redismodule.h, is fetched once (pinned crate, SHA-256 checked) into .tools/include.
 MODULE_DIR := smartredis_io/redisai
@@ -106,12 +105,12 @@ $(PEER_DIR)/.installed: benchmarks/lightning_peer.py | $(VENV)/.installed
 # DeepSpeed JIT-builds the op into torch's extension cache, one per Python and torch version.
 $(VENV)/.async-io-built: $(VENV)/.installed | apt-packages
 	@echo ">> building DeepSpeed's async_io op for $(VENV) (JIT compile, 4-5 minutes on 2 cores)"
-	$(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+	$(call ARCH_LIST,$(PY)) $(PY) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
 	@touch $@
 
 $(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed | apt-packages
 	@echo ">> building DeepSpeed's async_io op for $(VENV_OLDEST) (JIT compile, 4-5 minutes on 2 cores)"
-	$(PY_OLDEST) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+	$(call ARCH_LIST,$(PY_OLDEST)) $(PY_OLDEST) -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
 	@touch $@
 
 ## test: set up, lint, run the whole suite (newest releases), then the oldest-supported subset
