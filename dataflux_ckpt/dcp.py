@@ -12,16 +12,26 @@ Load: the byte ranges the load plan needs (only the rows a resharded rank needs,
 contiguous) are fetched with parallel ranged GETs, neighbouring items coalesced into one request,
 big ones split; contiguous targets receive their bytes in place. Every block is checked against its
 crc32c before it is used. Checkpoints written by torch's ``FsspecWriter`` (``torch.save`` items) load too.
+
+Concurrent saves: a save's coordinator holds the object ``.dcp-save.lock`` under the prefix, created
+with ``ifGenerationMatch=0`` and renewed (again under a generation precondition) every quarter of its
+lease. A second save finds it held and fails with ``ConcurrentWriteError`` before writing anything; a
+lock not renewed for its lease (by the server's clock) belongs to a dead save and is taken over under
+a precondition on its generation. ``.metadata`` is published under a precondition on the generation
+seen when the lock was taken, so a save that lost its lock publishes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import math
 import os
 import threading
+import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -41,17 +51,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dataflux_ckpt._gcs_compat import raw_body_reader
 from dataflux_ckpt.checksums import crc32c_extend
-from dataflux_ckpt.errors import DataCorruptionError, HttpStatusError, TransferError
+from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError, HttpStatusError, TransferError
 from dataflux_ckpt.gcs import Gcs, make_client
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline, RetryPolicy
 from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, DEADLINE_S, UPLOAD_MODES, ObjectWriter
 from lightning_storage_plugins.dcp import (
+    LOCK_NAME,
+    METADATA_NAME,
+    SaveLock,
     ShardedStorageReader,
     ShardedStorageWriter,
     StorageInfo,
     narrow,
 )
+from lightning_storage_plugins.errors import CheckpointMetadataError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +78,10 @@ CRC_BLOCK_BYTES = 1 * 2**20
 COALESCE_GAP_BYTES = 1 * 2**20
 DEVICE_PIECE_BYTES = 64 * 2**20  # a GPU tensor is copied to host in pieces of this size
 SCRATCH_BYTES = 1 * 2**20
+# A save lock not renewed for this long, by the server's clock, belongs to a save that is over.
+LOCK_LEASE_S = 30.0
+# How far before its lease runs out (by this process' clock) a holder stops counting on its lock.
+LOCK_MARGIN_S = 2.0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -125,6 +143,128 @@ class _GcsCheckpoint:
         return GcsPath(base.bucket, f"{base.key}/{name}")
 
 
+class _GcsSaveLock(SaveLock):
+    """A save's lock on a checkpoint: the object ``<prefix>/.dcp-save.lock``, created under
+    ``ifGenerationMatch=0`` and renewed by a background thread every quarter of its lease, each time
+    under a precondition on the generation this lock wrote last.
+
+    Args:
+        gcs: the writer's GCS operations.
+        path: the lock object.
+        checkpoint: the checkpoint's ``gs://`` prefix, for errors.
+        owner: the save's id, recorded in the object.
+        lease_s: how long the lock stays held without renewal.
+        deadline_s: the longest any one request for the lock may take.
+    """
+
+    def __init__(self, gcs: Gcs, path: GcsPath, checkpoint: str, owner: str, lease_s: float, deadline_s: float) -> None:
+        self._gcs, self._path, self._checkpoint, self._owner = gcs, path, checkpoint, owner
+        self._lease_s, self._deadline_s = lease_s, min(deadline_s, lease_s / 2)
+        self._generation = 0
+        self._writes = 0
+        self._held_until = 0.0
+        self._lost: str | None = None
+        self._released = False
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self._deadline_s, "save lock", self._path.uri)
+
+    def _write(self, if_generation_match: int) -> None:
+        self._writes += 1
+        body = json.dumps({"save": self._owner, "write": self._writes, "lease_s": self._lease_s}).encode()
+        sent = time.monotonic()
+        info = self._gcs.upload_object(self._path, memoryview(body), crc32c_extend(0, body), self._deadline(),
+                                       if_generation_match=if_generation_match)
+        self._generation = info.generation
+        # The server dates the new generation after ``sent``: the lease runs at least this long from here.
+        self._held_until = sent + self._lease_s - LOCK_MARGIN_S
+
+    def acquire(self) -> _GcsSaveLock:
+        """Take the lock, or take it over from a save whose lease ran out.
+
+        Raises:
+            ConcurrentWriteError: a live save holds it.
+        """
+        try:
+            self._write(0)
+        except ConcurrentWriteError:
+            self._take_over()
+        self._thread = threading.Thread(target=self._renew_until_stopped, name="dataflux-dcp-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _take_over(self) -> None:
+        bucket, key = self._path
+        objects, now = self._gcs.list_objects(bucket, key, self._deadline())
+        held = next((item for item in objects if item.name == key), None)
+        if held is None:  # let go of since our attempt
+            self._write(0)
+            return
+        lease_s = self._recorded_lease(held.generation)
+        now = time.time() if now is None else now
+        if now <= held.created + lease_s:
+            raise ConcurrentWriteError(self._checkpoint, f"another save to this checkpoint is in progress (it "
+                                       f"holds {LOCK_NAME}, renewed {max(now - held.created, 0):.0f} s ago); "
+                                       "this save wrote nothing")
+        log.warning("%s: taking over the save lock of a save that is over (not renewed for %.0f s)",
+                    self._checkpoint, now - held.created)
+        self._write(held.generation)
+
+    def _recorded_lease(self, generation: int) -> float:
+        data = _read_small(self._gcs, self._path, self._deadline())
+        try:
+            lease_s = float(json.loads(data or b"{}").get("lease_s", LOCK_LEASE_S))
+        except (ValueError, TypeError, AttributeError):
+            lease_s = LOCK_LEASE_S
+        return min(max(lease_s, 1.0), 24 * 3600.0) if math.isfinite(lease_s) else LOCK_LEASE_S
+
+    def _renew_until_stopped(self) -> None:
+        while not self._stop.wait(self._lease_s / 4):
+            with self._mutex:
+                if self._stop.is_set() or self._lost is not None:
+                    return
+                try:
+                    self._write(self._generation)
+                except ConcurrentWriteError:
+                    self._lost = "another save took the lock over"
+                    return
+                except Exception as err:  # a failed renewal: the lease still runs; try again
+                    if time.monotonic() >= self._held_until:
+                        self._lost = f"it could not be renewed within its lease ({err})"
+                        return
+                    log.debug("%s: renewing the save lock failed (%s); retrying", self._checkpoint, err)
+
+    def confirm(self) -> float:
+        with self._mutex:
+            if self._lost is None and not self._released:
+                try:
+                    self._write(self._generation)
+                except ConcurrentWriteError:
+                    self._lost = "another save took the lock over"
+            if self._lost is not None or self._released:
+                raise ConcurrentWriteError(self._checkpoint, f"this save lost its save lock: {self._lost or 'let go'}")
+            return self._held_until
+
+    def release(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._deadline_s + 1)
+        with self._mutex:
+            if self._released or not self._generation:
+                return
+            self._released = True
+            try:  # only the generation this lock wrote: never a lock another save took over
+                self._gcs.delete(*self._path, Deadline(CLEANUP_TIMEOUT_S, "save lock release", self._path.uri),
+                                 if_generation_match=self._generation)
+            except Exception as err:  # the lease runs out by itself
+                log.warning("%s: could not let go of the save lock (%s); it expires within %.0f s",
+                            self._checkpoint, err, self._lease_s)
+
+
 def _check_options(chunk_size: int, max_workers: int, block_size: int, deadline_s: float) -> None:
     if chunk_size <= 0 or max_workers <= 0 or block_size <= 0 or not deadline_s > 0:
         raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}), block_size ({block_size}) "
@@ -174,9 +314,22 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
         self.upload_mode, self.deadline_s = upload_mode, deadline_s
         self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+        self._metadata_generation = 0
 
     def _deadline(self) -> Deadline:
         return Deadline(self.deadline_s, "save", self.checkpoint_id)
+
+    def _lock_checkpoint(self) -> SaveLock:
+        gcs = self._connection.gcs
+        lock = _GcsSaveLock(gcs, self._object(LOCK_NAME), self.checkpoint_id, self.save_id, LOCK_LEASE_S,
+                            self.deadline_s).acquire()
+        weakref.finalize(self, lock.release).atexit = False  # a writer dropped after a failed save
+        try:
+            self._metadata_generation = gcs.current_generation(self._object(METADATA_NAME), self._deadline())
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     # Files --------------------------------------------------------------------------------------
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
@@ -208,8 +361,10 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         return results
 
     def _publish(self, name: str, data: bytes) -> None:
+        # .metadata replaces only the generation there when this save took the lock.
+        precondition = self._metadata_generation if name == METADATA_NAME else None
         self._connection.gcs.upload_object(self._object(name), memoryview(data), crc32c_extend(0, data),
-                                           self._deadline())
+                                           self._deadline(), if_generation_match=precondition)
 
     def _read(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), self._deadline())
@@ -397,6 +552,27 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
 
     def _read(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))
+
+    def _check_item(self, info: Any, where: str) -> None:
+        """Refuse an item whose crc32c blocks, dtype or shape cannot describe its bytes."""
+        if not isinstance(info, GcsItemInfo):
+            return
+        block = info.block_size
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise CheckpointMetadataError(f"{where}: crc32c block size {block!r}; it must be a positive integer")
+        if len(info.crc32c) != -(-info.length // block):
+            raise CheckpointMetadataError(f"{where}: {len(info.crc32c)} crc32c values for {info.length} bytes in "
+                                          f"blocks of {block}")
+        if info.dtype is None:
+            return
+        try:
+            element = torch.empty((), dtype=_dtype(info.dtype, where)).element_size()
+        except ValueError as err:
+            raise CheckpointMetadataError(str(err)) from None
+        shape = info.shape
+        if (not isinstance(shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in shape)
+                or math.prod(shape) * element != info.length):
+            raise CheckpointMetadataError(f"{where}: shape {shape!r} of {info.dtype} does not fit its {info.length} bytes")
 
     # Planning -----------------------------------------------------------------------------------
     def _request(self, item: ReadItem, planner: LoadPlanner) -> _Request:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lightning_storage_plugins.errors import ConcurrentWriteError as SharedConcurrentWriteError
+
 
 class DataCorruptionError(IOError):
     """The bytes stored or received do not match their crc32c checksum."""
@@ -26,8 +28,10 @@ class DeadlineExceededError(TransferError, TimeoutError):
         self.operation, self.target, self.deadline_s = operation, target, deadline_s
 
 
-class ConcurrentWriteError(TransferError):
+class ConcurrentWriteError(TransferError, SharedConcurrentWriteError):
     """Another writer replaced the object while this save ran; this save published nothing.
+
+    Also the ``ConcurrentWriteError`` all plugins share (``lightning_storage_plugins.errors``).
 
     Attributes:
         target: the ``gs://`` path both wrote to.
@@ -37,7 +41,10 @@ class ConcurrentWriteError(TransferError):
         message = (f"{target} was replaced by another writer while this save ran (its generation "
                    f"precondition failed); this save published nothing")
         super().__init__(f"{message}: {detail}" if detail else message)
-        self.target = target
+        self.target, self.detail = target, detail
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # DCP pickles a rank's error for the others
+        return type(self), (self.target, self.detail)
 
 
 class BucketNotFoundError(FileNotFoundError):

@@ -316,6 +316,7 @@ class _HandlerBase(BaseHTTPRequestHandler):
 
     server: _Server
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # replies go out in several writes: no 40 ms wait for an ACK between them
     server_version = "dataflux-xml-multipart"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (BaseHTTPRequestHandler's name)

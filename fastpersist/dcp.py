@@ -11,15 +11,23 @@ going out as one large aligned O_DIRECT write through a FastPersist engine (Deep
 that checks the bytes every write put down; the file is fsynced and renamed into place. Loads read each
 file in windows with parallel aligned O_DIRECT reads, the next window in flight while this one's tensors
 (built on the bytes read, no copy) are copied into their targets.
+
+A save's coordinator holds an exclusive ``flock`` on the directory's ``.dcp-save.lock`` from planning
+to publishing (the kernel lets go when the process dies); a second save finds it held and fails with
+``ConcurrentWriteError``. Readers open only regular files (never through a link, never a FIFO or a
+device, refused before anything blocks) named by the metadata inside the directory.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import logging
+import math
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -39,10 +47,19 @@ from torch.distributed.checkpoint.storage import WriteResult
 from fastpersist import _torch_compat
 from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
-from fastpersist.engines import OpenFile, Transfer, io_error, open_file
+from fastpersist.engines import OpenFile, Transfer, io_error
 from fastpersist.memory import huge_page_empty, round_down, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
-from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter, StorageInfo, narrow
+from lightning_storage_plugins.dcp import (
+    LOCK_NAME,
+    METADATA_NAME,
+    SaveLock,
+    ShardedStorageReader,
+    ShardedStorageWriter,
+    StorageInfo,
+    narrow,
+)
+from lightning_storage_plugins.errors import CheckpointMetadataError, ConcurrentWriteError
 from lightning_storage_plugins.memoryfile import MemoryFile
 
 log = logging.getLogger(__name__)
@@ -50,6 +67,10 @@ log = logging.getLogger(__name__)
 __all__ = ["FastPersistStorageReader", "FastPersistStorageWriter"]
 
 READ_WINDOW_BYTES = 64 * 2**20
+# Attempts at locking when a removal replaces the lock file between our open and our flock.
+_LOCK_ATTEMPTS = 5
+_FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
+               stat.S_IFSOCK: "socket", stat.S_IFLNK: "symbolic link", stat.S_IFDIR: "directory"}
 
 
 def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -57,6 +78,73 @@ def _directory(checkpoint_id: str | os.PathLike[str]) -> str:
     if not isinstance(text, str) or "://" in text:
         raise ValueError(f"not a local directory: {checkpoint_id!r}")
     return os.path.abspath(text)
+
+
+def _open_regular(path: str, where: str) -> int:
+    """A blocking read-only descriptor of ``path``, once it is known to be a regular file.
+
+    The file's type is checked before it is opened (a device is never opened), it is opened without
+    following a link and without blocking (a FIFO cannot stall the open), and checked again on the
+    descriptor.
+
+    Raises:
+        FileNotFoundError: there is no ``path``.
+        CheckpointMetadataError: ``path`` is a link, a FIFO, a device, a socket or a directory.
+    """
+
+    def refuse(mode: int) -> CheckpointMetadataError:
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "special file")
+        return CheckpointMetadataError(f"{where}: {path} is a {kind}, not a regular file; a checkpoint's files "
+                                       "must be regular files")
+
+    before = os.lstat(path)
+    if not stat.S_ISREG(before.st_mode):
+        raise refuse(before.st_mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # replaced by a link since the lstat
+            raise refuse(stat.S_IFLNK) from None
+        raise
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(fd)
+        raise refuse(opened.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _open_for_reading(path: str, where: str) -> tuple[OpenFile, int]:
+    """``path`` (a regular file, see :func:`_open_regular`) opened twice on the same inode: with O_DIRECT
+    where the filesystem allows it, and buffered (for the unaligned end of a range)."""
+    fd = _open_regular(path, where)
+    try:
+        buffered = _reopen(fd, path, where)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            return OpenFile(path, fd, True), buffered
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                os.close(buffered)
+                raise
+        log.warning("%s: filesystem refuses O_DIRECT; using buffered I/O", path)
+        return OpenFile(path, fd, False), buffered
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _reopen(fd: int, path: str, where: str) -> int:
+    """A second, independent descriptor of the file ``fd`` has open (its own file status flags)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # no /proc: open the path again, and make sure it is still the same file
+        again = _open_regular(path, where)
+        first, second = os.fstat(fd), os.fstat(again)
+        if (first.st_dev, first.st_ino) != (second.st_dev, second.st_ino):
+            os.close(again)
+            raise CheckpointMetadataError(f"{where}: {path} was replaced while it was being opened") from None
+        return again
 
 
 class _DirectoryCheckpoint:
@@ -72,11 +160,88 @@ class _DirectoryCheckpoint:
         return os.path.join(self.checkpoint_id, name)
 
     def _read(self, name: str) -> bytes | None:
+        """The bytes of the regular file ``name``; ``None`` when there is none.
+
+        Raises:
+            CheckpointMetadataError: ``name`` is a link, a FIFO, a device... (see :func:`_open_regular`).
+        """
         try:
-            with open(self._file(name), "rb") as stream:
-                return stream.read()
+            fd = _open_regular(self._file(name), self.checkpoint_id)
         except FileNotFoundError:
             return None
+        with open(fd, "rb") as stream:
+            return stream.read()
+
+
+class _DirectoryLock(SaveLock):
+    """An exclusive ``flock`` on a checkpoint directory's lock file, which exists only while held.
+
+    The holder unlinks the file before letting go; whoever opened it meanwhile finds, once it has the
+    flock, that the path no longer names that file, and tries again (see :func:`_lock_directory`).
+    """
+
+    def __init__(self, fd: int, directory: str) -> None:
+        self._fd: int | None = fd
+        self._directory = directory
+
+    def confirm(self) -> float:
+        if self._fd is None:
+            raise ConcurrentWriteError(f"{self._directory}: the save lock was already let go", target=self._directory)
+        return math.inf  # only this process' death lets go of a flock
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            path = os.path.join(self._directory, LOCK_NAME)
+            held, current = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+                os.unlink(path)
+        except FileNotFoundError:  # the checkpoint was removed with it
+            pass
+        finally:
+            os.close(fd)
+
+
+def _lock_directory(directory: str) -> _DirectoryLock:
+    """Take the exclusive ``flock`` on ``directory``'s lock file (created if missing), at once.
+
+    Raises:
+        ConcurrentWriteError: another process (or another writer of this one) holds it.
+    """
+    path = os.path.join(directory, LOCK_NAME)
+    flags = os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(_LOCK_ATTEMPTS):
+        os.makedirs(directory, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | flags, 0o666)
+        except PermissionError:  # another user's lock file: a shared lock needs no write access here
+            fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConcurrentWriteError(
+                f"{directory}: another save to this checkpoint is in progress (it holds {LOCK_NAME}); this "
+                "save wrote nothing", target=directory) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                os.close(fd)
+                raise
+            log.warning("%s: the filesystem has no flock, so concurrent saves to this checkpoint are not "
+                        "detected", directory)
+            return _DirectoryLock(fd, directory)
+        held = os.fstat(fd)
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        if current is not None and held.st_nlink > 0 and (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
+            return _DirectoryLock(fd, directory)
+        os.close(fd)  # a removal took the file away between our open and our flock: lock the new one
+    raise ConcurrentWriteError(f"{directory}: the checkpoint was removed and re-created {_LOCK_ATTEMPTS} times while "
+                               "this save tried to lock it", target=directory)
 
 
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,10 +284,13 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
         self.context, self.engine, self.io_buffer_mb = context, engine, io_buffer_mb
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "context": None}  # handles and pinned memory stay in their process
+        return {**super().__getstate__(), "context": None}  # handles and pinned memory stay in their process
 
     def _prepare(self) -> None:
         os.makedirs(self.checkpoint_id, exist_ok=True)
+
+    def _lock_checkpoint(self) -> SaveLock:
+        return _lock_directory(self.checkpoint_id)
 
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
@@ -174,9 +342,10 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
 
     def _size(self, name: str) -> int | None:
         try:
-            return os.stat(self._file(name)).st_size
+            info = os.lstat(self._file(name))
         except FileNotFoundError:
             return None
+        return info.st_size if stat.S_ISREG(info.st_mode) else None
 
     def _delete(self, names: Sequence[str]) -> None:
         for name in names:
@@ -185,8 +354,37 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
             except FileNotFoundError:
                 pass
 
-    def _remove_location(self) -> None:
-        shutil.rmtree(self.checkpoint_id, ignore_errors=True)
+    def remove(self) -> None:
+        """Delete the checkpoint directory: ``.metadata`` first, then the rest. When the path is a
+        symbolic link, only the link is removed: its target is left as it is.
+
+        Raises:
+            ConcurrentWriteError: a save to this checkpoint is in progress.
+        """
+        path = self.checkpoint_id
+        if os.path.islink(path):
+            os.unlink(path)
+            log.debug("removed the link %s (its target stays)", path)
+            return
+        if not os.path.isdir(path):
+            return
+        lock = self._lock_checkpoint()
+        try:
+            try:
+                directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # replaced meanwhile: not ours to follow
+                    return
+                raise
+            try:
+                os.unlink(METADATA_NAME, dir_fd=directory)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(directory)
+            shutil.rmtree(path, ignore_errors=True)  # never follows a link, at the top or inside
+        finally:
+            lock.release()
 
 
 class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
@@ -234,13 +432,13 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
             windows[-1].append(pair)
         path = self._file(name)
         with context.lock:
-            file = open_file(path, write=False)
+            file, buffered = _open_for_reading(path, self.checkpoint_id)
             try:
-                reads = [_RangeRead(file, windows[0], context)]
+                reads = [_RangeRead(file, buffered, windows[0], context)]
                 for index, window in enumerate(windows):
                     read = reads.pop()
                     if index + 1 < len(windows):
-                        reads.append(_RangeRead(file, windows[index + 1], context))
+                        reads.append(_RangeRead(file, buffered, windows[index + 1], context))
                     data = read.result()
                     view = memoryview(data.numpy())
                     for item, info in window:
@@ -252,6 +450,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
                 for read in reads:
                     read.abandon()
                 file.close()
+                os.close(buffered)
 
     def _use(self, item: ReadItem, data: memoryview, storage: torch.UntypedStorage, name: str,
              planner: LoadPlanner) -> None:
@@ -284,8 +483,9 @@ class _RangeRead:
     allocation: the aligned part with parallel O_DIRECT reads (started here), the unaligned end with a
     buffered read (in :meth:`result`)."""
 
-    def __init__(self, file: OpenFile, window: list[tuple[ReadItem, Any]], context: FastPersistContext) -> None:
-        self.file = file
+    def __init__(self, file: OpenFile, buffered: int, window: list[tuple[ReadItem, Any]],
+                 context: FastPersistContext) -> None:
+        self.file, self.buffered = file, buffered
         self.start = window[0][1].offset
         self.end = max(info.offset + info.length for _, info in window)
         size = file.size()
@@ -308,9 +508,8 @@ class _RangeRead:
             self.engine = None
         tail = max(self.direct_end, self.first)
         if self.end > tail:
-            with open(self.file.path, "rb", buffering=0) as plain:
-                target = memoryview(self.whole.narrow(0, tail - self.first, self.end - tail).numpy())
-                got = os.preadv(plain.fileno(), [target], tail)
+            target = memoryview(self.whole.narrow(0, tail - self.first, self.end - tail).numpy())
+            got = os.preadv(self.buffered, [target], tail)
             if got != self.end - tail:
                 raise io_error(errno.EIO, "read", self.file, tail + got, f"short read of {self.file.path}")
         return self.whole.narrow(0, self.start - self.first, self.end - self.start)

@@ -9,6 +9,13 @@ So a checkpoint is visible only once complete. Because every save writes files o
 earlier checkpoint at the same path stays loadable until the new ``.metadata`` replaces it; then the
 coordinator deletes the files it no longer references (also those a crashed save left there).
 
+One save at a time: the coordinator holds the checkpoint's :class:`SaveLock` from planning until it
+has published and cleaned up, and a save that finds it held fails at once with
+:class:`~lightning_storage_plugins.errors.ConcurrentWriteError`, before writing anything. So every file
+of another token that the holder finds belongs to a save that is over (finished, failed or dead), and
+only those are deleted. A reader reads only what the metadata names inside the checkpoint: every
+``relative_path`` is one plain file name.
+
 :class:`ShardedStorageWriter` and :class:`ShardedStorageReader` hold that protocol; each plugin adds
 how one rank's file is written and read. Every use of DCP API that changed between torch 2.6 and the
 newest torch (``set_up_storage_writer``/``read_metadata`` keyword arguments, ``Metadata.version``,
@@ -24,6 +31,7 @@ import logging
 import os
 import pickle
 import re
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -36,11 +44,20 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from lightning_storage_plugins.errors import (
+    CheckpointExistsError,
+    CheckpointMetadataError,
+    ConcurrentWriteError,
+)
+
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LOCK_NAME",
     "METADATA_NAME",
+    "SaveLock",
     "check_bytes_item",
+    "check_relative_path",
     "is_swept",
     "narrow",
     "stamp_version",
@@ -53,6 +70,8 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"
+# Held by the coordinator of the save in progress (an empty locked file; an object with a lease on gs://).
+LOCK_NAME = ".dcp-save.lock"
 SHARD_SUFFIX = ".distcp"
 TOKEN_HEX_DIGITS = 12
 # Names a save of ours (or torch's FileSystemWriter) puts in a checkpoint directory: shard files,
@@ -80,6 +99,21 @@ class ShardPlan:
 
     rank: int
     token: str
+
+
+def check_relative_path(name: object, where: str) -> str:
+    """``name`` when it is a plain file name, as every DCP writer records a file: no directory part, not
+    ``.`` or ``..``, no control characters; so that a reader never leaves the checkpoint.
+
+    Raises:
+        CheckpointMetadataError: naming ``where`` and the path.
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or any(ord(char) < 32 or ord(char) == 127 for char in name)):
+        raise CheckpointMetadataError(
+            f"{where}: the metadata names {name!r}, which is not a file name inside the checkpoint "
+            "(absolute paths, directories and '..' are refused)")
+    return name
 
 
 def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -210,16 +244,40 @@ class _CheckpointStorage(abc.ABC):
 
 
 # Writer -------------------------------------------------------------------------------------------
+class SaveLock(abc.ABC):
+    """The right to save to one checkpoint, held by one save's coordinator from planning until it has
+    published and cleaned up; the plugins hold it with ``flock`` (NVMe) or a leased object (gs://)."""
+
+    @abc.abstractmethod
+    def confirm(self) -> float:
+        """Check that the lock is still held.
+
+        Returns:
+            The ``time.monotonic()`` until which it is certainly held (``math.inf`` for a lock that
+            only the holder's death releases).
+
+        Raises:
+            ConcurrentWriteError: it was lost (its lease ran out, and another save may have taken it).
+        """
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Let go of the lock (idempotent; never raises for a lock already lost)."""
+
+
 class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStager):
     """The save protocol of the plugins' DCP writers; subclasses add the storage.
 
-    Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name)
-    and the small file operations :meth:`_publish`, :meth:`_read`, :meth:`_list`, :meth:`_size` and
-    :meth:`_delete`, plus :meth:`_normalize` (which also answers :meth:`validate_checkpoint_id`).
+    Subclasses implement :meth:`_write_shard` (write one rank's file atomically under its final name),
+    :meth:`_lock_checkpoint`, and the small file operations :meth:`_publish`, :meth:`_read`,
+    :meth:`_list`, :meth:`_size` and :meth:`_delete`, plus :meth:`_normalize` (which also answers
+    :meth:`validate_checkpoint_id`).
 
     Args:
         path: the checkpoint (may be ``None`` when ``dcp.save(checkpoint_id=...)`` supplies it).
-        overwrite: when ``False``, a save to a path that holds a checkpoint raises ``FileExistsError``.
+        overwrite: when ``False``, a save to a path that holds a checkpoint raises
+            :class:`~lightning_storage_plugins.errors.CheckpointExistsError` (a ``FileExistsError`` and
+            the ``RuntimeError`` torch's ``FileSystemWriter`` raises).
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save`` staging).
     """
 
@@ -233,6 +291,10 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self._token: str | None = None
+        self._lock: SaveLock | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_lock": None}  # a lock belongs to the process that took it
 
     # Storage operations (relative names inside the checkpoint) --------------------------------
     @abc.abstractmethod
@@ -240,8 +302,20 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         """Write ``items`` into the file ``name``; nothing appears under ``name`` unless complete."""
 
     @abc.abstractmethod
+    def _lock_checkpoint(self) -> SaveLock:
+        """Take the checkpoint's save lock, at once.
+
+        Raises:
+            ConcurrentWriteError: another save holds it.
+        """
+
+    @abc.abstractmethod
     def _publish(self, name: str, data: bytes) -> None:
-        """Atomically create or replace ``name`` with ``data``, durably."""
+        """Atomically create or replace ``name`` with ``data``, durably.
+
+        Raises:
+            ConcurrentWriteError: (``.metadata``) another save published since this one took the lock.
+        """
 
     @abc.abstractmethod
     def _read(self, name: str) -> bytes | None:
@@ -268,6 +342,7 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
     # StorageWriter ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, to ``checkpoint_id`` when given."""
+        self._release()  # left by an earlier save on this writer that failed without abort()
         if checkpoint_id:
             self.path = self._normalize(checkpoint_id)
         self.save_id = uuid.uuid4().hex
@@ -292,9 +367,23 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give every rank the save's token (the coordinator's save id) and its file."""
-        if not self.overwrite and self._read(METADATA_NAME) is not None:
-            raise FileExistsError(f"a checkpoint exists at {self.checkpoint_id} and overwrite=False")
+        """Take the checkpoint's save lock (coordinator) and give every rank the save's token (the
+        coordinator's save id) and its file.
+
+        Raises:
+            ConcurrentWriteError: another save to this checkpoint is in progress.
+            CheckpointExistsError: ``overwrite=False`` and a checkpoint is there.
+        """
+        self._release()
+        lock = self._lock_checkpoint()
+        try:
+            if not self.overwrite and self._read(METADATA_NAME) is not None:
+                raise CheckpointExistsError(
+                    f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False")
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
         token = self.save_id[:TOKEN_HEX_DIGITS]
         return [dataclasses.replace(plan, storage_data=ShardPlan(rank, token)) for rank, plan in enumerate(plans)]
 
@@ -309,31 +398,37 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish ``.metadata`` (coordinator only), after checking that every file it references is
-        there; then delete the files that no checkpoint references any more.
+        there and that the save lock is still held; then delete the files of saves that are over, and
+        let go of the lock.
 
         Raises:
             FileNotFoundError: a rank's file is missing or short (nothing is published).
+            ConcurrentWriteError: the save lock was lost meanwhile (nothing is published).
         """
-        storage: dict[MetadataIndex, Any] = {}
-        ends: dict[str, int] = {}
-        for rank_results in results:
-            for result in rank_results:
-                storage[result.index] = result.storage_data
-                info = result.storage_data
-                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for name, end in sorted(ends.items()):
-            size = self._size(name)
-            if size is None or size < end:
-                raise FileNotFoundError(
-                    f"{self.checkpoint_id}/{name} is {'missing' if size is None else f'{size} bytes'}, "
-                    f"expected {end}: not publishing this checkpoint"
-                )
-        metadata.storage_data = storage
-        metadata.storage_meta = self.storage_meta()
-        stamp_version(metadata)
-        self._publish(METADATA_NAME, pickle.dumps(metadata))
-        log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
-        self._sweep(set(ends))
+        try:
+            storage: dict[MetadataIndex, Any] = {}
+            ends: dict[str, int] = {}
+            for rank_results in results:
+                for result in rank_results:
+                    storage[result.index] = result.storage_data
+                    info = result.storage_data
+                    ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+            for name, end in sorted(ends.items()):
+                size = self._size(name)
+                if size is None or size < end:
+                    raise FileNotFoundError(
+                        f"{self.checkpoint_id}/{name} is {'missing' if size is None else f'{size} bytes'}, "
+                        f"expected {end}: not publishing this checkpoint"
+                    )
+            metadata.storage_data = storage
+            metadata.storage_meta = self.storage_meta()
+            stamp_version(metadata)
+            self._held_lock().confirm()
+            self._publish(METADATA_NAME, pickle.dumps(metadata))
+            log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
+            self._sweep(set(ends))
+        finally:
+            self._release()
 
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint id and this save's id, recorded in the metadata."""
@@ -345,8 +440,33 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         return self._require_path()
 
     # Clean-up -----------------------------------------------------------------------------------
+    def _held_lock(self) -> SaveLock:
+        if self._lock is None:
+            raise ConcurrentWriteError(f"{self.checkpoint_id}: this save does not hold the checkpoint's save lock "
+                                       "(was prepare_global_plan called?)", target=self.checkpoint_id)
+        return self._lock
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
     def _sweep(self, keep: set[str]) -> None:
-        stale = [name for name in self._list() if is_swept(name) and not _under(name, keep)]
+        """Delete the files of saves that are over: every shard, leftover and metadata temporary that
+        ``keep`` (the files of the checkpoint just published) does not hold."""
+        try:
+            held_until = self._held_lock().confirm()
+        except ConcurrentWriteError:
+            log.warning("%s: published, but the save lock was lost before clean-up; leaving other files in "
+                        "place for the next save to remove", self.checkpoint_id)
+            return
+        names = self._list()
+        # Listed while the lock was held: no save in progress can own any of these names.
+        if time.monotonic() >= held_until:
+            log.warning("%s: listing outlasted the save lock; leaving other files in place for the next save "
+                        "to remove", self.checkpoint_id)
+            return
+        stale = [name for name in names if is_swept(name) and not _under(name, keep)]
         if stale:
             log.debug("deleting %d files no checkpoint at %s references", len(stale), self.checkpoint_id)
             self._delete(stale)
@@ -356,27 +476,38 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
 
         Does nothing when the save's ``.metadata`` was published after all (the checkpoint is
         complete). Otherwise deletes the files of this save, those of other ranks included (a rank
-        killed mid-save cannot clean up after itself); safe to call on every rank. A later save to
-        the same path deletes anything left over, too.
+        killed mid-save cannot clean up after itself); safe to call on every rank. Lets go of the
+        save lock. A later save to the same path deletes anything left over, too.
         """
-        token = self._token
-        if token is None or self.path is None:
-            return
-        published = self._read(METADATA_NAME)
-        allowed = _qualified(self.storage_info_types)
-        if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
-            return
-        own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
-        log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
-        self._delete(own)
-        self._token = None
+        try:
+            token = self._token
+            if token is None or self.path is None:
+                return
+            published = self._read(METADATA_NAME)
+            allowed = _qualified(self.storage_info_types)
+            if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
+                return
+            own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
+            log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
+            self._delete(own)
+            self._token = None
+        finally:
+            self._release()
 
     def remove(self) -> None:
         """Delete the checkpoint at this writer's path: ``.metadata`` first (so that it is no longer a
-        checkpoint), then everything under the path."""
-        self._delete([METADATA_NAME])
-        self._delete(self._list())
-        self._remove_location()
+        checkpoint), then everything under the path. Holds the save lock meanwhile.
+
+        Raises:
+            ConcurrentWriteError: a save to this checkpoint is in progress.
+        """
+        lock = self._lock_checkpoint()
+        try:
+            self._delete([METADATA_NAME])
+            self._delete([name for name in self._list() if name != LOCK_NAME])
+            self._remove_location()
+        finally:
+            lock.release()
 
     def _require_path(self) -> str:
         if self.path is None:
@@ -461,10 +592,29 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         return self._read(METADATA_NAME) is not None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Keep where every item lies (from the metadata)."""
+        """Keep where every item lies (from the metadata), once every item is checked.
+
+        Raises:
+            CheckpointMetadataError: an item lies outside the checkpoint (see :func:`check_relative_path`)
+                or :meth:`_check_item` refuses it.
+        """
         if metadata.storage_data is None:
             raise ValueError(f"{self.checkpoint_id}/{METADATA_NAME} has no storage data")
+        where = f"{self.checkpoint_id}/{METADATA_NAME}"
+        checked: set[str] = set()
+        for index, info in metadata.storage_data.items():
+            name = getattr(info, "relative_path", None)
+            if name not in checked:
+                checked.add(check_relative_path(name, f"{where} (item {index.fqn})"))
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+                raise CheckpointMetadataError(f"{where}: item {index.fqn} has offset {offset!r} and length "
+                                              f"{length!r}; both must be integers >= 0")
+            self._check_item(info, f"{where}: item {index.fqn}")
         self.storage_data = metadata.storage_data
+
+    def _check_item(self, info: Any, where: str) -> None:
+        """Refuse a stored item this reader cannot read safely (a plugin's own checks)."""
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """The plan, unchanged."""

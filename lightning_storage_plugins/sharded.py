@@ -103,10 +103,17 @@ class _ShardedCheckpoints:
 
     @override
     def remove_checkpoint(self, filepath: str | os.PathLike[str]) -> None:
-        """Delete the whole sharded checkpoint at ``filepath`` (rank 0), or a full one as the strategy does."""
+        """Delete the whole sharded checkpoint at ``filepath`` (rank 0), or a full one as the strategy does.
+
+        A local ``filepath`` that is a symbolic link (``ModelCheckpoint(save_last="link")`` makes them)
+        is removed as a link: the checkpoint it points to stays whole.
+        """
         if not self.is_global_zero:  # type: ignore[attr-defined]
             return
         path = os.fspath(filepath)
+        if "://" not in path and os.path.islink(path):
+            os.unlink(path)
+            return
         if self.storage_reader(path).exists():
             self.storage_writer(path).remove()
         else:

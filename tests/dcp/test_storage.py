@@ -271,7 +271,7 @@ def test_saving_again_replaces_the_checkpoint_and_removes_old_files(storage: str
     loaded = {"w": torch.zeros(100)}
     dcp.load(loaded, storage_reader=reader)
     assert torch.equal(loaded["w"], torch.full((100,), 2.0))
-    with pytest.raises(CheckpointException, match=r"FileExistsError: a checkpoint exists"):
+    with pytest.raises(CheckpointException, match=r"CheckpointExistsError: Checkpoint already exists at .*overwrite=False"):
         kind = DatafluxStorageWriter if storage == "gs" else FastPersistStorageWriter
         options = GS if storage == "gs" else {"io_buffer_mb": 1}
         dcp.save({"w": torch.ones(100)}, storage_writer=kind(path, overwrite=False, **options))

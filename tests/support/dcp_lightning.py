@@ -103,3 +103,76 @@ def run_trainer(kind: str, storage: str, root: str) -> dict[str, Any]:
     same_optimizer = all(torch.equal(a, b) for a, b in zip(start["exp_avg"], ended_with["exp_avg"], strict=True))
     return {"kept": kept, "best": os.path.basename(checkpoint.best_model_path), "resumed_at": start["step"], "ended_at": second.global_step,
             "same_model": same_model, "same_optimizer": same_optimizer}
+
+
+def _checkpoints(folder: str) -> dict[str, Any]:
+    """What ``folder`` holds: each link with its target, each checkpoint directory with whether every
+    file its DCP metadata names is there, whole."""
+    import pickle
+
+    found: dict[str, Any] = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            found[name] = {"link": os.readlink(path)}
+            continue
+        whole = False
+        try:
+            with open(os.path.join(path, ".metadata"), "rb") as stream:
+                metadata = pickle.load(stream)
+            whole = bool(metadata.storage_data) and all(
+                os.path.getsize(os.path.join(path, info.relative_path)) >= info.offset + info.length
+                for info in metadata.storage_data.values())
+        except OSError:
+            pass
+        found[name] = {"whole": whole}
+    return found
+
+
+def run_link_rotation(kind: str, storage: str, root: str) -> dict[str, Any]:
+    """Train 4 steps keeping the top 2 checkpoints, with ``save_last="link"`` and a last name that
+    changes every step (so every step removes the previous ``last`` link); with Lightning's own
+    strategy (``storage="stock"``) or the NVMe plugin's. What the checkpoint folder holds afterwards."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    class Model(BoringModel):
+        def configure_model(self) -> None:
+            if kind == "fsdp":
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                if not isinstance(self.layer, FullyShardedDataParallel):
+                    self.layer = FullyShardedDataParallel(self.layer, device_id=torch.device("cpu"),
+                                                          use_orig_params=True)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("global_step", float(self.global_step))
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    class StockFSDP(FSDPStrategy):
+        """Lightning's FSDPStrategy as it is (Lightning refuses the plain class on the CPU by its type)."""
+
+    if storage == "stock":
+        strategy: Any = (StockFSDP(state_dict_type="sharded") if kind == "fsdp"
+                         else ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    else:
+        strategy = _strategy(kind, storage)
+    folder = f"{root}/{storage}/checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=2, monitor="global_step",
+                                 mode="max", filename="{global_step:.0f}", save_last="link")
+    checkpoint.CHECKPOINT_NAME_LAST = "last-{step}"
+    torch.manual_seed(0)
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, limit_val_batches=0, logger=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=f"{root}/{storage}",
+              callbacks=[checkpoint]).fit(Model())
+    return {"storage": storage, "checkpoints": _checkpoints(folder)}
