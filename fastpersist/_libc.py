@@ -1,13 +1,11 @@
-"""The few C library calls Python's ``os`` module lacks: ``fallocate`` (reserve file blocks without
-writing them) and ``madvise`` (ask for transparent huge pages)."""
+"""The C library call Python's ``os`` module lacks: ``fallocate`` (reserve file blocks without
+writing them)."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import functools
-
-MADV_HUGEPAGE = 14  # <sys/mman.h>
 
 
 @functools.cache
@@ -29,9 +27,3 @@ def fallocate(fd: int, offset: int, length: int) -> int:
     if lib.fallocate(fd, 0, offset, length) == 0:
         return 0
     return ctypes.get_errno()
-
-
-def madvise_hugepage(address: int, length: int) -> bool:
-    """Advise transparent huge pages for ``[address, address + length)``; whether the kernel agreed."""
-    lib = _libc()
-    return lib is not None and lib.madvise(address, length, MADV_HUGEPAGE) == 0

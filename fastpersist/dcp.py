@@ -48,7 +48,7 @@ from fastpersist import _torch_compat
 from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
-from fastpersist.memory import huge_page_empty, round_down, round_up
+from fastpersist.memory import aligned_empty, round_down, round_up
 from fastpersist.writer import _fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
@@ -494,7 +494,7 @@ class _RangeRead:
         self.first = round_down(self.start)
         aligned_size = round_down(size)
         self.direct_end = max(self.first, min(round_up(self.end), aligned_size)) if file.direct else self.first
-        self.whole = huge_page_empty(max(self.end, self.direct_end) - self.first)
+        self.whole = aligned_empty(max(self.end, self.direct_end) - self.first)
         self.engine = None
         if self.direct_end > self.first:
             self.engine = context.python_engine()

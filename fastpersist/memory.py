@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastpersist import _deepspeed_compat, _libc
+from fastpersist import _deepspeed_compat
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,6 @@ MiB = 1024**2
 PAGE_BYTES = os.sysconf("SC_PAGESIZE")
 # O_DIRECT offsets, lengths and buffer addresses are multiples of this (covers 512 B and 4 KiB devices).
 ALIGNMENT_BYTES = 4096
-HUGE_PAGE_BYTES = 2 * MiB
 _CAP_IPC_LOCK_BIT = 14
 
 
@@ -86,14 +85,3 @@ def release_pinned_buffer(buffer: torch.Tensor, aio_handle: Any = None) -> None:
     if _deepspeed_compat.handle_is_pinned(aio_handle, buffer):
         aio_handle.free_cpu_locked_tensor(buffer)
 
-
-def huge_page_empty(num_bytes: int) -> torch.Tensor:
-    """Uninitialised host memory for loaded tensors, advised for transparent huge pages.
-
-    Why: filling fresh memory costs a page fault per 4 KiB page; with 2 MiB pages a 1 GiB load takes
-    512 faults instead of 262,144, which on a small machine is a large part of the load time.
-    """
-    tensor = aligned_empty(num_bytes, HUGE_PAGE_BYTES)
-    if num_bytes >= HUGE_PAGE_BYTES:
-        _libc.madvise_hugepage(tensor.data_ptr(), num_bytes)
-    return tensor
