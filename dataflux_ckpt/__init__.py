@@ -23,6 +23,8 @@ _EXPORTS = {
     "DatafluxStorageWriter": "dataflux_ckpt.dcp",
     "ObjectReader": "dataflux_ckpt.download",
     "BucketNotFoundError": "dataflux_ckpt.errors",
+    "CheckpointExistsError": "lightning_storage_plugins.errors",
+    "CheckpointMetadataError": "lightning_storage_plugins.errors",
     "ConcurrentWriteError": "dataflux_ckpt.errors",
     "DataCorruptionError": "dataflux_ckpt.errors",
     "DeadlineExceededError": "dataflux_ckpt.errors",
@@ -44,6 +46,8 @@ __all__ = [
     "MAX_WORKERS",
     "STREAM_CHUNK_SIZE_BYTES",
     "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointMetadataError",
     "ConcurrentWriteError",
     "DataCorruptionError",
     "DatafluxCheckpointIO",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:
     from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
+    from lightning_storage_plugins.errors import CheckpointExistsError, CheckpointMetadataError
 
 
 # Test fakes that moved to dataflux_ckpt.testing; still importable from here for one release.

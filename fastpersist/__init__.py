@@ -29,6 +29,9 @@ __all__ = [
     "remove_stale_temporaries",
     "SaveStats",
     "CheckpointFormatError",
+    "CheckpointExistsError",
+    "CheckpointMetadataError",
+    "ConcurrentWriteError",
     "FastPersistCheckpointIO",
     "FastPersistCheckpointEngine",
     "enable_fastpersist",
@@ -40,6 +43,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "CheckpointExistsError": "lightning_storage_plugins.errors",
+    "CheckpointMetadataError": "lightning_storage_plugins.errors",
+    "ConcurrentWriteError": "lightning_storage_plugins.errors",
     "FastPersistCheckpointIO": "fastpersist.checkpoint_io",
     "FastPersistCheckpointEngine": "fastpersist.deepspeed_engine",
     "enable_fastpersist": "fastpersist.deepspeed_engine",
