@@ -25,15 +25,17 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # The oldest releases we support, tested in their own environment: FastPersist's validated torch and
 # the Lightning and DeepSpeed releases of its time.
 OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post0 deepspeed==0.16.4
-# What the oldest environment runs: everything of fastpersist and the Lightning plugins of all three.
+# What the oldest environment runs: everything of fastpersist, the Lightning plugins of all three, and
+# smartredis_io's own client, wire and module paths under numpy 2 (the published client there is absent).
 OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/dataflux_ckpt/test_trainer.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
-	tests/smartredis_io/test_lightning.py
-# Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: its build gets
-# the plain architecture numbers.
-ifdef TORCH_CUDA_ARCH_LIST
-export TORCH_CUDA_ARCH_LIST := $(shell echo '$(TORCH_CUDA_ARCH_LIST)' | sed -E 's/([0-9])a\b/\1/g')
-endif
+	tests/smartredis_io/test_lightning.py \
+	tests/smartredis_io/test_client.py tests/smartredis_io/test_fast_paths.py tests/smartredis_io/test_dataset.py \
+	tests/smartredis_io/test_redis_module.py
+# Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
+# gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
+# $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
+ARCH_LIST = $(if $(TORCH_CUDA_ARCH_LIST),TORCH_CUDA_ARCH_LIST="$$($(1) -c 'import sys; from fastpersist._deepspeed_compat import sanitized_arch_list; print(sanitized_arch_list(sys.argv[1]))' '$(TORCH_CUDA_ARCH_LIST)')")
 # The smartredis_io Redis module, built in place (an editable install finds it; wheels build their own).
 # Its header, redismodule.h, is fetched once (pinned crate, SHA-256 checked) into .tools/include.
 MODULE_DIR := smartredis_io/redisai
@@ -108,12 +110,12 @@ $(PEER_DIR)/.installed: benchmarks/lightning_peer.py | $(VENV)/.installed
 # version only, so environments (or one venv reached through two paths) would recompile each other's.
 $(VENV)/.async-io-built: $(VENV)/.installed fastpersist/build_ops.py | apt-packages
 	@echo ">> building DeepSpeed's async_io op for $(VENV) (4-5 minutes on 2 cores, once)"
-	$(PY) -m fastpersist.build_ops async_io
+	$(call ARCH_LIST,$(PY)) $(PY) -m fastpersist.build_ops async_io
 	@touch $@
 
 $(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed fastpersist/build_ops.py | apt-packages
 	@echo ">> building DeepSpeed's async_io op for $(VENV_OLDEST) (4-5 minutes on 2 cores, once)"
-	$(PY_OLDEST) -m fastpersist.build_ops async_io
+	$(call ARCH_LIST,$(PY_OLDEST)) $(PY_OLDEST) -m fastpersist.build_ops async_io
 	@touch $@
 
 ## test: set up, lint, run the whole suite (newest releases), then the oldest-supported subset

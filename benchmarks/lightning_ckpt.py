@@ -10,10 +10,10 @@ to the ceiling of the row's upload path, measured in the same rounds with raw HT
 
 With no ``CKPT_DIR_PATH`` the GCS rows run against a local fake-gcs-server, behind the XML multipart
 server (GCS's parallel-upload API) and, with ``--network cloud``, behind a toxiproxy model of a cloud
-network; everything is torn down at the end. Configuration follows the reference benchmark's
+network; everything is torn down at the end. Configuration follows the Dataflux Lightning benchmark's
 environment variables (``CKPT_DIR_PATH``, ``STEPS``, ``LAYERS``, ``PROJECT``, ``DATAFLUX_CKPT``,
 ``USE_TRANSFER_MANAGER``); flags win over them. Without ``DATAFLUX_CKPT`` the run compares the
-reference's three rows; ``DATAFLUX_CKPT=1`` (or 0) runs its single row. MB is 10^6 bytes.
+Dataflux Lightning benchmark's three rows; ``DATAFLUX_CKPT=1`` (or 0) runs its single row. MB is 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def _env_flag(name: str, default: bool | None) -> bool | None:
 
 def select_rows(args: argparse.Namespace) -> list[RowSpec]:
     """The rows to run: ``--types``; else ``--compare`` (all available); else ``DATAFLUX_CKPT``'s
-    single row, as in the reference; else the reference's three GCS rows."""
+    single row, as in the Dataflux Lightning benchmark; else its three GCS rows."""
     if args.types:
         keys = [k.strip() for k in args.types.split(",") if k.strip()]
         unknown = [k for k in keys if k not in ROW_SPECS]
@@ -383,7 +383,7 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
     seconds of each process taking part (this one, the emulator, the XML server, toxiproxy, the peer's
     worker; medians over the steps, ``*_cpu_total_s`` their sum).
 
-    ``save_s``/``load_s`` and ``save_mbps``/``load_mbps`` are means (the reference reports averages);
+    ``save_s``/``load_s`` and ``save_mbps``/``load_mbps`` are means (the Dataflux Lightning benchmark reports averages);
     the ``*_median_*`` values are what the ratios use.
     """
     size = subject.size_bytes or 0
@@ -630,7 +630,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--project", default=env.get("PROJECT"), help="GCP project (env PROJECT)")
     parser.add_argument("--dataflux", action=argparse.BooleanOptionalAction, default=_env_flag("DATAFLUX_CKPT", None),
                         help="run only DatafluxCheckpointIO (env DATAFLUX_CKPT=1) or only TorchCheckpointIO "
-                             "(DATAFLUX_CKPT=0); default: compare the reference's three GCS rows")
+                             "(DATAFLUX_CKPT=0); default: compare the Dataflux Lightning benchmark's three GCS rows")
     parser.add_argument("--use-transfer-manager", action=argparse.BooleanOptionalAction,
                         default=_env_flag("USE_TRANSFER_MANAGER", True),
                         help="with DATAFLUX_CKPT=1: parallel part uploads and ranged downloads "

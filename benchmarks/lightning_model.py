@@ -43,7 +43,7 @@ class SyntheticTokens(Dataset):
 
 
 def make_dataset(wikitext2_dir: str | None) -> Dataset:
-    """WikiText2 from a local copy when given (the reference benchmark's data), synthetic tokens otherwise."""
+    """WikiText2 from a local copy when given (the Dataflux Lightning benchmark's data), synthetic tokens otherwise."""
     if wikitext2_dir:
         from lightning.pytorch.demos import WikiText2
 

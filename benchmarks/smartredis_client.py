@@ -17,7 +17,10 @@
 Where the published SmartRedis package (``smartredis`` 0.6.1, its C++ core) is installed, it is the
 third client in the same rounds, through the smartredis_io Redis module: put_tensor + get_tensor (its
 Python client has no unpack_tensor) in 1., bar >= 0.9x smartredis_io from 128 KiB; run_model in 3.,
-bar <= 1.1x smartredis_io's overhead.
+bar <= 1.1x smartredis_io's overhead. Beside it, in the same rounds, redis-py sends the published
+client's own commands (AI.TENSORSET ... BLOB, AI.TENSORGET ... BLOB): ``AI.*/SET+GET`` is what the
+module costs over plain SET + GET with the client side held equal, and ``SmartRedis/redis-py`` what
+the published client costs against redis-py's SET + GET of the same bytes.
 
 Everything runs on embedded servers (redis-server, a 3-shard Redis Cluster, one worker) on loopback.
 """
@@ -65,7 +68,8 @@ HELPER_START_TIMEOUT_S = 300
 COLUMNS = {
     "metric": "metric", "ours": "smartredis_io", "baseline": "baseline", "ceiling": "ceiling",
     "unit": "unit", "ratio": "ours/baseline", "ratio_ceiling": "ours/ceiling", "published": "SmartRedis 0.6.1",
-    "ratio_published": "SmartRedis/ours", "spread": "spread", "bar": "bar", "ok": "ok",
+    "ratio_published": "SmartRedis/ours", "published_vs_redis_py": "SmartRedis/redis-py",
+    "module_vs_set_get": "AI.*/SET+GET", "spread": "spread", "bar": "bar", "ok": "ok",
 }
 
 
@@ -118,6 +122,11 @@ def throughput(client: Client, raw: redis.Redis | redis.RedisCluster, nbytes: in
     if published is not None:
         loops["published"] = _loop([lambda: published.put_tensor(key + ".published", array),
                                     lambda: np.copyto(theirs, published.get_tensor(key + ".published"))], n)
+        # The published client's commands sent by redis-py: what the module costs over SET + GET, with the
+        # client side the same as the baseline's.
+        loops["redis-py AI.*"] = _loop([
+            lambda: raw.execute_command("AI.TENSORSET", key + ".ai", "FLOAT", array.size, "BLOB", payload),
+            lambda: raw.execute_command("AI.TENSORGET", key + ".ai", "BLOB")], n)
     results = _rounds(loops, rounds)
     assert np.array_equal(out, array) and (published is None or np.array_equal(theirs, array))
     client.delete_tensor(key)
@@ -129,6 +138,9 @@ def throughput(client: Client, raw: redis.Redis | redis.RedisCluster, nbytes: in
     ok, bars = r is not None and r >= bar, [f">= {bar}"]
     r_published = ratio(per_s.get("published"), per_s["ours"]) if published is not None else None
     if published is not None:
+        if raw.execute_command("AI.TENSORGET", key + ".ai", "BLOB") != payload:
+            raise AssertionError(f"AI.TENSORGET of {key}.ai returned other bytes than AI.TENSORSET stored")
+        raw.delete(key + ".ai")
         client.delete_tensor(key + ".published")
         if nbytes >= PUBLISHED_PUT_GET_FROM:
             bars.append(f"SmartRedis >= {PUBLISHED_PUT_GET_BAR}x ours")
@@ -137,7 +149,10 @@ def throughput(client: Client, raw: redis.Redis | redis.RedisCluster, nbytes: in
                       "2 memcpy; SmartRedis 0.6.1: put_tensor+get_tensor)", "database": database, "bytes": nbytes,
             "ours": per_s["ours"], "baseline": per_s["base"], "ceiling": per_s["ceiling"], "unit": "MB/s",
             "ratio": r, "ratio_ceiling": ratio(per_s["ours"], per_s["ceiling"]), "published": per_s.get("published"),
-            "ratio_published": r_published, "spread": _spread(results["ours"]),
+            "ratio_published": r_published,
+            "published_vs_redis_py": ratio(per_s.get("published"), per_s["base"]),
+            "module_vs_set_get": ratio(per_s.get("redis-py AI.*"), per_s["base"]),
+            "spread": _spread(results["ours"]),
             "rounds": results, "iterations": n, "bar": "; ".join(bars), "ok": ok}
 
 

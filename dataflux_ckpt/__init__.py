@@ -6,9 +6,9 @@ multipart server processes) need neither torch nor Lightning until a checkpoint 
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_storage_plugins.lazy import lazy_exports
 
 _EXPORTS = {
     "CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
@@ -105,18 +105,5 @@ if TYPE_CHECKING:
 _MOVED_TO_TESTING = frozenset({"FakeGcsServer", "XmlMultipartServer"})
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_TESTING:
-        warnings.warn(f"dataflux_ckpt.{name} moved to dataflux_ckpt.testing; import it from there "
-                      f"(the old name goes away in the next release)", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("dataflux_ckpt.testing"), name)
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__,
+                                   moved={name: "dataflux_ckpt.testing" for name in _MOVED_TO_TESTING})

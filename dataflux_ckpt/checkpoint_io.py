@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import tempfile
 import threading
 import zipfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from google.cloud import storage
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
 from dataflux_ckpt.download import ObjectReader
-from dataflux_ckpt.errors import InvalidCheckpointError
+from dataflux_ckpt.errors import BucketNotFoundError, InvalidCheckpointError
 from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, Gcs, make_client
-from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
+from dataflux_ckpt.paths import GcsPath, check_bucket_name, parse_gcs_path, parse_gcs_prefix
 from dataflux_ckpt.retry import Deadline, RetryPolicy
 from dataflux_ckpt.upload import (
     CLEANUP_TIMEOUT_S,
@@ -28,7 +29,9 @@ from dataflux_ckpt.upload import (
     StreamingWriter,
     sweep_stale_parts,
 )
-from lightning_storage_plugins.ordering import SaveOrder
+from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
+from lightning_storage_plugins.messages import plain_text
+from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,10 @@ ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 ZIP_END_RECORD = b"PK\x05\x06"
 ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive comment after it
+
+# A checkpoint's place: an object, or the local file through which Lightning's own launchers hand
+# rank 0's weights back to the main process (``ddp_spawn``: ``<tmp>/.temp.ckpt``).
+_Target = GcsPath | str
 
 
 def _check_torch_format(stream: ObjectReader) -> None:
@@ -71,8 +78,13 @@ def _check_torch_format(stream: ObjectReader) -> None:
     stream.seek(0)
 
 
-class DatafluxCheckpointIO(CheckpointIO):
+class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
     """Save and load Lightning checkpoints at ``gs://bucket/key`` paths.
+
+    When training starts, the bucket of each ``ModelCheckpoint`` directory is looked up, so that a
+    missing bucket or a local directory is reported before the first step, not at the first save.
+    Local paths are taken only where Lightning's own launchers put them (``ddp_spawn`` hands rank
+    0's weights back through ``<tmp>/.temp.ckpt``).
 
     Args:
         project_name: GCS project of the client created from the environment.
@@ -92,10 +104,15 @@ class DatafluxCheckpointIO(CheckpointIO):
         request_timeout_s: how long one request may wait for the server (per socket operation).
         cleanup_timeout_s: how long clean-up after a failed save may take (aborting its upload,
             deleting its part objects).
+        weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
+            ``None`` (``None``: torch's default).
 
     Raises:
         ValueError: an option is out of range.
+        TypeError: ``weights_only`` is not a bool or ``None``.
     """
+
+    _process_local = ("_client", "_gcs", "_lock")
 
     def __init__(
         self,
@@ -111,7 +128,9 @@ class DatafluxCheckpointIO(CheckpointIO):
         deadline_s: float = DEADLINE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
+        weights_only: bool | None = None,
     ) -> None:
+        super().__init__(weights_only=weights_only)
         if upload_mode not in UPLOAD_MODES:
             raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
         if chunk_size <= 0 or max_workers <= 0:
@@ -134,20 +153,13 @@ class DatafluxCheckpointIO(CheckpointIO):
         self.request_timeout_s = request_timeout_s
         self.cleanup_timeout_s = cleanup_timeout_s
         self._client = storage_client
+
+    @override
+    def _start_process_state(self) -> None:
+        # A pickled copy leaves the client (sockets, credentials) behind and makes its own.
         self._gcs: Gcs | None = None
         self._lock = threading.Lock()
-        self._order = SaveOrder(self._exists)
-
-    # Pickling: the client (sockets, credentials) stays behind and is made again where needed.
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_client=None, _gcs=None, _lock=None, _order=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
+        super()._start_process_state()
 
     @property
     def gcs(self) -> Gcs:
@@ -175,7 +187,9 @@ class DatafluxCheckpointIO(CheckpointIO):
             BucketNotFoundError: the bucket does not exist.
             DeadlineExceededError: the server did not answer within ``deadline_s``.
         """
-        target = parse_gcs_path(path)
+        return self._writer(parse_gcs_path(path))
+
+    def _writer(self, target: GcsPath) -> ObjectWriter | StreamingWriter:
         options = {"deadline_s": self.deadline_s, "cleanup_timeout_s": self.cleanup_timeout_s}
         if self.use_transfer_manager:
             return ObjectWriter(self.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
@@ -192,68 +206,41 @@ class DatafluxCheckpointIO(CheckpointIO):
             DataCorruptionError: on close (or ``verify()``), when the bytes do not match their crc32c.
             DeadlineExceededError: the download did not finish within ``deadline_s``.
         """
-        target = parse_gcs_path(path)
+        return self._reader(parse_gcs_path(path))
+
+    def _reader(self, target: GcsPath) -> ObjectReader:
         return ObjectReader(self.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
                             parallel=self.use_transfer_manager, deadline_s=self.deadline_s)
 
-    # CheckpointIO ----------------------------------------------------------------------------
+    # The storage under OrderedCheckpointIO's save/load/remove ---------------------------------
+    # save_checkpoint: nothing appears at the path unless the whole checkpoint was uploaded and its
+    # crc32c checked; a failed save leaves the previous object there. Errors: ValueError (not
+    # gs://bucket/key), BucketNotFoundError, ConcurrentWriteError (another writer replaced the object
+    # meanwhile), DeadlineExceededError, TransferError. load_checkpoint: FileNotFoundError,
+    # BucketNotFoundError, InvalidCheckpointError (empty, truncated, not a torch checkpoint),
+    # WeightsOnlyError, DataCorruptionError (crc32c mismatch), DeadlineExceededError.
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-                        storage_options: Any | None = None) -> None:
-        """Serialize ``checkpoint`` with ``torch.save`` straight into ``path``.
+    def _target(self, path: str | os.PathLike[str]) -> _Target:
+        if is_launcher_handback_path(path):
+            return os.path.abspath(path)
+        return parse_gcs_path(path)
 
-        Nothing appears at ``path`` unless the whole checkpoint was uploaded and its crc32c checked;
-        a failed save leaves the previous object there.
-
-        Args:
-            checkpoint: the state to save.
-            path: ``gs://bucket/key``.
-            storage_options: not supported; must be ``None``.
-
-        Raises:
-            TypeError: ``storage_options`` is given.
-            ValueError: ``path`` is not ``gs://bucket/key``.
-            BucketNotFoundError: the bucket does not exist.
-            ConcurrentWriteError: another writer replaced ``path`` while this save ran.
-            DeadlineExceededError: the save did not finish within ``deadline_s``.
-            TransferError: an upload failed for good.
-        """
-        if storage_options is not None:
-            raise TypeError(f"`storage_options` are not supported by {type(self).__name__}")
-        key = parse_gcs_path(path).uri
-        if not self._order.begin_save(key):
-            log.debug("not saving %s: it was removed before its save ran", key)
+    @override
+    def _write(self, checkpoint: dict[str, Any], target: _Target) -> None:
+        if isinstance(target, str):
+            _save_local(checkpoint, target)
             return
-        try:
-            with self.writer(path) as stream:
-                torch.save(checkpoint, stream)
-        finally:
-            remove = self._order.end_save(key)
-        if remove:
-            self._delete(parse_gcs_path(path))
+        with self._writer(target) as stream:
+            torch.save(checkpoint, stream)
 
     @override
-    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the checkpoint at ``path``; nothing is returned unless its crc32c checks out.
-
-        Args:
-            path: ``gs://bucket/key``.
-            map_location: as for ``torch.load``.
-            weights_only: as for ``torch.load``; ``None`` lets torch decide (``True`` since torch
-                2.6: no code in the checkpoint runs). Pass ``False`` only for checkpoints you trust.
-
-        Raises:
-            ValueError: ``path`` is not ``gs://bucket/key``.
-            FileNotFoundError: no object at ``path``.
-            BucketNotFoundError: the bucket does not exist.
-            InvalidCheckpointError: the object is empty, truncated, or not a torch checkpoint.
-            pickle.UnpicklingError: ``weights_only`` loading refused the checkpoint's contents.
-            DataCorruptionError: the downloaded bytes do not match the object's crc32c.
-            DeadlineExceededError: the download did not finish within ``deadline_s``.
-        """
-        with self.reader(path) as stream:
-            uri = stream.path.uri
+    def _read(self, target: _Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        if isinstance(target, str):
+            if not os.path.isfile(target):
+                raise FileNotFoundError(f"Checkpoint file not found: {target}")
+            return torch.load(target, map_location=map_location, weights_only=weights_only)
+        with self._reader(target) as stream:
+            uri = target.uri
             try:
                 _check_torch_format(stream)
             except InvalidCheckpointError:
@@ -264,11 +251,12 @@ class DatafluxCheckpointIO(CheckpointIO):
             except pickle.UnpicklingError as exc:
                 stream.raise_if_failed()
                 stream.verify()  # damaged bytes explain a failed unpickling better than its own error
-                raise pickle.UnpicklingError(f"{uri}: {exc}") from exc
+                raise pickle.UnpicklingError(f"{uri}: {plain_text(str(exc))}") from exc
             except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
                 stream.raise_if_failed()
                 stream.verify()
-                raise InvalidCheckpointError(f"{uri} could not be loaded as a torch checkpoint: {exc}") from exc
+                raise InvalidCheckpointError(
+                    f"{uri} could not be loaded as a torch checkpoint: {plain_text(str(exc))}") from exc
             except Exception:
                 stream.raise_if_failed()  # the download's own error, not what torch made of it
                 raise
@@ -276,30 +264,59 @@ class DatafluxCheckpointIO(CheckpointIO):
         return checkpoint
 
     @override
-    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Delete the object at ``path``, and part objects that dead uploads to it left; missing is fine.
-
-        Raises:
-            ValueError: ``path`` is not ``gs://bucket/key``.
-            DeadlineExceededError: the removal did not finish within ``deadline_s``.
-        """
-        target = parse_gcs_path(path)
-        self._order.removing(target.uri)
-        self._delete(target)
-
-    def _delete(self, target: GcsPath) -> None:
+    def _delete(self, target: _Target) -> None:
+        """Delete the object and the part objects that dead uploads to it left (missing is fine)."""
+        if isinstance(target, str):
+            remove_local(target)
+            return
         deadline = self._deadline("remove", target.uri)
         gcs = self.gcs
         sweep_stale_parts(gcs, target, deadline)
         gcs.delete(target.bucket, target.key, deadline)
         log.debug("removed %s", target)
 
-    def _exists(self, uri: str) -> bool:
+    @override
+    def _stored(self, target: _Target) -> bool:
+        if isinstance(target, str):
+            return os.path.lexists(target)
         try:
-            self.gcs.stat(parse_gcs_path(uri), self._deadline("stat", uri))
+            self.gcs.stat(target, self._deadline("stat", target.uri))
         except FileNotFoundError:
             return False
         return True
+
+    @override
+    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
+        """Check each ``ModelCheckpoint`` directory before the first step: a ``gs://`` path whose
+        bucket exists, and no ``save_last="link"`` (Lightning makes links only in local filesystems).
+
+        Raises:
+            ValueError: a local directory, a path that is not ``gs://bucket/...``, an invalid
+                bucket name, or ``save_last="link"``.
+            BucketNotFoundError: the bucket does not exist.
+            DeadlineExceededError: the look-up did not finish within ``deadline_s``.
+        """
+        for checkpoint_dir in checkpoint_dirs:
+            dirpath = checkpoint_dir.dirpath
+            if "://" not in dirpath and not dirpath.startswith(("gs:/", "gcs:/")):
+                raise ValueError(
+                    f"{type(self).__name__} saves checkpoints to gs://bucket/...; ModelCheckpoint's directory "
+                    f"{dirpath!r} is a local path (give ModelCheckpoint(dirpath='gs://bucket/...') or "
+                    "Trainer(default_root_dir='gs://bucket/...'))")
+            if not dirpath.startswith("gs://"):
+                # Lightning resolves the directory through fsspec, which knows gs:// (gcsfs) but
+                # lists and removes nothing under other spellings.
+                raise ValueError(f"ModelCheckpoint's directory {dirpath!r} must start with gs:// "
+                                 f"(the scheme {type(self).__name__} saves to)")
+            prefix = parse_gcs_prefix(dirpath)
+            check_bucket_name(prefix.bucket)
+            if checkpoint_dir.links:
+                raise ValueError(
+                    f"ModelCheckpoint(save_last='link') makes its links in the local filesystem, which "
+                    f"cannot hold links to {prefix.uri}; use save_last=True with {type(self).__name__}")
+            if self.gcs.bucket_exists(prefix.bucket, self._deadline("look-up", prefix.uri)) is False:
+                raise BucketNotFoundError(
+                    f"bucket {prefix.bucket!r} of ModelCheckpoint's directory {dirpath} does not exist")
 
     def list_checkpoints(self, prefix: str | os.PathLike[str]) -> list[str]:
         """The ``gs://`` paths of the objects under ``prefix`` (``gs://bucket/dir/``), sorted; part
@@ -315,15 +332,31 @@ class DatafluxCheckpointIO(CheckpointIO):
         return sorted(GcsPath(target.bucket, name).uri for name in names if PARTS_SUFFIX not in name)
 
     @override
-    def teardown(self) -> None:
+    def _close(self) -> None:
         """Wait (up to ``cleanup_timeout_s``) for the background deletion of part objects, then
         close this process' connections; the next use opens new ones."""
-        self._order.reset()
         with self._lock:
             gcs, self._gcs = self._gcs, None
         if gcs is not None and not gcs.close(self.cleanup_timeout_s, close_session=self._client is None):
             log.warning("background deletion of part objects did not finish within %g s; what is left is "
                         "removed by later saves", self.cleanup_timeout_s)
+
+
+def _save_local(checkpoint: dict[str, Any], path: str) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then renamed over it (the previous file
+    stays until the new one is whole)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            torch.save(checkpoint, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
 
 
 def writer(path: str | os.PathLike[str], **options: Any) -> ObjectWriter | StreamingWriter:

@@ -10,14 +10,13 @@ The Lightning plugin and the DeepSpeed checkpoint engine are imported on first u
 Lightning and DeepSpeed's runtime).
 """
 
-from importlib import import_module
-from typing import Any
 
 from fastpersist.aio import AioConfig, get_aio_handle
 from fastpersist.context import FastPersistContext
 from fastpersist.memory import get_pinned_buffer, release_pinned_buffer
 from fastpersist.reader import CheckpointFormatError, fastpersist_load
 from fastpersist.writer import SaveStats, fastpersist_save, remove_stale_temporaries
+from lightning_storage_plugins.lazy import lazy_exports
 
 __all__ = [
     "fastpersist_save",
@@ -52,7 +51,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fastpersist' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, __all__)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.reader import fastpersist_load
 from fastpersist.writer import SaveStats, fastpersist_save
-from lightning_storage_plugins.ordering import SaveOrder
+from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +30,29 @@ def _local_path(path: _PATH) -> str:
     return os.path.abspath(text)
 
 
-class FastPersistCheckpointIO(CheckpointIO):
+class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
     """Saves checkpoints as torch.load-compatible files with aligned async NVMe writes.
 
     Use as ``Trainer(plugins=[FastPersistCheckpointIO()])``; wrap it in ``AsyncCheckpointIO`` to save in
     the background. Files load with plain ``torch.load`` too. The staging buffer and I/O handle live
     in a :class:`~fastpersist.FastPersistContext` owned by this plugin (created on first use, freed
-    by :meth:`teardown`), unless you pass your own.
+    by :meth:`teardown`), unless you pass your own. Saving creates the file's directory; removing a
+    link (``ModelCheckpoint(save_last="link")``) removes the link, never the checkpoint it points to.
 
     Args:
         io_buffer_mb: size of the pinned staging buffer.
         engine: ``"aio"`` (default), ``"python"`` or ``"gds"`` (falls back with a warning).
         context: a context to use instead of creating one (``io_buffer_mb`` and ``engine`` are then
             ignored; the caller frees it).
+        weights_only: what ``load_checkpoint`` passes on when its caller passes ``None``, as for
+            ``torch.load`` (``None``: torch's default).
 
     Raises:
-        ValueError: unknown engine or non-positive ``io_buffer_mb``.
+        ValueError: unknown engine or non-positive ``io_buffer_mb``; at save or load, a path that is
+            a URL of another storage (``gs://...``).
+        TypeError: ``weights_only`` is not a bool or ``None``.
+        OSError: a write failed; the previous file at the path is intact.
+        fastpersist.CheckpointFormatError: at load, the file is not a readable checkpoint.
     """
 
     def __init__(
@@ -55,97 +61,45 @@ class FastPersistCheckpointIO(CheckpointIO):
         engine: str | None = None,
         *,
         context: FastPersistContext | None = None,
+        weights_only: bool | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(weights_only=weights_only)
         self._owns_context = context is None
         self.context = context or FastPersistContext(engine=engine, io_buffer_mb=io_buffer_mb)
         self.last_stats: SaveStats | None = None
-        self._order = SaveOrder(os.path.lexists)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
-    ) -> None:
-        """Save ``checkpoint`` atomically to ``path`` (its directory is created).
-
-        Args:
-            checkpoint: the state to save.
-            path: destination file.
-            storage_options: not supported; must be ``None``.
-
-        Raises:
-            TypeError: ``storage_options`` was given.
-            ValueError: ``path`` is a URL of another storage (``gs://...``).
-            OSError: the write failed; the previous file at ``path`` is intact.
-        """
-        if storage_options is not None:
-            raise TypeError(
-                f"{type(self).__name__} does not support `storage_options`, got {storage_options!r}"
-            )
-        key = _local_path(path)
-        if not self._order.begin_save(key):
-            log.debug("not saving %s: it was removed before its save ran", key)
-            return
-        remove = False
-        try:
-            os.makedirs(os.path.dirname(key), exist_ok=True)
-            self.last_stats = fastpersist_save(checkpoint, key, context=self.context)
-        finally:
-            remove = self._order.end_save(key)
-        if remove:
-            self._remove(key)
+    def _target(self, path: _PATH) -> str:
+        return _local_path(path)
 
     @override
-    def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Load a checkpoint written by this plugin or by ``torch.save``.
-
-        Args:
-            path: the checkpoint file.
-            map_location: as for ``torch.load``.
-            weights_only: as for ``torch.load``; ``None`` means torch's default.
-
-        Raises:
-            FileNotFoundError: ``path`` does not exist.
-            ValueError: ``path`` is a URL of another storage (``gs://...``).
-            fastpersist.CheckpointFormatError: the file is not a readable checkpoint.
-        """
-        if not os.path.exists(_local_path(path)):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return fastpersist_load(path, map_location, weights_only, context=self.context)
+    def _write(self, checkpoint: dict[str, Any], target: str) -> None:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        self.last_stats = fastpersist_save(checkpoint, target, context=self.context)
 
     @override
-    def remove_checkpoint(self, path: _PATH) -> None:
-        """Remove the checkpoint at ``path`` if present, and cancel a save of it not yet written.
-
-        Args:
-            path: the checkpoint file (or directory).
-        """
-        key = _local_path(path)
-        self._order.removing(key)
-        self._remove(key)
-
-    @staticmethod
-    def _remove(path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        elif os.path.lexists(path):
-            os.remove(path)
-        log.debug("removed checkpoint %s", path)
+    def _read(self, target: str, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        return fastpersist_load(target, map_location, weights_only, context=self.context)
 
     @override
-    def teardown(self) -> None:
+    def _delete(self, target: str) -> None:
+        if remove_local(target):
+            log.debug("removed checkpoint %s", target)
+
+    @override
+    def _stored(self, target: str) -> bool:
+        return os.path.lexists(target)
+
+    @override
+    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
+        """Refuse, before the first step, a ``ModelCheckpoint`` directory of another storage."""
+        for checkpoint_dir in checkpoint_dirs:
+            _local_path(checkpoint_dir.dirpath)
+
+    @override
+    def _close(self) -> None:
         """Free the staging buffer and handle of the plugin's own context (a later save makes new ones)."""
-        self._order.reset()
         if self._owns_context:
             self.context.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_order"]  # holds a lock; a copy starts with no saves in flight
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._order = SaveOrder(os.path.lexists)

@@ -31,6 +31,7 @@ from fastpersist.engines import (
     PythonEngine,
 )
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty, get_pinned_buffer, release_pinned_buffer
+from lightning_storage_plugins.messages import warn_once
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +183,10 @@ class FastPersistContext:
         return PythonEngine(self._python_pool())
 
     def warn_once(self, message: str) -> None:
-        """Log ``message`` as a warning the first time this context meets it."""
+        """Log ``message`` as a warning the first time this process meets it, on global rank zero only."""
         if message not in self._warned:
             self._warned.add(message)
-            log.warning("%s", message)
+            warn_once(log, "%s", message)
 
     def _unavailable(self, engine: str, directory: str | None) -> str | None:
         if engine == "aio":

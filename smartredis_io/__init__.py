@@ -5,8 +5,8 @@ modules ``error``, ``util``, ``dataset_utils``, ``srobject``, ``logger``, ``logc
 ``configoptions``.
 """
 
-from typing import Any
 
+from lightning_storage_plugins.lazy import lazy_exports
 from smartredis_io import error
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
@@ -44,13 +44,7 @@ __all__ = [
     "log_warning",
 ]
 
-_LIGHTNING = ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher")
-
-
-def __getattr__(name: str) -> Any:
-    # Lightning is imported on first use only: clients and workers start without it.
-    if name in _LIGHTNING:
-        from smartredis_io import lightning
-
-        return getattr(lightning, name)
-    raise AttributeError(f"module 'smartredis_io' has no attribute {name!r}")
+# Lightning is imported on first use only: clients and workers start without it.
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(
+    ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher"), "smartredis_io.lightning"),
+    __all__)

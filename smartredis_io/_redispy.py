@@ -227,8 +227,21 @@ def read_replies(conn: Any, count: int, scratch_bytes: int = RECV_SCRATCH_BYTES)
     return replies
 
 
+def encode_commands(commands: Sequence[Command], errors: str) -> Sequence[Command]:
+    """``commands`` with their str arguments as UTF-8 bytes, encoded with ``errors``.
+
+    redis-py's hiredis packer encodes str arguments as strict UTF-8 whatever the client's
+    ``encoding_errors``; a key decoded with ``"surrogateescape"`` (a cluster's binary hash-tag
+    prefixes) must reach it as the bytes it was received as.
+    """
+    if errors == "strict":
+        return commands  # what every packer does already
+    return [tuple(a.encode("utf-8", errors) if isinstance(a, str) else a for a in command) for command in commands]
+
+
 def send_commands(conn: Any, commands: Sequence[Command]) -> None:
-    """Pack ``commands`` and send them in one write."""
+    """Pack ``commands`` and send them in one write (str arguments encoded as ``conn``'s client says)."""
+    commands = encode_commands(commands, conn.encoder.encoding_errors)
     conn.send_packed_command(conn.pack_commands(commands))
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from lightning_storage_plugins.messages import plain_text, warn
 from smartredis_io import _redispy
 from smartredis_io._redispy import Command, ReadPlan
 from smartredis_io.configoptions import ConfigOptions
@@ -36,6 +37,7 @@ DEFAULT_CONN_TIMEOUT_S = 100  # SR_CONN_TIMEOUT (seconds): how long to keep tryi
 DEFAULT_CONN_INTERVAL_MS = 1000  # SR_CONN_INTERVAL (milliseconds): pause between connection attempts
 DEFAULT_CMD_TIMEOUT_S = 100  # SR_CMD_TIMEOUT (seconds): deadline of each command and each public operation
 URL_SCHEMES = ("redis://", "rediss://")
+T = TypeVar("T")
 
 
 def parse_address(address: str) -> list[tuple[str, int] | str]:
@@ -89,6 +91,8 @@ class ConnectionSettings:
     connect_timeout_s: float = DEFAULT_CONN_TIMEOUT_S
     connect_interval_s: float = DEFAULT_CONN_INTERVAL_MS / 1000
     command_timeout_s: float = DEFAULT_CMD_TIMEOUT_S
+    # Where the address came from, as messages name it ("SSDB"; empty: given by the caller).
+    address_source: str = field(default="", compare=False)
     #: how str keys become bytes: ``"strict"`` UTF-8 for clients; workers use ``"surrogateescape"``,
     #: so that a key they received as bytes (not always UTF-8: a cluster's model copies, SmartRedis
     #: names) and decoded with it goes back unchanged
@@ -119,6 +123,7 @@ class ConnectionSettings:
         :raises RedisConnectionError: if no address is given or configured
         """
         options = options or ConfigOptions.create_from_environment("")
+        source = "" if address else "SSDB"
         address = address or options.string_or("SSDB", "")
         if not address:
             raise RedisConnectionError("Could not connect to database. $SSDB not set")
@@ -135,7 +140,13 @@ class ConnectionSettings:
             connect_timeout_s=options.integer_or("SR_CONN_TIMEOUT", DEFAULT_CONN_TIMEOUT_S),
             connect_interval_s=options.integer_or("SR_CONN_INTERVAL", DEFAULT_CONN_INTERVAL_MS) / 1000,
             command_timeout_s=options.integer_or("SR_CMD_TIMEOUT", DEFAULT_CMD_TIMEOUT_S),
+            address_source=source,
         )
+
+    @property
+    def target(self) -> str:
+        """The address as messages name it, with where it came from: ``host:port (SSDB)``."""
+        return f"{self.address} ({self.address_source})" if self.address_source else self.address
 
     def with_(self, **changes: Any) -> ConnectionSettings:
         """A copy with some fields changed."""
@@ -183,37 +194,11 @@ class Database:
         self._local = threading.local()
         self._connections = _redispy.ConnectionCache()  # kept for the hot paths (no pool round trip)
         endpoints = parse_address(settings.address)
-        deadline = time.monotonic() + settings.connect_timeout_s
-        while True:
-            try:
-                self.redis = self._connect(endpoints, settings, deadline)
-                break
-            except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
-                if not isinstance(exc, redis.exceptions.AuthenticationError) and "NOAUTH" not in str(exc):
-                    raise RedisConnectionError(f"The database at {self.address} refused the connection: {exc}") from None
-                if settings.password is None:
-                    raise RedisConnectionError(
-                        f"The database at {self.address} requires a password: set SR_PASSWORD (and SR_USERNAME "
-                        "for an ACL user), or use a redis://user:password@host:port address"
-                    ) from None
-                user = settings.username or "default"
-                raise RedisConnectionError(
-                    f"Could not authenticate as user {user!r} at {self.address}: {exc}"
-                ) from None
-            except (redis.exceptions.RedisError, OSError) as exc:
-                if time.monotonic() + settings.connect_interval_s > deadline:
-                    raise RedisConnectionError(
-                        f"Could not connect to the database at {self.address} within "
-                        f"{settings.connect_timeout_s:g} s (SR_CONN_TIMEOUT): {exc}"
-                    ) from None
-                time.sleep(settings.connect_interval_s)
+        self.redis = wait_for_server(settings, lambda deadline: self._connect(endpoints, settings, deadline))
 
     @staticmethod
     def _connect(endpoints: list, settings: ConnectionSettings, deadline: float) -> redis.Redis | RedisCluster:
-        # The probe's waits end at the connection deadline: a stopped server accepts TCP connections
-        # (the kernel does) but never answers.
-        remaining = max(deadline - time.monotonic(), 0.05)
-        probe = plain_client(endpoints[0], settings, min(remaining, settings.command_timeout_s))
+        probe = plain_client(endpoints[0], settings, probe_timeout_s(settings, deadline))
         try:
             probe.ping()
         finally:
@@ -272,6 +257,7 @@ class Database:
         replies are redis-py's (``SET`` gives True).
         """
         self.check_deadline()
+        commands = _redispy.encode_commands(commands, self.settings.encoding_errors)
         pool = _redispy.shared_pool(self.redis, [command[1] for command in commands])
         if pool is None:
             if before_block is None:
@@ -364,17 +350,82 @@ class Database:
         return True
 
 
+def probe_timeout_s(settings: ConnectionSettings, deadline: float) -> float:
+    """How long one connection attempt may wait for an answer: a stopped server accepts TCP
+    connections (the kernel does) but never answers, so an attempt ends by the deadline, and soon
+    enough (an interval, at least a second) that the wait is announced early and tried again."""
+    remaining = max(deadline - time.monotonic(), 0.05)
+    return min(remaining, settings.command_timeout_s, max(settings.connect_interval_s, 1.0))
+
+
+def wait_for_server(settings: ConnectionSettings, attempt: Callable[[float], T]) -> T:
+    """``attempt(deadline)`` until it succeeds, every ``SR_CONN_INTERVAL`` until ``SR_CONN_TIMEOUT``.
+
+    The first failure is logged with what is awaited and until when (a missing server is not waited
+    for in silence); a last attempt is made at the deadline, and the error follows it.
+
+    :raises RedisConnectionError: the server did not answer within ``SR_CONN_TIMEOUT`` (the message
+        names the address, where it came from, and the timeout), or refused the credentials
+    """
+    start = time.monotonic()
+    deadline = start + settings.connect_timeout_s
+    waiting = False
+    while True:
+        try:
+            result = attempt(deadline)
+        except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
+            raise _refusal(settings, exc) from None
+        except (redis.exceptions.RedisError, OSError) as exc:
+            now = time.monotonic()
+            if now >= deadline:
+                raise RedisConnectionError(
+                    f"Could not connect to the database at {settings.target} within "
+                    f"{settings.connect_timeout_s:g} s (SR_CONN_TIMEOUT): {plain_text(str(exc))}"
+                ) from None
+            if not waiting:
+                waiting = True
+                warn(log, "No answer from the database at %s yet (%s); trying again every %g s until %g s have "
+                     "passed (SR_CONN_TIMEOUT)", settings.target, plain_text(str(exc)), settings.connect_interval_s,
+                     settings.connect_timeout_s)
+            time.sleep(max(min(settings.connect_interval_s, deadline - now), 0.0))
+            continue
+        if waiting:
+            log.info("connected to the database at %s after %.1f s", settings.target, time.monotonic() - start)
+        return result
+
+
+def _refusal(settings: ConnectionSettings, exc: redis.exceptions.RedisError) -> RedisConnectionError:
+    """The error for a server that answered but refused the connection (credentials, ACL)."""
+    if not isinstance(exc, redis.exceptions.AuthenticationError) and "NOAUTH" not in str(exc):
+        return RedisConnectionError(f"The database at {settings.target} refused the connection: {exc}")
+    if settings.password is None:
+        return RedisConnectionError(
+            f"The database at {settings.target} requires a password: set SR_PASSWORD (and SR_USERNAME "
+            "for an ACL user), or use a redis://user:password@host:port address")
+    user = settings.username or "default"
+    return RedisConnectionError(f"Could not authenticate as user {user!r} at {settings.target}: {exc}")
+
+
 def detect_cluster(settings: ConnectionSettings | str, timeout_s: float = 10.0) -> bool:
-    """Whether the first node of the database runs in cluster mode (``CLUSTER INFO`` answers)."""
+    """Whether the first node of the database runs in cluster mode (``CLUSTER INFO`` answers); a
+    server not yet answering is waited for as a connection is (``SR_CONN_TIMEOUT``).
+
+    :raises RedisConnectionError: as for :func:`wait_for_server`
+    """
     if isinstance(settings, str):
         settings = ConnectionSettings(settings)
-    client = plain_client(parse_address(settings.address)[0], settings, timeout_s)
-    try:
-        client.execute_command("CLUSTER", "INFO")
-        return True
-    except redis.exceptions.ResponseError as exc:
-        if "cluster support disabled" in str(exc):
-            return False
-        raise
-    finally:
-        client.close()
+    endpoint = parse_address(settings.address)[0]
+
+    def ask(deadline: float) -> bool:
+        client = plain_client(endpoint, settings, min(probe_timeout_s(settings, deadline), timeout_s))
+        try:
+            client.execute_command("CLUSTER", "INFO")
+            return True
+        except redis.exceptions.ResponseError as exc:
+            if "cluster support disabled" in str(exc):
+                return False
+            raise
+        finally:
+            client.close()
+
+    return wait_for_server(settings, ask)

@@ -5,20 +5,19 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import redis
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lightning_storage_plugins.ordering import SaveOrder
+from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO
 from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
@@ -57,9 +56,44 @@ def checkpoint_key(path: str | os.PathLike[str], root_dir: str | os.PathLike[str
     return key.replace(os.sep, "/")
 
 
-def _settings(address: str, cluster: bool | None, options: ConfigOptions | None) -> ConnectionSettings:
+# How many links in a row a load follows (as the kernel's limit for path resolution).
+_MAX_LINKS = 40
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A checkpoint's database key, and the local path it was named by (``None`` for a ``redis://``
+    URL): Lightning's ``ModelCheckpoint(save_last="link")`` makes its ``last`` links there."""
+
+    key: str
+    local: str | None = field(default=None, compare=False)
+
+    def link(self) -> str | None:
+        """The local path when it is a link, else ``None``."""
+        return self.local if self.local is not None and os.path.islink(self.local) else None
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def _link_target(path: str) -> str:
+    """Where the link at ``path`` leads, following links in a row (a relative link from its directory).
+
+    Raises:
+        OSError: more than ``_MAX_LINKS`` links in a row (a loop).
+    """
+    for _ in range(_MAX_LINKS):
+        if not os.path.islink(path):
+            return path
+        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    raise OSError(f"Too many levels of links from checkpoint path {path}")
+
+
+def _settings(address: str, cluster: bool | None, options: ConfigOptions | None,
+              address_source: str = "") -> ConnectionSettings:
     """Connection settings as a SmartRedis client reads them, the address (and cluster flag) given winning."""
     settings = ConnectionSettings.from_options(options, address=address or None, cluster=bool(cluster))
+    settings = settings.with_(address_source=address_source)
     return settings if cluster is not None else settings.with_(cluster=detect_cluster(settings))
 
 
@@ -90,7 +124,7 @@ class _BufferReader(io.RawIOBase):
         return self._pos
 
 
-class SmartRedisCheckpointIO(CheckpointIO):
+class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
     """A Lightning ``CheckpointIO`` that keeps checkpoints in Redis (standalone or cluster).
 
     A checkpoint is keyed by its path (see :func:`checkpoint_key`): ``redis://run1/last.ckpt`` at
@@ -99,6 +133,10 @@ class SmartRedisCheckpointIO(CheckpointIO):
     CRC-32) written last publishes them; a failed save removes its chunks and leaves the previous
     checkpoint. Loading checks the stored size before allocating, reads every chunk straight into
     one buffer and checks the CRC.
+
+    With local paths, ``ModelCheckpoint(save_last="link")`` works as with local files: Lightning
+    makes its ``last`` links in the local directory (created when training starts), a load through a
+    link loads the checkpoint it points to, and removing a link removes the link only.
 
     Args:
         address: ``host:port`` (or a comma list for a cluster, or a ``redis://user:password@...``
@@ -116,16 +154,30 @@ class SmartRedisCheckpointIO(CheckpointIO):
             bounded by ``SR_CMD_TIMEOUT`` as well).
 
     Raises:
-        ValueError: no address given and none configured, or a bad ``chunk_bytes`` / ``timeout_s``.
+        ValueError: no address given and none configured, or a bad ``chunk_bytes`` / ``timeout_s``;
+            at save or load, a URL of another storage (``gs://...``).
+        TypeError: ``weights_only`` is not a bool or ``None``; at save, ``storage_options`` given.
+        FileNotFoundError: at load, no checkpoint at that key (the message names key and address).
+        RedisInternalError: at load, the stored value is corrupt (its header claims more than is
+            stored, or a checksum fails).
+        WeightsOnlyError: at load, the checkpoint holds objects that only ``weights_only=False``
+            loads (the message names key, address and the object).
+        RedisConnectionError: the database cannot be reached within ``SR_CONN_TIMEOUT`` or went away.
+        RedisTimeoutError: an operation did not finish within ``timeout_s``, or the server stopped
+            answering for ``SR_CMD_TIMEOUT``.
     """
+
+    _process_local = ("_db",)
 
     def __init__(self, address: str | None = None, cluster: bool | None = None,
                  chunk_bytes: int = CHECKPOINT_CHUNK_BYTES, *, root_dir: str | os.PathLike[str] | None = None,
                  weights_only: bool | None = None, config_options: ConfigOptions | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(weights_only=weights_only)
         self.config_options = config_options
         options = config_options or ConfigOptions.create_from_environment("")
         self.address = address or options.string_or("SSDB", "")
+        self.address_source = "" if address else "SSDB"
         if not self.address:
             raise ValueError("SmartRedisCheckpointIO needs an address (or $SSDB)")
         if chunk_bytes <= 0 or chunk_bytes + wire.HEADER_MAX_BYTES > wire.BULK_LIMIT_BYTES:
@@ -135,31 +187,15 @@ class SmartRedisCheckpointIO(CheckpointIO):
         self.cluster = cluster
         self.chunk_bytes = chunk_bytes
         self.root_dir = os.path.abspath(root_dir or os.getcwd())
-        self.weights_only = weights_only
         self.timeout_s = timeout_s
         self._db: Database | None = None
         self._pid = 0
-        self._order = SaveOrder(self._exists)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_db"] = None  # connections do not travel; each process makes its own
-        state["_order"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._order = SaveOrder(self._exists)  # a copy starts with no saves in flight
-
-    def _exists(self, key: str) -> bool:
-        with self._operation("checkpoint_exists", key):
-            return wire.read_header(self.db, key) is not None
 
     @property
     def db(self) -> Database:
         """One connection per process (re-made after a fork)."""
         if self._db is None or self._pid != os.getpid():
-            settings = _settings(self.address, self.cluster, self.config_options)
+            settings = _settings(self.address, self.cluster, self.config_options, self.address_source)
             self.cluster = settings.cluster
             self._db = Database(settings)
             self._pid = os.getpid()
@@ -178,87 +214,88 @@ class SmartRedisCheckpointIO(CheckpointIO):
         except redis.exceptions.TimeoutError as exc:
             raise RedisTimeoutError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
         except redis.exceptions.ConnectionError as exc:
-            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {self.address}: {exc}") from None
+            where = f"{self.address} ({self.address_source})" if self.address_source else self.address
+            raise RedisConnectionError(f"{name} of checkpoint {key!r} at {where}: {exc}") from None
         except redis.exceptions.RedisError as exc:
             raise RedisReplyError(f"checkpoint {key!r} at {self.address}: {exc}", name) from None
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
-                        storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` at ``path``; the previous checkpoint there is replaced only once this one is whole.
-
-        Raises:
-            TypeError: ``storage_options`` given (this plugin takes none).
-            RedisTimeoutError: the save did not finish within ``timeout_s``, or the server stopped
-                answering for ``SR_CMD_TIMEOUT``.
-            RedisConnectionError: the database went away.
-        """
-        if storage_options is not None:
-            raise TypeError(
-                "`SmartRedisCheckpointIO.save_checkpoint` does not take `storage_options`, "
-                f"got {storage_options!r}"
-            )
+    def _target(self, path: str | os.PathLike[str]) -> _Checkpoint:
         key = self.key(path)
-        if not self._order.begin_save(key):
-            log.debug("not saving %s: it was removed before its save ran", key)
-            return
-        try:
-            with self._operation("save_checkpoint", key), \
-                    wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
-                try:
-                    torch.save(checkpoint, writer)
-                except Exception:
-                    if writer.error is not None:  # the database error, not torch's follow-up complaint
-                        raise writer.error from None
-                    raise
-        finally:
-            remove = self._order.end_save(key)
-        if remove:
-            self._delete(key)
+        text = os.fspath(path)
+        return _Checkpoint(key, None if text.startswith(f"{filesystem.PROTOCOL}:") else os.path.abspath(text))
+
+    @override
+    def _describe(self, target: _Checkpoint) -> str:
+        return f"{target.key!r} in the database at {self.address}"
+
+    @override
+    def _write(self, checkpoint: dict[str, Any], target: _Checkpoint) -> None:
+        link = target.link()
+        if link is not None:
+            os.unlink(link)  # a link left by save_last="link" would lead loads of this path elsewhere
+        key = target.key
+        with self._operation("save_checkpoint", key), wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+            try:
+                torch.save(checkpoint, writer)
+            except Exception:
+                if writer.error is not None:  # the database error, not torch's follow-up complaint
+                    raise writer.error from None
+                raise
         log.info("saved checkpoint %s to %s", key, self.address)
 
     @override
-    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the checkpoint at ``path``.
-
-        Args:
-            path: the checkpoint's path or ``redis://`` URL.
-            map_location: as for ``torch.load``.
-            weights_only: as for ``torch.load``; ``None`` takes this plugin's ``weights_only``, and
-                when that is ``None`` too, torch's default (``True``: no code runs while loading).
-
-        Raises:
-            FileNotFoundError: no checkpoint at that key (the message names key and address).
-            RedisInternalError: the stored value is corrupt (its header claims more than is stored,
-                or a checksum fails).
-            pickle.UnpicklingError: the checkpoint holds objects that only ``weights_only=False``
-                loads (the message names key, address and the object).
-            RedisTimeoutError: as for ``save_checkpoint``.
-        """
-        key = self.key(path)
+    def _read(self, target: _Checkpoint, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        link = target.link()
+        key = target.key if link is None else self.key(_link_target(link))
         with self._operation("load_checkpoint", key):
             try:
                 buffer = wire.get_array(self.db, key)  # sizes are checked before the buffer exists
             except RedisKeyError:
                 raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}") from None
-        if weights_only is None:
-            weights_only = self.weights_only
-        try:
-            return torch.load(_BufferReader(memoryview(buffer.reshape(-1).view(np.uint8))),
-                              map_location=map_location, weights_only=weights_only)
-        except pickle.UnpicklingError as exc:
-            if weights_only is False:
-                raise
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            detail = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else repr(exc)).rstrip(".")
-            raise pickle.UnpicklingError(
-                f"Checkpoint {key!r} in the database at {self.address} cannot be loaded with weights_only=True "
-                f"(torch's default, under which loading runs no code): {detail}. If you trust everyone who can "
-                "write to this database, load it with weights_only=False (Trainer.fit(..., weights_only=False), "
-                "SmartRedisCheckpointIO(weights_only=False) or load_checkpoint(path, weights_only=False)), or "
-                "allow that type with torch.serialization.add_safe_globals."
-            ) from None
+        return torch.load(_BufferReader(memoryview(buffer.reshape(-1).view(np.uint8))),
+                          map_location=map_location, weights_only=weights_only)
+
+    @override
+    def _delete(self, target: _Checkpoint) -> None:
+        link = target.link()
+        if link is not None:
+            os.unlink(link)  # the link only; the checkpoint it points to stays
+            log.debug("removed link %s", link)
+            return
+        with self._operation("remove_checkpoint", target.key):
+            if wire.delete_value(self.db, target.key):
+                log.debug("removed checkpoint %s", target.key)
+
+    @override
+    def _stored(self, target: _Checkpoint) -> bool:
+        if target.link() is not None:
+            return True
+        with self._operation("checkpoint_exists", target.key):
+            return wire.read_header(self.db, target.key) is not None
+
+    @override
+    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
+        """Before the first step: connect (a missing database is reported now, not at the first save),
+        refuse directories of another storage, and create the local directories in which
+        ``save_last="link"`` makes its links.
+
+        Raises:
+            ValueError: a directory of another storage, or ``save_last="link"`` with a ``redis://``
+                directory (Lightning makes links only in local filesystems).
+            RedisConnectionError: the database cannot be reached within ``SR_CONN_TIMEOUT``.
+        """
+        for checkpoint_dir in checkpoint_dirs:
+            target = self._target(os.path.join(checkpoint_dir.dirpath, "x"))
+            if checkpoint_dir.links:
+                if target.local is None:
+                    raise ValueError(
+                        f"ModelCheckpoint(save_last='link') makes its links in the local filesystem, which "
+                        f"cannot hold links to {checkpoint_dir.dirpath}; use save_last=True, or a local "
+                        f"directory, with {type(self).__name__}")
+                os.makedirs(checkpoint_dir.dirpath, exist_ok=True)
+        with self._operation("connect", self.address):
+            pass
 
     def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
         """Bytes of the stored checkpoint at ``path``.
@@ -274,21 +311,8 @@ class SmartRedisCheckpointIO(CheckpointIO):
         return header.payload_bytes if header.chunks else header.nbytes
 
     @override
-    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path`` and its chunks (nothing happens when there is none)."""
-        key = self.key(path)
-        self._order.removing(key)
-        self._delete(key)
-
-    def _delete(self, key: str) -> None:
-        with self._operation("remove_checkpoint", key):
-            if wire.delete_value(self.db, key):
-                log.debug("removed checkpoint %s", key)
-
-    @override
-    def teardown(self) -> None:
+    def _close(self) -> None:
         """Close this process' connection."""
-        self._order.reset()
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -362,6 +386,7 @@ class SmartRedisModelPublisher(pl.Callback):
         self.config_options = config_options
         options = config_options or ConfigOptions.create_from_environment("")
         self.address = address or options.string_or("SSDB", "")
+        self.address_source = "" if address else "SSDB"
         if not self.address:
             raise ValueError("SmartRedisModelPublisher needs an address (or $SSDB)")
         self.cluster = cluster
@@ -379,7 +404,7 @@ class SmartRedisModelPublisher(pl.Callback):
     def client(self) -> Client:
         """The client the models are published with (connected on first use)."""
         if self._client is None:
-            settings = _settings(self.address, self.cluster, self.config_options)
+            settings = _settings(self.address, self.cluster, self.config_options, self.address_source)
             options = (self.config_options or ConfigOptions.create_from_environment("")).derived(
                 SSDB=self.address, SR_DB_TYPE="Clustered" if settings.cluster else "Standalone")
             self._client = Client(options)

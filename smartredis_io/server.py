@@ -26,7 +26,6 @@ import redis
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
 from smartredis_io.connection import ConnectionSettings, plain_client
-from smartredis_io.redis_module import module_path
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -185,7 +184,13 @@ class RedisServer:
         self._extra_args = tuple(extra_args)
         self._startup_timeout_s = startup_timeout_s
         self._binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
-        self.module = (module_path() if module is True else os.fspath(module)) if module else None
+        if module is True:
+            # imported here: `python -m smartredis_io.redis_module` runs that module as __main__, which runpy
+            # warns about when importing the package has already imported it
+            from smartredis_io.redis_module import module_path
+
+            module = module_path()
+        self.module = os.fspath(module) if module else None
         self._module_args = tuple(module_args)
         self._workdir: Path | None = None
         self._process: ManagedProcess | None = None

@@ -221,3 +221,121 @@ def test_trainer_top_k_keeps_only_the_newest(storage: Storage, tmp_path: Path, w
     )
     resumed.fit(_ScoredModel(), ckpt_path=storage.path("last.ckpt"))
     assert resumed.global_step == 10
+
+
+# Fail early, in plain text ------------------------------------------------------------------------
+ESCAPE = "\x1b"
+
+
+def _make_with(storage: Storage, **options: Any) -> CheckpointIO:
+    """The storage's plugin made with extra constructor options."""
+    plugin = storage.make()
+    return type(plugin)(**{**_constructor_options(plugin), **options})
+
+
+def _constructor_options(plugin: CheckpointIO) -> dict[str, Any]:
+    if type(plugin).__name__ == "SmartRedisCheckpointIO":
+        return {"address": plugin.address}
+    if type(plugin).__name__ == "FastPersistCheckpointIO":
+        return {"io_buffer_mb": 1}
+    return {}
+
+
+def test_weights_only_is_a_bool_or_none_at_construction_and_load(storage: Storage) -> None:
+    with pytest.raises(TypeError, match=r"weights_only must be True, False or None, not 'yes'"):
+        _make_with(storage, weights_only="yes")
+    plugin = _make_with(storage, weights_only=False)  # a bool is taken
+    path = storage.path("weights-only-arg.ckpt")
+    plugin.save_checkpoint(_state(), path)
+    with pytest.raises(TypeError, match=r"weights_only must be True, False or None, not 1"):
+        plugin.load_checkpoint(path, weights_only=1)
+    plugin.teardown()
+
+
+def test_a_weights_only_refusal_is_typed_plain_text_naming_the_checkpoint(storage: Storage, tmp_path: Path) -> None:
+    from lightning_storage_plugins.ordering import WeightsOnlyError
+
+    plugin = storage.make()
+    path = storage.path("refused.ckpt")
+    plugin.save_checkpoint({"state_dict": {}, "payload": _RunsCode(str(tmp_path / "ran"))}, path)
+    with pytest.raises(WeightsOnlyError) as refused:
+        plugin.load_checkpoint(path)
+    text = str(refused.value)
+    assert ESCAPE not in text, text
+    assert "refused.ckpt" in text and "io.open" in text and "weights_only=False" in text
+    plugin.teardown()
+
+
+def test_a_weights_only_refusal_reaches_trainer_fit_typed_and_plain(storage: Storage, tmp_path: Path) -> None:
+    from lightning_storage_plugins.ordering import WeightsOnlyError
+
+    plugin = storage.make()
+    path = storage.path("refused-by-fit.ckpt")
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+                      plugins=[plugin])
+    trainer.fit(_ScoredModel())
+    trainer.save_checkpoint(path)
+    state = plugin.load_checkpoint(path, weights_only=False)
+    state["payload"] = _RunsCode(str(tmp_path / "ran"))
+    plugin.save_checkpoint(state, path)
+    resumed = Trainer(default_root_dir=tmp_path, max_steps=2, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+                      plugins=[storage.make()])
+    with pytest.raises(WeightsOnlyError) as refused:
+        resumed.fit(_ScoredModel(), ckpt_path=path)
+    assert ESCAPE not in str(refused.value)
+    assert not (tmp_path / "ran").exists()
+
+
+# Links: removing a link removes the link, never its target ----------------------------------------
+class _LastNamedByStep(ModelCheckpoint):
+    CHECKPOINT_NAME_LAST = "last-{step}"
+
+
+def _link_run(plugin: CheckpointIO, dirpath: str, root: Path, max_steps: int, **fit: Any) -> Trainer:
+    trainer = Trainer(
+        default_root_dir=root, max_steps=max_steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, accelerator="cpu", devices=1, plugins=[plugin],
+        callbacks=[_LastNamedByStep(dirpath=dirpath, monitor="score", mode="max", save_top_k=2,
+                                    every_n_train_steps=2, save_last="link")],
+    )
+    trainer.fit(_ScoredModel(), **fit)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap_async", [False, True], ids=["sync", "async"])
+def test_rotating_linked_last_checkpoints_keeps_their_targets(storage: Storage, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              wrap_async: bool) -> None:
+    """``save_last="link"`` with a templated last name: each new ``last-step=N`` link replaces the
+    previous one, whose removal must not reach the top-k checkpoint it pointed to."""
+    if "://" in storage.base:  # Lightning makes links in the local filesystem only: refused before step 1
+        with pytest.raises(ValueError, match="save_last='link'"):
+            _link_run(storage.make(), storage.base, tmp_path, max_steps=6)
+        assert storage.listing() == [], "the run saved before it was refused"
+    monkeypatch.chdir(tmp_path)  # SmartRedis keys local paths relative to the working directory
+    plugin = storage.make()
+    if type(plugin).__name__ == "DatafluxCheckpointIO":  # gs:// only
+        return
+    dirpath = storage.base if "://" not in storage.base else str(tmp_path / "links")
+    _link_run(AsyncCheckpointIO(plugin) if wrap_async else plugin, dirpath, tmp_path, max_steps=6)
+
+    names = sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else []
+    assert [n for n in names if n.startswith("last")] == ["last-step=6.ckpt"]
+    assert os.path.islink(os.path.join(dirpath, "last-step=6.ckpt"))
+    reader = storage.make()
+    for step in (4, 6):  # top-k keeps these two, whole
+        state = reader.load_checkpoint(os.path.join(dirpath, f"epoch=0-step={step}.ckpt"))
+        assert state["global_step"] == step
+    with pytest.raises(FileNotFoundError):
+        reader.load_checkpoint(os.path.join(dirpath, "epoch=0-step=2.ckpt"))
+    assert reader.load_checkpoint(os.path.join(dirpath, "last-step=6.ckpt"))["global_step"] == 6
+
+    resumed = _link_run(storage.make(), str(tmp_path / "resumed"), tmp_path, max_steps=8,
+                        ckpt_path=os.path.join(dirpath, "last-step=6.ckpt"))
+    assert resumed.global_step == 8
+    reader.remove_checkpoint(os.path.join(dirpath, "last-step=6.ckpt"))
+    assert not os.path.lexists(os.path.join(dirpath, "last-step=6.ckpt"))
+    assert reader.load_checkpoint(os.path.join(dirpath, "epoch=0-step=6.ckpt"))["global_step"] == 6

@@ -32,14 +32,13 @@ from benchmarks.smartsim_scaling.launch import (
     published_available,
     published_client,
 )
-from benchmarks.smartsim_scaling.options import add_int_list, device
+from benchmarks.smartsim_scaling.options import NUM_CLASSES, add_int_list, device
 from benchmarks.smartsim_scaling.results import derived, read_timings
 
 COMMAND = "inference"
 ROUNDS = 4  # our client and the published one take turns this many times
 STEPS = ("put_tensor", "run_script", "run_model", "unpack_tensor")
 SCRIPT_KEY = "scaling_preprocess_script"
-NUM_CLASSES = 1000
 # TorchScript source run by the execution workers: NHWC images in 0..255 to normalised NCHW.
 PREPROCESS_FN = "pre_process_3ch"
 PREPROCESS_SCRIPT = """

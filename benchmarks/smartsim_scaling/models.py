@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from benchmarks.smartsim_scaling.inference import NUM_CLASSES
+from benchmarks.smartsim_scaling.options import NUM_CLASSES
 
 
 class Bottleneck(nn.Module):

@@ -15,6 +15,9 @@ import logging
 log = logging.getLogger("benchmarks.smartsim_scaling")
 
 #: the driver's options that describe its batch system; accepted, recorded, not used here
+# Outputs of the benchmark's classifier models (ImageNet's classes, as SmartSim-Scaling's ResNet-50).
+NUM_CLASSES = 1000
+
 DRIVER_ONLY = {
     "run_db_as_batch": "run the database as a separate batch submission",
     "batch_args": "additional batch arguments for the database",

@@ -1,7 +1,7 @@
-"""fio: the five storage profiles of the storage-evaluation reference, run with the real fio.
+"""fio: the five storage profiles of the storage evaluation, run with the real fio.
 
 Every profile runs against one data file under ``--target`` (laid out once, reused by every profile, as
-the reference does). Concurrency is ``numjobs`` threads of synchronous I/O (``ioengine=psync``), each
+the storage evaluation does). Concurrency is ``numjobs`` threads of synchronous I/O (``ioengine=psync``), each
 thread on its own slice of the file; "client cache bypassed" is ``direct=1`` (O_DIRECT). Each phase is
 time based: it loops over its region for ``--runtime`` seconds.
 """
@@ -246,7 +246,7 @@ _TABLES = {
 
 
 def format_tables(rows: Sequence[dict[str, Any]]) -> str:
-    """The reference's three tables (bandwidth, latency, IOPS): one column per profile."""
+    """The storage evaluation's three tables (bandwidth, latency, IOPS): one column per profile."""
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     by_key = {(r["profile"], r["phase"]): r for r in rows}
     out = []

@@ -140,3 +140,15 @@ def test_deepspeeds_nvme_write_endurance_notice_is_kept_at_debug_level(
         notices = [line for line in done.stderr.splitlines() if "write endurance (TBW)" in line]
         assert len(notices) == (1 if level == "debug" else 0), notices
         assert all(line.startswith("DEBUG fastpersist") for line in notices)
+
+
+@pytest.mark.skipif(aio_unavailable_reason() is not None, reason="DeepSpeed async_io op unavailable")
+def test_the_default_aio_handle_reaps_requests_in_batches_not_one_by_one() -> None:
+    """Per-request reaping (``overlap_events``) costs the saving process CPU and gains no queue depth."""
+    from fastpersist import AioConfig
+
+    with FastPersistContext(engine="aio", io_buffer_mb=2) as context:
+        assert context.aio_handle().get_overlap_events() is False
+    assert AioConfig.from_ds_config({"queue_depth": 8}).overlap_events is False
+    with FastPersistContext(engine="aio", io_buffer_mb=2, aio=AioConfig(overlap_events=True)) as context:
+        assert context.aio_handle().get_overlap_events() is True

@@ -23,7 +23,7 @@ from smartredis_io import (
     TlsFiles,
 )
 from smartredis_io.error import RedisConnectionError, RedisReplyError
-from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
+from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
 from tests.support.srio_workers import busy_worker, registry
 
 X = np.ones((2, 4), dtype=np.float32)
@@ -191,7 +191,7 @@ def test_tls(tls_files: TlsFiles, uid: str) -> None:
 
 def test_the_published_smartredis_client_gets_noperm_for_an_output_it_may_not_write(uid: str) -> None:
     """SmartRedis 0.6.1 cannot authenticate: it runs as the default user, here narrowed to a client's rights."""
-    smartredis = pytest.importorskip("smartredis")
+    smartredis = pytest.importorskip("smartredis", reason=PUBLISHED_SKIP, exc_type=ImportError)
     users = [AclUser("root", "root-pw", role="admin"), AclUser("runner", "runner-pw", role="worker")]
     with Orchestrator(workers=1, users=users) as orch:
         admin = redis.Redis(host="127.0.0.1", port=orch.database.port, username="root", password="root-pw")

@@ -53,6 +53,15 @@ def test_the_locator_prints_the_module_path() -> None:
     assert path == Path(locator.module_path()) and path.name == locator.MODULE_FILE and path.is_file()
 
 
+def test_the_locator_prints_only_the_path() -> None:
+    """Nothing on stderr (no runpy warning about the module being imported with the package), so the
+    output can go straight into ``--loadmodule``."""
+    result = subprocess.run([sys.executable, "-W", "always", "-m", "smartredis_io.redis_module"],
+                            capture_output=True, text=True, check=True)
+    assert result.stderr == ""
+    assert result.stdout == locator.module_path() + "\n"
+
+
 def test_a_missing_module_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(locator.MODULE_ENV, str(tmp_path / "nowhere.so"))
     result = subprocess.run([sys.executable, "-m", "smartredis_io.redis_module"], capture_output=True, text=True)

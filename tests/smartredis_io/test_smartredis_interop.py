@@ -16,9 +16,9 @@ from hypothesis.extra import numpy as hnp
 import smartredis_io
 from smartredis_io import AclUser, ConfigOptions, RedisCluster, RedisServer, wire
 from smartredis_io.error import RedisReplyError
-from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
+from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
 
-smartredis = pytest.importorskip("smartredis", reason="the published client comes with the [test] extra")
+smartredis = pytest.importorskip("smartredis", reason=PUBLISHED_SKIP, exc_type=ImportError)
 
 #: the tensor types the published client sends (smartredis.util.Dtypes)
 PUBLISHED_DTYPES = ("float64", "float32", "int8", "int16", "int32", "int64", "uint8", "uint16")

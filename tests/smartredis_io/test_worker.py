@@ -340,3 +340,38 @@ def test_allow_root_workers_is_an_explicit_choice(uid: str) -> None:
         client.put_tensor(uid + "x", X)
         client.run_script(uid, "double", [uid + "x"], [uid + "y"])
         np.testing.assert_allclose(client.get_tensor(uid + "y"), 2 * X)
+
+
+@pytest.mark.slow
+def test_cluster_runs_models_and_scripts_under_keys_that_are_not_utf8() -> None:
+    """The published client's cluster copies of models and scripts sit under binary hash-tag prefixes
+    (``{\\x8a\\xff}.name``): the worker answers with those keys as the bytes they were sent as, whether
+    the output is stored by the module (same shard), by the worker (another shard), or the model batches."""
+    with Orchestrator(shards=3, workers=1) as orch:
+        host, port = orch.address.split(",")[0].rsplit(":", 1)
+        db = redis.RedisCluster(host=host, port=int(port))
+        tag = b"{\x8a\xff}"
+        far = next(key for key in (b"far\xfe%d" % i for i in range(64))
+                   if db.get_node_from_key(key) != db.get_node_from_key(tag))
+
+        def put(key: bytes, array: np.ndarray) -> None:
+            db.execute_command("AI.TENSORSET", key, "FLOAT", *array.shape, "BLOB", array.tobytes())
+
+        def get(key: bytes, shape: tuple[int, ...] = X.shape) -> np.ndarray:
+            return np.frombuffer(db.execute_command("AI.TENSORGET", key, "BLOB"), np.float32).reshape(shape)
+
+        put(tag + b".a", X)
+        put(tag + b".b", X + 1)
+        db.execute_command("AI.SCRIPTSET", tag + b".s", "CPU", "SOURCE", SCRIPT)
+        assert db.execute_command("AI.SCRIPTRUN", tag + b".s", "add_and_sub", "INPUTS", tag + b".a", tag + b".b",
+                                  "OUTPUTS", tag + b".sum", far) == b"OK"
+        np.testing.assert_allclose(get(tag + b".sum"), 2 * X + 1)
+        np.testing.assert_allclose(get(far), -np.ones_like(X))
+
+        module = linear(5)
+        db.execute_command("AI.MODELSTORE", tag + b".m", "TORCH", "CPU", "BATCHSIZE", 4,
+                           "BLOB", torchscript_bytes(module, torch.from_numpy(X)))
+        assert db.execute_command("AI.MODELEXECUTE", tag + b".m", "INPUTS", 1, tag + b".a",
+                                  "OUTPUTS", 1, tag + b".y", "TIMEOUT", 60_000) == b"OK"
+        expected = _expected(module, X)
+        np.testing.assert_allclose(get(tag + b".y", expected.shape), expected, rtol=1e-6)
