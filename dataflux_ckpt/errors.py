@@ -75,7 +75,7 @@ class InvalidBucketNameError(InvalidObjectNameError):
     """A ``gs://`` path whose bucket name breaks GCS's bucket naming rules; raised before any request."""
 
     def __init__(self, bucket: str, reason: str) -> None:
-        ValueError.__init__(self, f"invalid GCS bucket name {bucket!r}: {reason}")
+        ValueError.__init__(self, f"{bucket!r} is not a valid GCS bucket name: {reason}")
         self.bucket = bucket
         self.name = ""
         self.reason = reason

@@ -98,7 +98,7 @@ def test_bucket_names_follow_gcs_rules(name):
         assert parse_gcs_path(path) == GcsPath(name, "key.ckpt")
         assert parse_gcs_prefix(f"gs://{name}") == GcsPath(name, "")
     else:
-        with pytest.raises(InvalidBucketNameError, match=re.escape(f"invalid GCS bucket name {name!r}")):
+        with pytest.raises(InvalidBucketNameError, match=re.escape(f"{name!r} is not a valid GCS bucket name")):
             parse_gcs_path(path)
         with pytest.raises(InvalidBucketNameError):
             parse_gcs_prefix(f"gs://{name}")
@@ -117,9 +117,9 @@ def test_my_bucket_is_reported_as_an_invalid_name_before_any_io(monkeypatch):
     # Nothing listens here: a request would fail with a connection error, not an invalid-name error.
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")
     plugin = DatafluxCheckpointIO()
-    with pytest.raises(InvalidBucketNameError, match=r"invalid GCS bucket name 'My_Bucket!'"):
+    with pytest.raises(InvalidBucketNameError, match=r"'My_Bucket!' is not a valid GCS bucket name"):
         plugin.save_checkpoint({}, "gs://My_Bucket!/run/last.ckpt")
-    with pytest.raises(InvalidBucketNameError, match=r"invalid GCS bucket name 'My_Bucket!'"):
+    with pytest.raises(InvalidBucketNameError, match=r"'My_Bucket!' is not a valid GCS bucket name"):
         plugin.list_checkpoints("gs://My_Bucket!/run")
 
 
