@@ -6,6 +6,7 @@ multipart server processes) need neither torch nor Lightning until a checkpoint 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from lightning_storage_plugins.lazy import lazy_exports
@@ -29,8 +30,10 @@ _EXPORTS = {
     "DataCorruptionError": "dataflux_ckpt.errors",
     "DeadlineExceededError": "dataflux_ckpt.errors",
     "InvalidCheckpointError": "dataflux_ckpt.errors",
+    "InvalidBucketNameError": "dataflux_ckpt.errors",
     "InvalidObjectNameError": "dataflux_ckpt.errors",
     "TransferError": "dataflux_ckpt.errors",
+    "UnsupportedSchemeError": "dataflux_ckpt.errors",
     "Gcs": "dataflux_ckpt.gcs",
     "parse_gcs_prefix": "dataflux_ckpt.paths",
     "GcsPath": "dataflux_ckpt.paths",
@@ -60,12 +63,14 @@ __all__ = [
     "Gcs",
     "GcsPath",
     "InvalidCheckpointError",
+    "InvalidBucketNameError",
     "InvalidObjectNameError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
     "StreamingWriter",
     "TransferError",
+    "UnsupportedSchemeError",
     "parse_gcs_path",
     "parse_gcs_prefix",
     "reader",
@@ -88,9 +93,11 @@ if TYPE_CHECKING:
         ConcurrentWriteError,
         DataCorruptionError,
         DeadlineExceededError,
+        InvalidBucketNameError,
         InvalidCheckpointError,
         InvalidObjectNameError,
         TransferError,
+        UnsupportedSchemeError,
     )
     from dataflux_ckpt.gcs import Gcs
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
@@ -106,3 +113,11 @@ _MOVED_TO_TESTING = frozenset({"FakeGcsServer", "XmlMultipartServer"})
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__,
                                    moved={name: "dataflux_ckpt.testing" for name in _MOVED_TO_TESTING})
+
+# With STORAGE_EMULATOR_HOST set, gcsfs' bucket-type probe (gRPC, which an emulator does not serve)
+# would stall or warn on every bucket access of Lightning's ModelCheckpoint; turn it off here, in
+# whichever order gcsfs and this package were imported.
+if os.environ.get("STORAGE_EMULATOR_HOST"):
+    from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
+
+    configure_gcsfs_for_emulator()

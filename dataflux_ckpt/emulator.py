@@ -253,11 +253,11 @@ def configure_gcsfs_for_emulator() -> bool:
     ``false`` unless the environment already says otherwise.
 
     Returns:
-        ``True`` when gcsfs was not imported yet (the setting takes effect), ``False`` (and a logged
-        warning) when it came too late for this process.
+        ``True`` when gcsfs was not imported yet (the setting takes effect); ``False`` when it was
+        imported with the probe on, and fsspec's ``gs://`` now resolves to gcsfs' plain filesystem.
     """
     os.environ.setdefault(GCSFS_PROBE_ENV, "false")
-    return not _warn_if_gcsfs_probes()
+    return _use_plain_gcsfs() is None
 
 
 @contextmanager
@@ -272,10 +272,12 @@ def activated(url: str) -> Iterator[str]:
     os.environ.update(environ)
     # gcsfs needs no credentials against an emulator; fsspec applies this to every gs:// open.
     fsspec.config.conf["gcs"] = {**(saved_gcs_conf or {}), "token": "anon"}
-    _warn_if_gcsfs_probes()
+    replaced = _use_plain_gcsfs()
     try:
         yield url
     finally:
+        if replaced is not None:
+            _register_gs_filesystem(replaced)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -287,14 +289,36 @@ def activated(url: str) -> Iterator[str]:
             fsspec.config.conf["gcs"] = saved_gcs_conf
 
 
-def _warn_if_gcsfs_probes() -> bool:
-    """Warn (and return ``True``) when gcsfs was imported with its bucket-type probe on."""
+# The protocols fsspec (and so Lightning's ModelCheckpoint) resolves to gcsfs.
+GCSFS_PROTOCOLS = ("gs", "gcs")
+
+
+def _register_gs_filesystem(cls: type) -> None:
+    import fsspec
+
+    for protocol in GCSFS_PROTOCOLS:
+        fsspec.register_implementation(protocol, cls, clobber=True)
+
+
+def _use_plain_gcsfs() -> type | None:
+    """When gcsfs was imported with its bucket-type probe on, have fsspec use gcsfs' plain filesystem.
+
+    The probe is a gRPC call to the emulator's HTTP port: it fails each TLS handshake, is retried for
+    60 s, and is not cached, so it repeats on every bucket access. The plain filesystem has no probe.
+
+    Returns:
+        The class fsspec resolved ``gs://`` to before (to restore), or ``None`` when nothing changed.
+    """
     gcsfs = sys.modules.get("gcsfs")
-    if gcsfs is not None and gcsfs.GCSFileSystem.__name__ == "ExtendedGcsFileSystem":
-        log.warning(
-            "gcsfs was imported before %s=false was set: each new bucket costs a gRPC probe that "
-            "stalls against the emulator; call dataflux_ckpt.emulator.configure_gcsfs_for_emulator() "
-            "(or set the variable) before importing gcsfs", GCSFS_PROBE_ENV,
-        )
-        return True
-    return False
+    if gcsfs is None or gcsfs.GCSFileSystem.__name__ != "ExtendedGcsFileSystem":
+        return None
+    import fsspec
+    from gcsfs.core import GCSFileSystem as PlainGcsFileSystem
+
+    previous = fsspec.registry.get("gs", gcsfs.GCSFileSystem)
+    if previous is PlainGcsFileSystem:
+        return None
+    log.info("gcsfs was imported with %s on; gs:// paths use gcsfs' plain filesystem against the emulator "
+             "(its bucket-type probe is a gRPC call the emulator does not serve)", GCSFS_PROBE_ENV)
+    _register_gs_filesystem(PlainGcsFileSystem)
+    return previous

@@ -76,3 +76,22 @@ class InvalidObjectNameError(ValueError):
         self.bucket = bucket
         self.name = name
         self.reason = reason
+
+
+class InvalidBucketNameError(InvalidObjectNameError):
+    """A ``gs://`` path whose bucket name breaks GCS's bucket naming rules; raised before any request."""
+
+    def __init__(self, bucket: str, reason: str) -> None:
+        ValueError.__init__(self, f"{bucket!r} is not a valid GCS bucket name: {reason}")
+        self.bucket = bucket
+        self.name = ""
+        self.reason = reason
+
+
+class UnsupportedSchemeError(ValueError):
+    """A path with a scheme other than ``gs://`` where a GCS path is expected."""
+
+    def __init__(self, path: str, scheme: str) -> None:
+        super().__init__(f"unsupported scheme {scheme + '://'!r} in {path!r}: GCS paths are written gs://bucket/key")
+        self.path = path
+        self.scheme = scheme

@@ -12,9 +12,9 @@ import unicodedata
 from typing import NamedTuple
 from urllib.parse import quote
 
-from dataflux_ckpt.errors import InvalidObjectNameError
+from dataflux_ckpt.errors import InvalidBucketNameError, InvalidObjectNameError, UnsupportedSchemeError
 
-SCHEMES = ("gs", "gcs")
+SCHEMES = ("gs",)
 # ``gs://bucket/key``; also ``gs:/bucket/key``, which is what ``pathlib.Path("gs://bucket/key")`` becomes.
 _PATH_RE = re.compile(r"^(?P<scheme>[A-Za-z0-9+.-]+):/{1,2}(?P<bucket>[^/]+)/(?P<key>.+)\Z", re.DOTALL)
 
@@ -35,16 +35,20 @@ class GcsPath(NamedTuple):
 
 
 def parse_gcs_path(path: str | os.PathLike[str]) -> GcsPath:
-    """Split ``gs://bucket/key`` (or ``gcs://``, or a ``pathlib.Path`` of either) into bucket and key.
+    """Split ``gs://bucket/key`` (or a ``pathlib.Path`` of one) into bucket and key.
 
     Raises:
+        UnsupportedSchemeError: another scheme (``gcs://`` included); the message names it.
+        InvalidBucketNameError: the bucket name breaks GCS's naming rules.
+        InvalidObjectNameError: the object name cannot be stored as written.
         ValueError: if ``path`` is not a GCS object path; the message names the path.
     """
     text = os.fspath(path)
     if not isinstance(text, str):
         raise ValueError(f"not a GCS object path: {path!r} (expected gs://bucket/key)")
     match = _PATH_RE.match(text)
-    if match is None or match["scheme"].lower() not in SCHEMES or match["key"].strip("/") == "":
+    _check_scheme(text, match)
+    if match is None or match["key"].strip("/") == "":
         raise ValueError(f"not a GCS object path: {text!r} (expected gs://bucket/key)")
     return GcsPath(check_bucket_name(match["bucket"]), check_object_name(match["bucket"], match["key"]))
 
@@ -56,11 +60,14 @@ def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
     """Split ``gs://bucket/prefix`` (the prefix may be empty: ``gs://bucket``) into bucket and prefix.
 
     Raises:
+        UnsupportedSchemeError: another scheme (``gcs://`` included); the message names it.
+        InvalidBucketNameError: the bucket name breaks GCS's naming rules.
         ValueError: if ``path`` is not a ``gs://`` path; the message names it.
     """
     text = os.fspath(path)
     match = _PREFIX_RE.match(text) if isinstance(text, str) else None
-    if match is None or match["scheme"].lower() not in SCHEMES:
+    _check_scheme(text, match)
+    if match is None:
         raise ValueError(f"not a GCS path: {path!r} (expected gs://bucket or gs://bucket/prefix)")
     bucket, prefix = check_bucket_name(match["bucket"]), match["key"] or ""
     if prefix:
@@ -68,22 +75,43 @@ def parse_gcs_prefix(path: str | os.PathLike[str]) -> GcsPath:
     return GcsPath(bucket, prefix)
 
 
+def _check_scheme(text: object, match: re.Match[str] | None) -> None:
+    # Only gs://: gcs:// is fsspec's alias, which Lightning and our checkpoints' own URIs never write,
+    # so a path using it would name the same object two ways.
+    if match is not None and match["scheme"].lower() not in SCHEMES:
+        raise UnsupportedSchemeError(str(text), match["scheme"])
+
+
 # GCS's limit on an object name, in UTF-8 bytes.
 MAX_OBJECT_NAME_BYTES = 1024
-# Characters GCS allows in a bucket name; it starts and ends with a letter or digit.
+# GCS's bucket naming rules: 3 to 63 characters, or up to 222 with dots, each dot-separated part at
+# most 63; lower-case letters, digits, '-', '_' and '.'; starting and ending with a letter or digit.
 _BUCKET_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?$")
+BUCKET_NAME_MIN = 3
+BUCKET_NAME_MAX = 63
+DOTTED_BUCKET_NAME_MAX = 222
+BUCKET_NAME_PART_MAX = 63
 
 
 def check_bucket_name(bucket: str) -> str:
-    """``bucket``, if GCS allows it as a bucket name.
+    """``bucket``, if it follows GCS's bucket naming rules.
 
     Raises:
-        InvalidObjectNameError: lower-case letters, digits, ``-``, ``_`` and ``.`` only, starting and
-            ending with a letter or digit.
+        InvalidBucketNameError: not 3 to 63 characters (222 with dots, each dot-separated part at most
+            63), or characters other than lower-case letters, digits, ``-``, ``_`` and ``.``, or not
+            starting and ending with a letter or digit. The message names the bucket and the rule.
     """
-    if not _BUCKET_RE.match(bucket):
-        raise InvalidObjectNameError(bucket, "", "a bucket name has only lower-case letters, digits, '-', '_' "
-                                                 "and '.', and starts and ends with a letter or digit")
+    if not isinstance(bucket, str) or not _BUCKET_RE.match(bucket):
+        raise InvalidBucketNameError(bucket, "a bucket name has only lower-case letters, digits, '-', '_' and '.', "
+                                             "and starts and ends with a letter or digit")
+    limit = DOTTED_BUCKET_NAME_MAX if "." in bucket else BUCKET_NAME_MAX
+    if not BUCKET_NAME_MIN <= len(bucket) <= limit:
+        raise InvalidBucketNameError(bucket, f"it has {len(bucket)} characters; a bucket name has {BUCKET_NAME_MIN} "
+                                             f"to {BUCKET_NAME_MAX} ({DOTTED_BUCKET_NAME_MAX} with dots)")
+    longest = max(bucket.split("."), key=len)
+    if len(longest) > BUCKET_NAME_PART_MAX:
+        raise InvalidBucketNameError(bucket, f"the dot-separated part {longest[:20]!r}... has {len(longest)} "
+                                             f"characters; each has at most {BUCKET_NAME_PART_MAX}")
     return bucket
 
 
