@@ -6,7 +6,9 @@ the row's plugin. All rows checkpoint the same Trainer. The rows run interleaved
 round (then one load of each), in an order that rotates every round, so a slow spell of the machine is
 shared among them. Results are medians with their min-max spread, and ratios of medians from this run:
 to TorchCheckpointIO through gcsfs (the baseline), to the published Dataflux package (the peer), and
-to the ceiling of the row's upload path, measured in the same rounds with raw HTTP and the same bytes.
+to the ceiling of the row's upload path, measured in the same rounds with raw HTTP and the same bytes,
+and of every load to the pure parallel download of those bytes. Below the tables, each row also gets
+the Dataflux Lightning benchmark's two lines, "Average time to save (load) one checkpoint: X seconds".
 
 With no ``CKPT_DIR_PATH`` the GCS rows run against a local fake-gcs-server, behind the XML multipart
 server (GCS's parallel-upload API) and, with ``--network cloud``, behind a toxiproxy model of a cloud
@@ -263,6 +265,7 @@ CEILING_NAMES = {
     "single": "raw single-request upload",
     "xml": "raw parallel XML multipart upload",
     "composite": "raw parallel composite upload",
+    "download": "raw parallel download",
     "load": "raw parallel download + torch.load",
 }
 
@@ -294,24 +297,29 @@ class UploadCeiling(Subject):
         self.raw.delete(self.bucket, f"{self.prefix}/ckpt_{step}")
 
 
-class LoadCeiling(Subject):
-    """The serial bound of a load: the object fetched with raw parallel ranged GETs (the plugin's part
-    size and connection count) into memory, then ``torch.load`` from there with its defaults."""
+class DownloadCeiling(Subject):
+    """The bounds of a load: the object fetched with raw parallel ranged GETs (the plugin's part size
+    and connection count) into memory. ``mode`` "download" stops there: the pure download, with no
+    deserialization, the ceiling of every GCS load. ``mode`` "load" then runs ``torch.load`` from
+    memory with its defaults: the serial bound of a load that does not overlap the two."""
 
-    def __init__(self, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
-        super().__init__("ceiling-load", f"ceiling: {CEILING_NAMES['load']}", "ceiling", meter, "load",
+    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
+        if mode not in ("download", "load"):
+            raise ValueError(f"a load ceiling is 'download' or 'load', not {mode!r}")
+        super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", meter, mode,
                          does_save=False)
-        self.raw, self.bucket = raw, bucket
+        self.raw, self.bucket, self.mode = raw, bucket, mode
         self.size_bytes = len(data)
-        self.name_ = f"{run_id}/ceiling-load/ckpt"
+        self.name_ = f"{run_id}/ceiling-{mode}/ckpt"
         raw.single_upload(bucket, self.name_, data)
 
     def load(self, step: int) -> Op:
         def run() -> None:
             buffer = self.raw.download(self.bucket, self.name_, self.size_bytes)
             try:
-                with MemoryReader(buffer) as reader:
-                    torch.load(reader)
+                if self.mode == "load":
+                    with MemoryReader(buffer) as reader:
+                        torch.load(reader)
             finally:
                 buffer.close()
 
@@ -403,19 +411,36 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
         row[f"{prefix}_cpu_total_s"] = statistics.median(sum(op.cpu_s.values()) for op in ops) if ops else None
     blocked = [op.blocked_s for op in subject.saves if op.blocked_s is not None]
     row["save_blocked_median_s"] = statistics.median(blocked) if blocked else None
+    row["average_time_lines"] = average_time_lines(row)
     return row
+
+
+def average_time_lines(row: dict[str, Any]) -> list[str]:
+    """The Dataflux Lightning benchmark's two result lines for this row, worded and formatted as it
+    prints them (the mean over the timed steps, in seconds), for what it measured."""
+    return [f"Average time to {op} one checkpoint: {row[f'{op}_s']} seconds"
+            for op in ("save", "load") if row[f"{op}_s"] is not None]
+
+
+def format_average_times(rows: list[dict[str, Any]]) -> str:
+    """A block per row of the Dataflux Lightning benchmark's "Average time to ..." lines, each
+    line prefixed by the row's name, so they compare with that benchmark's output."""
+    return "\n\n".join("\n".join(f"{r['type']}: {line}" for line in r["average_time_lines"]) for r in rows)
 
 
 def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -> None:
     """Ratios of medians: to the baseline (gcsfs), to the peer, and to the ceiling of each row's path.
 
     Ceilings get their ratios to the baseline and the peer too: the most any row on that path could
-    show against them in this run.
+    show against them in this run. Every GCS load, and the "download + torch.load" bound, gets its
+    ratio to the pure parallel download (``load_vs_download``).
     """
     baseline = next((r for r in rows if r["key"] == BASELINE_KEY), None)
     peer = next((r for r in rows if r["key"] == PEER_KEY), None)
     ceilings = {r["upload"]: r for r in ceiling_rows}
     load_ceiling = ceilings.get("load")
+    download = ceilings.get("download")
+    download_mbps = download["load_median_mbps"] if download else None
     for row in rows + ceiling_rows:
         for op in ("save", "load"):
             value = row[f"{op}_median_mbps"]
@@ -430,6 +455,9 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
         gcs_row = row["upload"] is not None
         row["load_ceiling_mbps"] = load_ceiling["load_median_mbps"] if load_ceiling and gcs_row else None
         row["load_vs_ceiling"] = ratio(row["load_median_mbps"], row["load_ceiling_mbps"])
+        row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if gcs_row else None
+    for row in ceiling_rows:
+        row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if row["upload"] == "load" else None
 
 
 def _range(row: dict[str, Any], op: str) -> str | None:
@@ -459,6 +487,7 @@ RATIO_COLUMNS = {
     "save_rss_vs_peer": "+RSS x peer",
     "save_vs_ceiling": "Save x ceil.",
     "load_vs_ceiling": "Load x ceil.",
+    "load_vs_download": "Load x download",
     "upload": "Save ceiling",
 }
 CEILING_COLUMNS = {
@@ -473,6 +502,7 @@ CEILING_COLUMNS = {
     "load_vs_baseline": "Load x gcsfs",
     "save_vs_peer": "Save x peer",
     "load_vs_peer": "Load x peer",
+    "load_vs_download": "Load x download",
 }
 
 
@@ -600,7 +630,7 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
         for mode in ("single", "xml", "composite"):
             if mode in needed:
                 subjects.append(UploadCeiling(mode, raw, bucket, data, run_id, meter))
-        subjects.append(LoadCeiling(raw, bucket, data, run_id, meter))
+        subjects += [DownloadCeiling(mode, raw, bucket, data, run_id, meter) for mode in ("download", "load")]
     return subjects
 
 
@@ -756,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_ratios(rows, ceiling_rows)
     print()
     print(format_report(rows, ceiling_rows))
+    print()
+    print(format_average_times(rows))
     write_json(args.json, rows + ceiling_rows)
     markdown = Path(args.json).with_suffix(".md")
     markdown.write_text(f"{header}\n\n{format_report(rows, ceiling_rows, format_markdown_table)}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -26,7 +27,8 @@ ROW_KEYS = {"type", "kind", "upload", "layers", "steps", "size_mb", "save_s", "s
             "save_median_mbps", "load_median_mbps", "save_min_mbps", "save_max_mbps", "save_times_s",
             "load_times_s", "save_extra_rss_mb", "load_extra_rss_mb", "network"}
 # What Lightning and the plugins would print between the progress bars if the benchmark let them.
-NOISE = ("INFO", "weights_only", "litlogger", "GPU available", "Average time", "LeafSpec", "does not serve")
+NOISE = ("INFO", "weights_only", "litlogger", "GPU available", "LeafSpec", "does not serve")
+AVERAGE_LINE = re.compile(r"^(?P<row>.+): Average time to (?P<op>save|load) one checkpoint: (?P<s>\S+) seconds$")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ENV_KEYS = ("CKPT_DIR_PATH", "DATAFLUX_CKPT", "USE_TRANSFER_MANAGER", "LAYERS", "STEPS")
 
@@ -121,11 +123,12 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
     out, err, rows, chart = _run(tmp_path)
     by_type, ceilings = _by_kind(rows)
     assert [t.removesuffix(" [xml]") for t in by_type] == REFERENCE_ROWS
-    assert set(ceilings) == {"single", "xml", "load"}
+    assert set(ceilings) == {"single", "xml", "download", "load"}
     for row in rows:
         assert ROW_KEYS <= row.keys()
         assert row["layers"] == 1 and row["network"] == "loopback" and row["size_mb"] > 1
-        assert len(row["save_times_s"]) == (1 if row["kind"] == "row" or row["upload"] != "load" else 0)
+        load_ceiling = row["upload"] in ("download", "load")
+        assert len(row["save_times_s"]) == (1 if row["kind"] == "row" or not load_ceiling else 0)
     for row in by_type.values():
         assert row["save_median_mbps"] > 0 and row["load_median_mbps"] > 0
         assert row["save_extra_rss_mb"] >= 0
@@ -138,12 +141,30 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
     assert no_tm["save_vs_ceiling"] == pytest.approx(
         no_tm["save_median_mbps"] / ceilings["single"]["save_median_mbps"])
     assert tm["load_vs_ceiling"] == pytest.approx(tm["load_median_mbps"] / ceilings["load"]["load_median_mbps"])
+    # The pure download: ranged reads into memory, no deserialization; every GCS load is held to it.
+    download = ceilings["download"]
+    assert download["type"] == "ceiling: raw parallel download" and download["key"] == "ceiling-download"
+    assert len(download["load_times_s"]) == 1 and download["load_median_mbps"] > 0
+    for row in (gcsfs, no_tm, tm, ceilings["load"]):
+        assert row["load_vs_download"] == pytest.approx(row["load_median_mbps"] / download["load_median_mbps"])
+    assert ceilings["xml"]["load_vs_download"] is None and download["load_vs_download"] is None
     # The console: the run's line, one progress bar per row, the tables; nothing from Lightning or the plugins.
     assert out.splitlines()[0].startswith("Lightning checkpoints, LAYERS=1, STEPS=1")
-    for title in ("Save MB/s", "Save x gcsfs", "Save x ceil.", "Ceiling", "raw parallel XML multipart upload"):
+    for title in ("Save MB/s", "Save x gcsfs", "Save x ceil.", "Load x download", "Ceiling",
+                  "raw parallel XML multipart upload", "ceiling: raw parallel download "):
         assert title in out
     for line in (out + err).splitlines():
         assert not any(noise in line for noise in NOISE), line
+    # The Dataflux Lightning benchmark's two lines for every row (not the ceilings), each prefixed by the
+    # row, with the mean of the timed steps, printed as that benchmark prints it; the same lines in the JSON.
+    averages = [m for m in map(AVERAGE_LINE.match, out.splitlines()) if m]
+    assert "Average time" not in err and sum("Average time" in line for line in out.splitlines()) == len(averages)
+    assert [(m["row"], m["op"]) for m in averages] == [(t, op) for t in by_type for op in ("save", "load")]
+    for m in averages:
+        row = by_type[m["row"]]
+        assert m["s"] == str(row[f"{m['op']}_s"])
+        assert float(m["s"]) == pytest.approx(sum(row[f"{m['op']}_times_s"]) / len(row[f"{m['op']}_times_s"]))
+        assert m.group(0).removeprefix(f"{m['row']}: ") in row["average_time_lines"]
     for name in REFERENCE_ROWS:
         assert name in err  # its progress bar
     assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
@@ -157,7 +178,7 @@ def test_both_upload_modes_each_with_its_own_ceiling(tmp_path):
     out, _, rows, _ = _run(tmp_path, "--types", "dataflux-tm", "--upload-mode", "both")
     by_type, ceilings = _by_kind(rows)
     assert list(by_type) == ["Dataflux (Transfer Manager Enabled) [xml]", "Dataflux (Transfer Manager Enabled) [composite]"]
-    assert set(ceilings) == {"xml", "composite", "load"}
+    assert set(ceilings) == {"xml", "composite", "download", "load"}
     for mode in ("xml", "composite"):
         row = by_type[f"Dataflux (Transfer Manager Enabled) [{mode}]"]
         assert row["upload"] == mode
