@@ -6,7 +6,6 @@ multipart server processes) need neither torch nor Lightning until a checkpoint 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from lightning_storage_plugins.lazy import lazy_exports
@@ -113,11 +112,3 @@ _MOVED_TO_TESTING = frozenset({"FakeGcsServer", "XmlMultipartServer"})
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__,
                                    moved={name: "dataflux_ckpt.testing" for name in _MOVED_TO_TESTING})
-
-# With STORAGE_EMULATOR_HOST set, gcsfs' bucket-type probe (gRPC, which an emulator does not serve)
-# would stall or warn on every bucket access of Lightning's ModelCheckpoint; turn it off here, in
-# whichever order gcsfs and this package were imported.
-if os.environ.get("STORAGE_EMULATOR_HOST"):
-    from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
-
-    configure_gcsfs_for_emulator()
