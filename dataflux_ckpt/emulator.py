@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import importlib.util
-import ipaddress
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from lightning_storage_plugins.services import ManagedProcess, find_binary, free_port
+from lightning_storage_plugins.services import ManagedProcess, find_binary, free_port, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +142,6 @@ class LocalGcsService:
         """Point this process' GCS clients (google-cloud-storage, gcsfs/fsspec) at this server."""
         with activated(self.url):
             yield self
-
-
-def is_loopback(host: str) -> bool:
-    """Whether listening on ``host`` is reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(host: str, allow_remote: bool, what: str) -> None:

@@ -63,9 +63,9 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from dataflux_ckpt import paths
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.emulator import LocalGcsService, check_bind, is_loopback
+from dataflux_ckpt.emulator import LocalGcsService, check_bind
 from dataflux_ckpt.errors import InvalidObjectNameError
-from lightning_storage_plugins.services import ManagedProcess, free_port
+from lightning_storage_plugins.services import ManagedProcess, free_port, is_loopback
 
 log = logging.getLogger(__name__)
 

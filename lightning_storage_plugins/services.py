@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import ipaddress
 import logging
 import os
 import shutil
@@ -38,6 +39,7 @@ __all__ = [
     "die_with_parent",
     "find_binary",
     "free_port",
+    "is_loopback",
 ]
 
 _running: weakref.WeakSet[ManagedProcess] = weakref.WeakSet()
@@ -50,6 +52,16 @@ class MissingBinaryError(FileNotFoundError):
 
 class ServiceStartError(RuntimeError):
     """A service did not come up; the message carries the tail of its log."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

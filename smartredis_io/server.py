@@ -9,7 +9,6 @@ command line; TLS is used when ``tls`` files are given.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -24,7 +23,13 @@ from pathlib import Path
 
 import redis
 
-from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, find_binary, free_port
+from lightning_storage_plugins.services import (
+    ManagedProcess,
+    ServiceStartError,
+    find_binary,
+    free_port,
+    is_loopback,
+)
 from smartredis_io.connection import ConnectionSettings, plain_client
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
@@ -115,15 +120,6 @@ class TlsFiles:
     ca_cert_file: str
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _quote(token: str) -> str:
     """A token of redis.conf, quoted so that any character survives."""
     escaped = token.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
@@ -167,7 +163,7 @@ class RedisServer:
         module: bool | str = True,
         module_args: Sequence[str] = (),
     ) -> None:
-        if not _is_loopback(host) and not password and not users:
+        if not is_loopback(host) and not password and not users:
             raise ValueError(
                 f"refusing to start redis-server on {host}: anyone who can reach it could read, change and run "
                 "everything stored; pass password= or users= (or listen on 127.0.0.1)"
@@ -176,7 +172,7 @@ class RedisServer:
         if len(set(names)) != len(names):
             raise ValueError(f"ACL user names must be unique, got {names}")
         self.host = host
-        self.port = port or free_port(host if _is_loopback(host) else "127.0.0.1")
+        self.port = port or free_port(host if is_loopback(host) else "127.0.0.1")
         self.users = tuple(users)
         self.tls = tls
         self._password = password or (secrets.token_urlsafe(24) if users else None)
