@@ -342,7 +342,9 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             raise ValueError(f"unknown step {op!r}")
         dist.barrier()
         report["steps"].append(outcome)
-    dist.destroy_process_group()
+    # No destroy_process_group(): the rank ends with os._exit, and on torch 2.6 destroying a gloo group
+    # can deadlock (its destructor joins the worker thread while holding the GIL, and that thread may
+    # still be freeing the last collective's tensors, which needs the GIL).
     return report
 
 
