@@ -14,7 +14,10 @@ in order, ``--repeat`` rounds, so compared rows interleave):
   ``FsspecWriter`` / ``FsspecReader`` over gcsfs (the baseline), ``DatafluxStorageWriter`` / ``Reader``,
   gcs-torch-dataflux 1.4.0's ``GCSDistributedWriter`` / ``Reader`` (the peer, run by a worker process per
   rank with its own google-cloud-storage 2.x: ``--peer-path``), and the ceiling: one raw upload and one
-  raw download of the same bytes per rank, all ranks at once.
+  raw download of the same bytes per rank, all ranks at once;
+* DCP's own cost: ``dcp.save`` / ``dcp.load`` over a storage layer that keeps nothing but the metadata
+  (planning, collectives, metadata, resolving each item), which every storage layer pays on top of
+  moving the bytes. ``x (ceil+DCP)`` compares a row with its ceiling plus that cost.
 
 Times are per rank (from a barrier to the rank's return) and in total (barrier to barrier); loads of
 local files start with the files evicted from the page cache. ``extra RSS`` is the most resident
@@ -71,6 +74,7 @@ class Row:
     baseline: str | None = None  # the row this one is compared with
     ceiling: bool = False
     peer: bool = False
+    protocol: bool = False  # DCP's own cost, over storage that keeps nothing
 
 
 ROWS = {row.key: row for row in [
@@ -81,7 +85,88 @@ ROWS = {row.key: row for row in [
     Row("dataflux", "DatafluxStorageWriter/Reader", "gcs", baseline="fsspec"),
     Row("peer", "GCSDistributedWriter/Reader (gcs-torch-dataflux 1.4.0)", "gcs", peer=True),
     Row("raw_gcs", "raw upload / download, one request per rank (ceiling)", "gcs", ceiling=True),
+    Row("dcp_protocol", "dcp.save/load over storage that keeps nothing (DCP's own cost)", "local", protocol=True),
 ]}
+
+
+def null_storage() -> tuple[type, type]:
+    """A DCP ``StorageWriter`` that resolves every item and keeps only the metadata (a small file, as every
+    storage layer writes one), and the ``StorageReader`` that serves it back and hands each tensor to the
+    planner untouched: what ``dcp.save`` / ``dcp.load`` cost with no tensor bytes moved."""
+    import pickle
+
+    from torch.distributed.checkpoint import LoadPlan, SavePlan, StorageReader, StorageWriter
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    def done(value: Any) -> Future:
+        future: Future = Future()
+        future.set_result(value)
+        return future
+
+    class NullWriter(StorageWriter):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+            return plan
+
+        def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+            return plans
+
+        def write_data(self, plan: SavePlan, planner: Any) -> Future:
+            results = []
+            for item in plan.items:
+                planner.resolve_data(item)
+                results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+            return done(results)
+
+        def finish(self, metadata: Any, results: Any) -> None:
+            os.makedirs(self.path, exist_ok=True)
+            Path(self.path, ".metadata").write_bytes(pickle.dumps(metadata))
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+        def storage_meta(self) -> None:
+            return None
+
+    class NullReader(StorageReader):
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def read_metadata(self) -> Any:
+            return pickle.loads(Path(self.path, ".metadata").read_bytes())
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+            return plan
+
+        def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+            return plans
+
+        def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+            for item in plan.items:
+                planner.commit_tensor(item, planner.resolve_tensor(item))
+            return done(None)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+    return NullWriter, NullReader
 
 
 # The state ----------------------------------------------------------------------------------------
@@ -323,6 +408,7 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
     from fastpersist import FastPersistContext
 
     fastpersist_context = FastPersistContext()  # handle and staging buffer kept across saves, as a trainer would
+    null_writer, null_reader = null_storage()
     gcs_root, local_root = spec["gcs_root"], spec["local_root"]
     bucket, _, prefix = gcs_root.removeprefix("gs://").partition("/")
     results: dict[str, Any] = {"rank": rank, "rows": {row.key: {"save": [], "load": []} for row in rows},
@@ -342,12 +428,14 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         from fastpersist import FastPersistStorageReader, FastPersistStorageWriter
 
         writers: dict[str, Callable[[], Any]] = {
+            "dcp_protocol": lambda: null_writer(where),
             "filesystem": lambda: dcp.FileSystemWriter(where, sync_files=True),
             "fastpersist": lambda: FastPersistStorageWriter(where, context=fastpersist_context),
             "fsspec": lambda: FsspecWriter(where, sync_files=False),
             "dataflux": lambda: DatafluxStorageWriter(where),
         }
         readers: dict[str, Callable[[], Any]] = {
+            "dcp_protocol": lambda: null_reader(where),
             "filesystem": lambda: dcp.FileSystemReader(where),
             "fastpersist": lambda: FastPersistStorageReader(where, context=fastpersist_context),
             "fsspec": lambda: FsspecReader(where),
@@ -411,6 +499,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
                         results["verified"][row.key] = results["rows"][row.key]["load"][-1]["verified"]
                     elif row.ceiling:
                         results["verified"][row.key] = bool(torch.equal(buffer, aligned_copy(shards)))
+                    elif row.protocol:
+                        results["verified"][row.key] = None  # it moves no bytes: nothing to check
                     else:
                         results["verified"][row.key] = all(torch.equal(a, b) for a, b in zip(shards, targets, strict=True))
                 dist.barrier()
@@ -480,7 +570,8 @@ def summarize(world: int, keys: list[str], args: argparse.Namespace, results: li
     for key in keys:
         row = ROWS[key]
         entry: dict[str, Any] = {"row": key, "name": row.name, "storage": row.storage, "ranks": world,
-                                 "size_mib": size_mib, "verified": all(r["verified"].get(key) for r in results)}
+                                 "size_mib": size_mib, "verified": None if row.protocol else
+                                 all(r["verified"].get(key) for r in results)}
         for op in ("save", "load"):
             totals = [max(r["rows"][key][op][i]["total_seconds"] for r in results) for i in range(args.repeat)]
             per_rank = [statistics.median(m["seconds"] for m in r["rows"][key][op]) for r in results]
@@ -494,15 +585,19 @@ def summarize(world: int, keys: list[str], args: argparse.Namespace, results: li
             entry["versions"] = results[0]["peer_versions"]
         summary.append(entry)
     by_key = {entry["row"]: entry for entry in summary}
+    protocol = by_key.get("dcp_protocol")
     for entry in summary:
         row = ROWS[entry["row"]]
-        ceiling = next((e for e in summary if ROWS[e["row"]].ceiling and ROWS[e["row"]].storage == row.storage), None)
+        ceiling = None if row.protocol else next(
+            (e for e in summary if ROWS[e["row"]].ceiling and ROWS[e["row"]].storage == row.storage), None)
         peer = by_key.get("peer") if row.storage == "gcs" else None
         base = by_key.get(row.baseline) if row.baseline else None
         for op in ("save", "load"):
             entry[f"{op}_vs_baseline"] = base[f"{op}_s"] / entry[f"{op}_s"] if base else None
             entry[f"{op}_vs_peer"] = peer[f"{op}_s"] / entry[f"{op}_s"] if peer and not row.peer else None
             entry[f"{op}_vs_ceiling"] = ceiling[f"{op}_s"] / entry[f"{op}_s"] if ceiling else None
+            entry[f"{op}_vs_ceiling_dcp"] = ((ceiling[f"{op}_s"] + protocol[f"{op}_s"]) / entry[f"{op}_s"]
+                                             if ceiling and protocol and not (row.ceiling or row.protocol) else None)
     return summary
 
 
@@ -511,6 +606,7 @@ COLUMNS = {
     "load_s": "load s", "load_spread_s": "load range", "load_mibps": "load MiB/s",
     "save_vs_baseline": "save x base", "load_vs_baseline": "load x base", "save_vs_peer": "save x peer",
     "load_vs_peer": "load x peer", "save_vs_ceiling": "save x ceil", "load_vs_ceiling": "load x ceil",
+    "save_vs_ceiling_dcp": "save x (ceil+DCP)", "load_vs_ceiling_dcp": "load x (ceil+DCP)",
     "save_extra_rss_mib": "save +RSS MiB/rank", "load_extra_rss_mib": "load +RSS MiB/rank", "verified": "ok",
 }
 
