@@ -41,6 +41,7 @@ _EXPORTS = {
     "RetryPolicy": "dataflux_ckpt.retry",
     "ObjectWriter": "dataflux_ckpt.upload",
     "StreamingWriter": "dataflux_ckpt.upload",
+    "TransferOptions": "dataflux_ckpt.options",
 }
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "RetryPolicy",
     "StreamingWriter",
     "TransferError",
+    "TransferOptions",
     "UnsupportedSchemeError",
     "parse_gcs_path",
     "parse_gcs_prefix",
@@ -99,6 +101,7 @@ if TYPE_CHECKING:
         UnsupportedSchemeError,
     )
     from dataflux_ckpt.gcs import Gcs
+    from dataflux_ckpt.options import TransferOptions
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
     from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy

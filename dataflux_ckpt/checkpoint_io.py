@@ -17,32 +17,35 @@ from typing_extensions import override
 
 from dataflux_ckpt.download import ObjectReader
 from dataflux_ckpt.errors import BucketNotFoundError, InvalidCheckpointError
-from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, Gcs, make_client
+from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, Gcs, make_client
+from dataflux_ckpt.options import (
+    CHUNK_SIZE_BYTES,
+    MAX_WORKERS,
+    RESUMABLE_CHUNK_MULTIPLE_BYTES,
+    STREAM_CHUNK_SIZE_BYTES,
+    TransferOptions,
+    option_property,
+    resolve_options,
+)
 from dataflux_ckpt.paths import GcsPath, check_bucket_name, parse_gcs_path, parse_gcs_prefix
 from dataflux_ckpt.retry import Deadline, RetryPolicy
-from dataflux_ckpt.upload import (
-    CLEANUP_TIMEOUT_S,
-    DEADLINE_S,
-    PARTS_SUFFIX,
-    UPLOAD_MODES,
-    ObjectWriter,
-    StreamingWriter,
-    sweep_stale_parts,
-)
+from dataflux_ckpt.upload import PARTS_SUFFIX, ObjectWriter, StreamingWriter, sweep_stale_parts
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_SIZE_BYTES", "MAX_WORKERS", "STREAM_CHUNK_SIZE_BYTES", "DatafluxCheckpointIO", "reader", "writer"]
+__all__ = [
+    "CHUNK_SIZE_BYTES",
+    "MAX_WORKERS",
+    "RESUMABLE_CHUNK_MULTIPLE_BYTES",
+    "STREAM_CHUNK_SIZE_BYTES",
+    "DatafluxCheckpointIO",
+    "reader",
+    "writer",
+]
 
-CHUNK_SIZE_BYTES = 32 * 2**20
-MAX_WORKERS = 8
-# Without the transfer manager each resumable-upload request carries this much. Larger requests
-# mean fewer round trips; fake-gcs-server also re-hashes the whole object on every request.
-STREAM_CHUNK_SIZE_BYTES = 128 * 2**20
-RESUMABLE_CHUNK_MULTIPLE_BYTES = 256 * 2**10
 ZIP_MAGIC = b"PK\x03\x04"
 # torch.save's format before zip files (``_use_new_zipfile_serialization=False``) starts with this pickle.
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -92,24 +95,17 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
             a copy of the plugin in another process makes its own client from the environment.
         use_transfer_manager: parallel part uploads and ranged downloads; ``False`` streams each
             checkpoint through one resumable upload / one GET.
-        chunk_size: bytes per part and per ranged read (transfer manager).
-        stream_chunk_size: bytes per request of the resumable upload (no transfer manager); a
-            multiple of 256 KiB. Up to two such buffers are alive during a save.
-        max_workers: concurrent part uploads / ranged reads.
-        upload_mode: ``"auto"`` (probe XML multipart once per bucket, else composite uploads;
-            composite when ``chunk_size`` is under GCS's 5 MiB minimum part), ``"xml"`` or ``"composite"``.
-        retry: retry policy for each request (part, range, compose, ...).
-        deadline_s: every save, load, remove and listing must finish within this many seconds, or
-            fails with :class:`~dataflux_ckpt.errors.DeadlineExceededError`.
-        request_timeout_s: how long one request may wait for the server (per socket operation).
-        cleanup_timeout_s: how long clean-up after a failed save may take (aborting its upload,
-            deleting its part objects).
+        chunk_size, max_workers, stream_chunk_size, upload_mode, retry, deadline_s, request_timeout_s,
+            cleanup_timeout_s: as the fields of :class:`~dataflux_ckpt.TransferOptions` (their
+            defaults where not given); or give them all as ``options``.
+        options: the transfer options (part size, parallelism, upload mode, retries, deadlines).
         weights_only: what ``load_checkpoint`` passes to ``torch.load`` when its caller passes
             ``None`` (``None``: torch's default).
 
     Raises:
-        ValueError: an option is out of range.
-        TypeError: ``weights_only`` is not a bool or ``None``.
+        ValueError: an option is out of range (the message names it).
+        TypeError: an option has the wrong type, an individual option conflicts with the same field
+            of ``options``, or ``weights_only`` is not a bool or ``None``.
     """
 
     _process_local = ("_client", "_gcs", "_lock")
@@ -119,40 +115,36 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
         project_name: str | None = None,
         storage_client: storage.Client | None = None,
         use_transfer_manager: bool = True,
-        chunk_size: int = CHUNK_SIZE_BYTES,
-        max_workers: int = MAX_WORKERS,
-        stream_chunk_size: int = STREAM_CHUNK_SIZE_BYTES,
-        upload_mode: str = "auto",
+        chunk_size: int | None = None,
+        max_workers: int | None = None,
+        stream_chunk_size: int | None = None,
+        upload_mode: str | None = None,
         retry: RetryPolicy | None = None,
         *,
-        deadline_s: float = DEADLINE_S,
-        request_timeout_s: float = REQUEST_TIMEOUT_S,
-        cleanup_timeout_s: float = CLEANUP_TIMEOUT_S,
+        deadline_s: float | None = None,
+        request_timeout_s: float | None = None,
+        cleanup_timeout_s: float | None = None,
+        options: TransferOptions | None = None,
         weights_only: bool | None = None,
     ) -> None:
         super().__init__(weights_only=weights_only)
-        if upload_mode not in UPLOAD_MODES:
-            raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
-        if chunk_size <= 0 or max_workers <= 0:
-            raise ValueError(f"chunk_size ({chunk_size}) and max_workers ({max_workers}) must be positive")
-        if stream_chunk_size <= 0 or stream_chunk_size % RESUMABLE_CHUNK_MULTIPLE_BYTES:
-            raise ValueError(f"stream_chunk_size must be a positive multiple of "
-                             f"{RESUMABLE_CHUNK_MULTIPLE_BYTES} bytes, not {stream_chunk_size}")
-        for name, value in (("deadline_s", deadline_s), ("request_timeout_s", request_timeout_s),
-                            ("cleanup_timeout_s", cleanup_timeout_s)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, not {value!r}")
+        self.options = resolve_options(
+            type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
+            stream_chunk_size=stream_chunk_size, upload_mode=upload_mode, retry=retry, deadline_s=deadline_s,
+            request_timeout_s=request_timeout_s, cleanup_timeout_s=cleanup_timeout_s)
         self.project_name = project_name
         self.use_transfer_manager = use_transfer_manager
-        self.chunk_size = chunk_size
-        self.max_workers = max_workers
-        self.stream_chunk_size = stream_chunk_size
-        self.upload_mode = upload_mode
-        self.retry = retry or RetryPolicy()
-        self.deadline_s = deadline_s
-        self.request_timeout_s = request_timeout_s
-        self.cleanup_timeout_s = cleanup_timeout_s
         self._client = storage_client
+
+    # The options' fields, read as attributes of the plugin.
+    chunk_size = option_property("chunk_size", "Bytes per part and per ranged read.")
+    max_workers = option_property("max_workers", "Concurrent part uploads / ranged reads.")
+    stream_chunk_size = option_property("stream_chunk_size", "Bytes per request of the resumable upload.")
+    upload_mode = option_property("upload_mode", '``"auto"``, ``"xml"`` or ``"composite"``.')
+    retry = option_property("retry", "The retry policy of each request.")
+    deadline_s = option_property("deadline_s", "Each save, load, removal and listing's deadline, in seconds.")
+    request_timeout_s = option_property("request_timeout_s", "One request's wait for the server, in seconds.")
+    cleanup_timeout_s = option_property("cleanup_timeout_s", "Clean-up's time limit, in seconds.")
 
     @override
     def _start_process_state(self) -> None:

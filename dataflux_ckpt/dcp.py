@@ -52,10 +52,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dataflux_ckpt._gcs_compat import raw_body_reader
 from dataflux_ckpt.checksums import crc32c_extend
 from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError, HttpStatusError, TransferError
-from dataflux_ckpt.gcs import Gcs, make_client
+from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, Gcs, make_client
+from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions, option_property, resolve_options
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline, RetryPolicy
-from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, DEADLINE_S, UPLOAD_MODES, ObjectWriter
+from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, ObjectWriter
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
@@ -71,11 +72,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DatafluxStorageReader", "DatafluxStorageWriter"]
 
-CHUNK_SIZE_BYTES = 32 * 2**20
-MAX_WORKERS = 8
-CRC_BLOCK_BYTES = 1 * 2**20
-# Items closer than this in one object are fetched by one GET (the gap's bytes are read and dropped).
-COALESCE_GAP_BYTES = 1 * 2**20
 DEVICE_PIECE_BYTES = 64 * 2**20  # a GPU tensor is copied to host in pieces of this size
 SCRATCH_BYTES = 1 * 2**20
 # A save lock not renewed for this long, by the server's clock, belongs to a save that is over.
@@ -106,9 +102,9 @@ def _checkpoint_path(checkpoint_id: str | os.PathLike[str]) -> GcsPath:
 class _Connection:
     """The GCS client of one writer or reader: made from the environment on first use, never pickled."""
 
-    def __init__(self, project_name: str | None, storage_client: storage.Client | None, retry: RetryPolicy,
-                 max_workers: int) -> None:
-        self.project_name, self.retry, self.max_workers = project_name, retry, max_workers
+    def __init__(self, project_name: str | None, storage_client: storage.Client | None,
+                 options: TransferOptions) -> None:
+        self.project_name, self.options = project_name, options
         self._client = storage_client
         self._gcs: Gcs | None = None
         self._lock = threading.Lock()
@@ -123,8 +119,10 @@ class _Connection:
     def gcs(self) -> Gcs:
         with self._lock:
             if self._gcs is None:
-                self._gcs = Gcs(self._client or make_client(self.project_name), retry=self.retry,
-                                connections=self.max_workers)
+                options = self.options
+                self._gcs = Gcs(self._client or make_client(self.project_name), retry=options.retry,
+                                connections=options.max_workers, request_timeout_s=options.request_timeout_s,
+                                connect_timeout_s=min(CONNECT_TIMEOUT_S, options.request_timeout_s))
             return self._gcs
 
 
@@ -133,6 +131,13 @@ class _GcsCheckpoint:
 
     storage_info_types = (GcsItemInfo,)
     checkpoint_id: str
+    options: TransferOptions
+
+    # The options' fields, read as attributes of the writer or reader.
+    chunk_size = option_property("chunk_size", "Bytes per uploaded part; the largest ranged GET.")
+    max_workers = option_property("max_workers", "Concurrent part uploads / GETs of this rank.")
+    retry = option_property("retry", "The retry policy of each request.")
+    deadline_s = option_property("deadline_s", "The deadline of each step of a save or load, in seconds.")
 
     @staticmethod
     def _normalize(checkpoint_id: str | os.PathLike[str]) -> str:
@@ -265,12 +270,6 @@ class _GcsSaveLock(SaveLock):
                             self._checkpoint, err, self._lease_s)
 
 
-def _check_options(chunk_size: int, max_workers: int, block_size: int, deadline_s: float) -> None:
-    if chunk_size <= 0 or max_workers <= 0 or block_size <= 0 or not deadline_s > 0:
-        raise ValueError(f"chunk_size ({chunk_size}), max_workers ({max_workers}), block_size ({block_size}) "
-                         f"and deadline_s ({deadline_s}) must be positive")
-
-
 class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
     """A DCP ``StorageWriter`` for ``gs://bucket/prefix`` checkpoints.
 
@@ -285,12 +284,18 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         retry: retry policy for each request.
         deadline_s: each step of a save on a rank (its shard, the metadata, the clean-up) must finish
             within this many seconds, or fails with ``DeadlineExceededError`` naming it.
+        options: all of the above (and the request and clean-up timeouts) as one
+            :class:`~dataflux_ckpt.TransferOptions`; an individual argument given as well must agree.
         overwrite: ``False`` refuses to save where a checkpoint exists.
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save``).
 
     Raises:
-        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range.
+        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range (the message names it).
+        TypeError: an option has the wrong type, or conflicts with the same field of ``options``.
     """
+
+    upload_mode = option_property("upload_mode", '``"auto"``, ``"xml"`` or ``"composite"``.')
+    block_size = option_property("block_size", "Bytes covered by each recorded crc32c.")
 
     def __init__(
         self,
@@ -298,22 +303,21 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         *,
         project_name: str | None = None,
         storage_client: storage.Client | None = None,
-        chunk_size: int = CHUNK_SIZE_BYTES,
-        max_workers: int = MAX_WORKERS,
-        upload_mode: str = "auto",
-        block_size: int = CRC_BLOCK_BYTES,
+        chunk_size: int | None = None,
+        max_workers: int | None = None,
+        upload_mode: str | None = None,
+        block_size: int | None = None,
         retry: RetryPolicy | None = None,
-        deadline_s: float = DEADLINE_S,
+        deadline_s: float | None = None,
+        options: TransferOptions | None = None,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
     ) -> None:
-        _check_options(chunk_size, max_workers, block_size, deadline_s)
-        if upload_mode not in UPLOAD_MODES:
-            raise ValueError(f"upload_mode must be one of {UPLOAD_MODES}, not {upload_mode!r}")
+        self.options = resolve_options(type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
+                                       upload_mode=upload_mode, block_size=block_size, retry=retry,
+                                       deadline_s=deadline_s)
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
-        self.chunk_size, self.max_workers, self.block_size = chunk_size, max_workers, block_size
-        self.upload_mode, self.deadline_s = upload_mode, deadline_s
-        self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+        self._connection = _Connection(project_name, storage_client, self.options)
         self._metadata_generation = 0
 
     def _deadline(self) -> Deadline:
@@ -337,7 +341,8 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         target = self._object(name)
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
         with ObjectWriter(self._connection.gcs, target, chunk_size=self.chunk_size, max_workers=self.max_workers,
-                          mode=self.upload_mode, deadline_s=self.deadline_s) as stream:
+                          mode=self.upload_mode, deadline_s=self.deadline_s,
+                          cleanup_timeout_s=self.options.cleanup_timeout_s) as stream:
             for item in ordered:
                 offset = stream.tell()
                 crcs = _BlockCrcs(self.block_size)
@@ -357,7 +362,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
                                        shape=tuple(tensor.shape))
                 results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
         # Part objects of a composite upload are deleted in the background: done before the save returns.
-        self._connection.gcs.wait_background(CLEANUP_TIMEOUT_S)
+        self._connection.gcs.wait_background(self.options.cleanup_timeout_s)
         return results
 
     def _publish(self, name: str, data: bytes) -> None:
@@ -523,11 +528,16 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
         retry: retry policy for each request.
         deadline_s: a rank's load (metadata, then its items) must finish within this many seconds, or
             fails with ``DeadlineExceededError`` naming it.
+        options: all of the above (and the request timeout) as one :class:`~dataflux_ckpt.TransferOptions`;
+            an individual argument given as well must agree.
         weights_only: see :class:`~lightning_storage_plugins.dcp.ShardedStorageReader`.
 
     Raises:
-        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range.
+        ValueError: ``path`` is not a ``gs://`` path, or an option is out of range (the message names it).
+        TypeError: an option has the wrong type, or conflicts with the same field of ``options``.
     """
+
+    coalesce_gap = option_property("coalesce_gap", "Items closer than this many bytes are fetched by one GET.")
 
     def __init__(
         self,
@@ -535,20 +545,18 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
         *,
         project_name: str | None = None,
         storage_client: storage.Client | None = None,
-        chunk_size: int = CHUNK_SIZE_BYTES,
-        max_workers: int = MAX_WORKERS,
-        coalesce_gap: int = COALESCE_GAP_BYTES,
+        chunk_size: int | None = None,
+        max_workers: int | None = None,
+        coalesce_gap: int | None = None,
         retry: RetryPolicy | None = None,
-        deadline_s: float = DEADLINE_S,
+        deadline_s: float | None = None,
+        options: TransferOptions | None = None,
         weights_only: bool | None = None,
     ) -> None:
-        _check_options(chunk_size, max_workers, 1, deadline_s)
-        if coalesce_gap < 0:
-            raise ValueError(f"coalesce_gap must not be negative, not {coalesce_gap}")
+        self.options = resolve_options(type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
+                                       coalesce_gap=coalesce_gap, retry=retry, deadline_s=deadline_s)
         super().__init__(path, weights_only=weights_only)
-        self.chunk_size, self.max_workers, self.coalesce_gap = chunk_size, max_workers, coalesce_gap
-        self.deadline_s = deadline_s
-        self._connection = _Connection(project_name, storage_client, retry or RetryPolicy(), max_workers)
+        self._connection = _Connection(project_name, storage_client, self.options)
 
     def _read(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))
