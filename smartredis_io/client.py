@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from smartredis_io._helpers import typecheck
 from smartredis_io.admin_commands import AdminCommands
-from smartredis_io.configoptions import ConfigOptions, typecheck
+from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.connection import ConnectionSettings, Database
 from smartredis_io.dataset_commands import DatasetCommands
 from smartredis_io.error import RedisConnectionError

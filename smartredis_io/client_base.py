@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import redis
 
 from smartredis_io import dataset as ds_layout
-from smartredis_io.configoptions import typecheck
+from smartredis_io._helpers import names, typecheck
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
@@ -65,18 +65,6 @@ def _target(client: ClientBase, args: tuple[Any, ...]) -> str:
     if args and isinstance(args[0], str):
         return f"{args[0]!r} {where}".strip()
     return where
-
-
-def names(arg: str | list[str] | None, what: str) -> list[str]:
-    """A name or a list of names as a list; ``TypeError`` (as SmartRedis) for anything else."""
-    if arg is None:
-        return []
-    if isinstance(arg, str):
-        return [arg]
-    typecheck(arg, what, list)
-    for item in arg:
-        typecheck(item, what, str)
-    return arg
 
 
 def poll(check: Callable[[], bool], poll_frequency_ms: int, num_tries: int) -> bool:

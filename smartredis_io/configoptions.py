@@ -7,17 +7,12 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from smartredis_io._helpers import typecheck
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
 
 __all__ = ["ConfigOptions", "create_managed_instance", "managed", "typecheck"]
 
 _NOT_FACTORY = "Method called on a ConfigOptions object not created from a factory method"
-
-
-def typecheck(arg: object, name: str, _type: type | tuple[type, ...]) -> None:
-    """Raise SmartRedis' ``TypeError`` when ``arg`` is not an instance of ``_type``."""
-    if not isinstance(arg, _type):
-        raise TypeError(f"Argument {name} is of type {type(arg)}, not {_type}")
 
 
 _T = TypeVar("_T")

@@ -13,7 +13,7 @@ import struct
 import numpy as np
 
 from smartredis_io import _redispy, wire
-from smartredis_io.configoptions import typecheck
+from smartredis_io._helpers import typecheck
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
 from smartredis_io.srobject import SRObject

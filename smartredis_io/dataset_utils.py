@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from smartredis_io.configoptions import typecheck
+from smartredis_io._helpers import typecheck, typecheck_stringlist
 from smartredis_io.dataset import Dataset
 from smartredis_io.error import RedisRuntimeError
 
@@ -38,22 +38,6 @@ def get_data(dataset: Dataset, name: str, dtype: str) -> list[str]:
     :raises RedisKeyError: if nothing is recorded for the variable
     """
     return dataset.get_meta_strings(f"_xarray_{name}_{dtype}_names")[0].split(",")
-
-
-def typecheck_stringlist(names: list[str], strings_name: str, string_name: str) -> None:
-    """Check that ``names`` is a list of non-empty strings
-
-    :param names: the list to check
-    :param strings_name: the list's name, for errors
-    :param string_name: an element's name, for errors
-    :raises TypeError: if ``names`` is not a list of strings
-    :raises RedisRuntimeError: if an element is an empty string
-    """
-    typecheck(names, strings_name, list)
-    for name in names:
-        typecheck(name, string_name, str)
-        if not name:
-            raise RedisRuntimeError(f"Empty string in {strings_name}")
 
 
 def _as_names(names: str | list[str] | None, what: str) -> list[str] | None:

@@ -51,13 +51,13 @@ from smartredis_io import (
     _torchscript,
     devices,
     export_policy,
-    models,
+    protocol,
     torchscript_policy,
     wire,
 )
 from smartredis_io.connection import Command, ConnectionSettings, Database, parse_address, plain_client
 from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
-from smartredis_io.models import Manifest, Request
+from smartredis_io.protocol import Manifest, Request
 from smartredis_io.worker import EXIT_DEADLINE, EXIT_STOPPED
 
 log = logging.getLogger("smartredis_io.worker")
@@ -287,7 +287,7 @@ def _check_outputs(keys: Sequence[str], heads: Sequence[Any]) -> None:
     by ``SRIO.REPLY`` itself.
     """
     for key, head in zip(keys, heads, strict=True):
-        if isinstance(head, bytes) and head.startswith(models.MANIFEST_PREFIX):
+        if isinstance(head, bytes) and head.startswith(protocol.MANIFEST_PREFIX):
             raise RunError(f"ERR output key {key!r} holds a model or script; a run does not replace it")
 
 
@@ -318,7 +318,7 @@ class Worker:
         self._heartbeat = _Heartbeat(settings, endpoints, self.name)
         if self.db.exchange([("COMMAND", "INFO", "SRIO.POP")])[0] in ([None], None):
             raise ModuleMissingError(
-                f"The database at {self.db.address} does not serve execution workers: {models.MODULE_HINT}"
+                f"The database at {self.db.address} does not serve execution workers: {protocol.MODULE_HINT}"
             )
         self._watchdog = _Watchdog()
         self._stop = False
@@ -435,7 +435,7 @@ class Worker:
         for node, reply in replies:
             if isinstance(reply, redis.exceptions.ResponseError):
                 if "unknown command" in str(reply).lower():
-                    raise ModuleMissingError(f"{node.name} does not serve execution workers: {models.MODULE_HINT}")
+                    raise ModuleMissingError(f"{node.name} does not serve execution workers: {protocol.MODULE_HINT}")
                 raise reply
         return popped
 
@@ -526,7 +526,7 @@ class Worker:
             if cached_manifest is not None and cached_manifest[0] == raw_manifest:
                 manifest: Manifest | None = cached_manifest[1]  # unchanged: skip parsing it again
             else:
-                manifest = models.parse(raw_manifest) if isinstance(raw_manifest, bytes) else None
+                manifest = protocol.parse(raw_manifest) if isinstance(raw_manifest, bytes) else None
                 if manifest is not None:
                     self._manifests[key] = (raw_manifest, manifest)
             if manifest is None:
@@ -538,7 +538,7 @@ class Worker:
                 return manifest, cached[1]
             self._watchdog.arm(max(request.deadline, time.monotonic() + LOAD_BUDGET_S), f"loading {request.what}")
             try:
-                blob = models.load_blob(self.db, key, manifest)
+                blob = protocol.load_blob(self.db, key, manifest)
             except RedisKeyError:
                 continue  # replaced while loading: read the new manifest
             with torch.inference_mode(False):  # loading builds modules, as outside a worker
@@ -635,7 +635,7 @@ class Worker:
         if len(outputs) != len(request.outputs):
             raise RunError(f"ERR {request.what} produced {len(outputs)} outputs but {len(request.outputs)} were named")
         for key in request.outputs:
-            if models.is_internal_key(key):
+            if protocol.is_internal_key(key):
                 raise RunError(f"ERR output key {key!r} is reserved for stored values' parts")
         answered: list[tuple[str, bytes]] = []
         direct: list[tuple[str, np.ndarray, bytes | None]] = []

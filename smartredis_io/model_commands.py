@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
-import textwrap
 from collections.abc import Callable
 
 import redis
 
-from smartredis_io import export_policy, models, placement, torchscript_policy
-from smartredis_io.client_base import ClientBase, command, names, poll
-from smartredis_io.configoptions import typecheck
+from smartredis_io import placement, protocol, torchscript_policy
+from smartredis_io._helpers import check_file, checked_model, function_source, names, typecheck
+from smartredis_io.client_base import ClientBase, command, poll
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
@@ -49,29 +46,6 @@ def _check_batching(batch_size: int, min_batch_size: int, min_batch_timeout: int
                     "min_batch_timeout may improve performance.")
 
 
-def _function_source(function: Callable) -> str:
-    """The source of a function to store as a script (``TypeError`` as SmartRedis when not callable)."""
-    if not callable(function):
-        raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
-    return textwrap.dedent(inspect.getsource(function))
-
-
-def _checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
-    """The model's bytes, once its name is known not to be empty and the model safe to load."""
-    if not name:
-        raise ValueError("name is a required parameter of set_model.")
-    blob = bytes(model)
-    export_policy.check_model(blob, f"model {name!r}", method)
-    return blob
-
-
-def _check_file(path: str) -> str:
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(path)
-    return path
-
-
 class ModelCommands(ClientBase):
     """Models (TorchScript) and scripts (TorchScript source), stored in the database and run by workers."""
 
@@ -102,18 +76,18 @@ class ModelCommands(ClientBase):
         slot = self._db.redis.keyslot(near) if near is not None else 0
         return placement.key_on_shard(self._shard_ranges, slot, key)
 
-    def _store(self, name: str, blob: bytes, manifest: models.Manifest) -> None:
+    def _store(self, name: str, blob: bytes, manifest: protocol.Manifest) -> None:
         if self._sharded():
             placement.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
             return
-        models.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
+        protocol.store(self._db, self._put_key("model", name), blob, manifest, self._model_chunk_bytes)
 
     def _blob_of(self, name: str, kind: str) -> bytes:
         """The bytes of the stored model or script ``name``; ``RedisKeyError`` when there is none."""
         if self._sharded():
             return placement.get_blob(self._db, self._get_key("model", name), kind)
         key, manifest = self._manifest_of(name, kind)
-        return models.load_blob(self._db, key, manifest)
+        return protocol.load_blob(self._db, key, manifest)
 
     def _delete(self, name: str, kind: str) -> None:
         """Delete the stored model or script ``name``; ``RedisKeyError`` when there is none."""
@@ -121,7 +95,7 @@ class ModelCommands(ClientBase):
             placement.delete(self._db, self._get_key("model", name), kind)
             return
         self._manifest_of(name, kind)
-        models.delete(self._db, self._get_key("model", name))
+        protocol.delete(self._db, self._get_key("model", name))
 
     @command
     def set_model(
@@ -180,12 +154,12 @@ class ModelCommands(ClientBase):
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
-        self._store(name, _checked_model(name, model, "set_model"), manifest)
+        self._store(name, checked_model(name, model, "set_model"), manifest)
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
                         tag: str, inputs: str | list[str] | None, outputs: str | list[str] | None,
-                        method: str = "set_model") -> models.Manifest:
+                        method: str = "set_model") -> protocol.Manifest:
         typecheck(backend, "backend", str)
         typecheck(batch_size, "batch_size", int)
         typecheck(min_batch_size, "min_batch_size", int)
@@ -204,8 +178,8 @@ class ModelCommands(ClientBase):
             raise RedisReplyError(f"ERR unsupported backend {backend}: smartredis_io workers run TORCH models",
                                   method)
         _check_batching(batch_size, min_batch_size, min_batch_timeout, method)
-        return models.Manifest(
-            "model", models.new_version(), backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
+        return protocol.Manifest(
+            "model", protocol.new_version(), backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
             input_names, output_names,
         )
 
@@ -256,14 +230,14 @@ class ModelCommands(ClientBase):
         typecheck(model_file, "model_file", str)
         self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs,
                              "set_model_from_file")
-        with open(_check_file(model_file), "rb") as f:
+        with open(check_file(model_file), "rb") as f:
             blob = f.read()
         self.set_model(name, blob, backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs,
                        outputs)
 
-    def _manifest_of(self, name: str, kind: str) -> tuple[str, models.Manifest]:
+    def _manifest_of(self, name: str, kind: str) -> tuple[str, protocol.Manifest]:
         key = self._get_key("model", name)
-        manifest = models.load_manifest(self._db, key)
+        manifest = protocol.load_manifest(self._db, key)
         if manifest is None or manifest.kind != kind:
             raise RedisKeyError(f"No {kind} stored at key {key!r}")
         return key, manifest
@@ -295,7 +269,7 @@ class ModelCommands(ClientBase):
         typecheck(name, "name", str)
         if self._sharded():
             return placement.exists(self._db, self._get_key("model", name))
-        return models.load_manifest(self._db, self._get_key("model", name)) is not None
+        return protocol.load_manifest(self._db, self._get_key("model", name)) is not None
 
     def poll_model(self, name: str, poll_frequency_ms: int, num_tries: int) -> bool:
         """Wait for a model or script to exist in the database
@@ -332,13 +306,13 @@ class ModelCommands(ClientBase):
             reply = self._db.redis.execute_command("AI.MODELGET", placement.first_shard_key(key), "META", "BLOB")
             meta = dict(zip(reply[0::2], reply[1::2], strict=True))
             blob = meta[b"blob"]
-            manifest = models.Manifest(
-                "model", models.new_version(), backend=meta[b"backend"].decode(), device=meta[b"device"].decode(),
+            manifest = protocol.Manifest(
+                "model", protocol.new_version(), backend=meta[b"backend"].decode(), device=meta[b"device"].decode(),
                 batch_size=int(meta[b"batchsize"]), min_batch_size=int(meta[b"minbatchsize"]),
                 min_batch_timeout=int(meta[b"minbatchtimeout"]), tag=meta[b"tag"].decode())
             self._store(alias, b"".join(blob) if isinstance(blob, list) else blob, manifest)
             return
-        models.alias(self._db, self._put_key("model", alias), self._put_key("model", target))
+        protocol.alias(self._db, self._put_key("model", alias), self._put_key("model", target))
 
     @command
     def set_script(self, name: str, script: str, device: str = "CPU") -> None:
@@ -360,7 +334,7 @@ class ModelCommands(ClientBase):
         typecheck(script, "script", str)
         device = _check_device(device)
         torchscript_policy.check_source(script, f"script {name!r}", "set_script")
-        self._store(name, script.encode(), models.Manifest("script", models.new_version(), device=device))
+        self._store(name, script.encode(), protocol.Manifest("script", protocol.new_version(), device=device))
 
     def set_function(self, name: str, function: Callable, device: str = "CPU") -> None:
         """Put a TorchScript-compatible Python function to the database as a script
@@ -377,7 +351,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the function fails to set
         """
         typecheck(name, "name", str)
-        self.set_script(name, _function_source(function), device)
+        self.set_script(name, function_source(function), device)
 
     def set_script_from_file(self, name: str, file: str, device: str = "CPU") -> None:
         """Put a TorchScript script from a file to the database
@@ -395,7 +369,7 @@ class ModelCommands(ClientBase):
         typecheck(name, "name", str)
         typecheck(file, "file", str)
         _check_device(device)
-        with open(_check_file(file)) as f:
+        with open(check_file(file)) as f:
             self.set_script(name, f.read(), device)
 
     @command
@@ -476,7 +450,7 @@ class ModelCommands(ClientBase):
         output_keys = [self._put_key("tensor", t) for t in outputs]
         for attempt in range(2):
             target = self._copy_near(key, input_keys[0] if input_keys else None, refresh=attempt > 0)
-            command = models.execute_command(kind, target, fn_name, input_keys, output_keys, timeout_ms)
+            command = protocol.execute_command(kind, target, fn_name, input_keys, output_keys, timeout_ms)
             reply = self._db.exchange([command], raise_on_error=False, block_s=timeout_ms / 1000)[0]
             if not (self._sharded() and isinstance(reply, redis.exceptions.ResponseError) and "is empty" in str(reply)):
                 break  # a cluster's copy not found: the shards may have changed; look them up once more
@@ -487,7 +461,7 @@ class ModelCommands(ClientBase):
             raise RedisTimeoutError(f"{text} (SR_MODEL_TIMEOUT)", method)
         if "unknown command" in text.lower():
             raise RedisReplyError(f"{kind} {key!r} cannot run: the database does not serve AI.MODELEXECUTE; "
-                                  f"{models.MODULE_HINT}", method)
+                                  f"{protocol.MODULE_HINT}", method)
         if isinstance(reply, redis.exceptions.NoPermissionError) or text.startswith("NOPERM"):
             raise RedisReplyError(f"NOPERM {text.removeprefix('NOPERM ')}", method)
         raise RedisReplyError(text, method)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from smartredis_io.client_base import command, names
-from smartredis_io.configoptions import typecheck
+from smartredis_io._helpers import check_file, checked_model, function_source, names, typecheck
+from smartredis_io.client_base import command
 from smartredis_io.error import (
     MissingKeyRuntimeError,
     RedisKeyError,
@@ -23,12 +23,12 @@ from smartredis_io.error import (
     RedisRuntimeError,
     RedisTimeoutError,
 )
-from smartredis_io.model_commands import ModelCommands, _check_file, _checked_model, _function_source
+from smartredis_io.model_commands import ModelCommands
 
-__all__ = ["MultiGPUCommands", "gpu_key"]
+__all__ = ["MultiGPUCommands"]
 
 
-def gpu_key(name: str, gpu: int) -> str:
+def _gpu_key(name: str, gpu: int) -> str:
     """The name of the copy of model or script ``name`` for GPU ``gpu``."""
     return f"{name}.GPU:{gpu}"
 
@@ -102,9 +102,9 @@ class MultiGPUCommands(ModelCommands):
         gpus = _check_gpus(first_gpu, num_gpus)
         arguments = (batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs, "set_model_multigpu")
         general = self._model_manifest(backend, "GPU", *arguments)
-        blob = _checked_model(name, model, "set_model_multigpu")
+        blob = checked_model(name, model, "set_model_multigpu")
         for gpu in gpus:
-            self._store(gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
+            self._store(_gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
         self._store(name, blob, general)
 
     def set_model_from_file_multigpu(
@@ -159,7 +159,7 @@ class MultiGPUCommands(ModelCommands):
         _check_gpus(first_gpu, num_gpus)
         self._model_manifest(backend, "GPU", batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs,
                              "set_model_from_file_multigpu")
-        with open(_check_file(model_file), "rb") as f:
+        with open(check_file(model_file), "rb") as f:
             blob = f.read()
         self.set_model_multigpu(name, blob, backend, first_gpu, num_gpus, batch_size, min_batch_size,
                                 min_batch_timeout, tag, inputs, outputs)
@@ -234,7 +234,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(script, "script", str)
         for gpu in _check_gpus(first_gpu, num_gpus):
-            self.set_script(gpu_key(name, gpu), script, f"GPU:{gpu}")
+            self.set_script(_gpu_key(name, gpu), script, f"GPU:{gpu}")
         self.set_script(name, script, "GPU")
 
     def set_script_from_file_multigpu(self, name: str, file: str, first_gpu: int, num_gpus: int) -> None:
@@ -256,7 +256,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(file, "file", str)
         _check_gpus(first_gpu, num_gpus)
-        with open(_check_file(file)) as f:
+        with open(check_file(file)) as f:
             self.set_script_multigpu(name, f.read(), first_gpu, num_gpus)
 
     def set_function_multigpu(self, name: str, function: Callable, first_gpu: int, num_gpus: int) -> None:
@@ -279,7 +279,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(first_gpu, "first_gpu", int)
         typecheck(num_gpus, "num_gpus", int)
-        self.set_script_multigpu(name, _function_source(function), first_gpu, num_gpus)
+        self.set_script_multigpu(name, function_source(function), first_gpu, num_gpus)
 
     @command
     def run_script_multigpu(
@@ -346,7 +346,7 @@ class MultiGPUCommands(ModelCommands):
     def _run_on(self, gpu: int, kind: str, name: str, fn_name: str, inputs: list[str], outputs: list[str],
                 method: str) -> None:
         try:
-            self._run(kind, gpu_key(name, gpu), fn_name, inputs, outputs, method)
+            self._run(kind, _gpu_key(name, gpu), fn_name, inputs, outputs, method)
         except RedisTimeoutError:
             raise
         except RedisReplyError as exc:
@@ -356,7 +356,7 @@ class MultiGPUCommands(ModelCommands):
     def _delete_copies(self, name: str, first_gpu: int, num_gpus: int, kind: str) -> None:
         typecheck(name, "name", str)
         missing = []
-        for key in [*(gpu_key(name, gpu) for gpu in _check_gpus(first_gpu, num_gpus)), name]:
+        for key in [*(_gpu_key(name, gpu) for gpu in _check_gpus(first_gpu, num_gpus)), name]:
             try:
                 self._delete(key, kind)
             except RedisKeyError:

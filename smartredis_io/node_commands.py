@@ -15,8 +15,8 @@ from typing import Any
 import redis
 
 from smartredis_io import _redispy, placement
+from smartredis_io._helpers import typecheck, typecheck_list
 from smartredis_io.client_base import ClientBase, command
-from smartredis_io.configoptions import typecheck
 from smartredis_io.connection import parse_address
 from smartredis_io.error import MissingKeyRuntimeError, RedisConnectionError, RedisRuntimeError
 
@@ -90,10 +90,7 @@ class NodeCommands(ClientBase):
 
     @staticmethod
     def _addresses(addresses: list[str], name: str = "addresses") -> list[str]:
-        typecheck(addresses, name, list)
-        for address in addresses:
-            typecheck(address, name, str)
-        return addresses
+        return typecheck_list(addresses, name)
 
     @command
     def get_db_node_info(self, addresses: list[str]) -> list[dict]:

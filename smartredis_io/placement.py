@@ -5,7 +5,7 @@ where ``<prefix>`` is a short binary string whose hash slot is the lowest slot o
 (the inverse CRC16 of ``RedisCluster::_get_crc16_prefix``); it reads it from the shard that serves
 slot 0 and runs it on any shard. With the smartredis_io Redis module loaded, ``smartredis_io`` does
 the same through RedisAI's commands, so that models and scripts stored by either kind of client are
-the same objects. Without the module a cluster keeps them at ``<name>`` (``smartredis_io.models``).
+the same objects. Without the module a cluster keeps them at ``<name>`` (``smartredis_io.protocol``).
 On a standalone server both kinds of client use ``<name>``.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import redis
 
-from smartredis_io import models
+from smartredis_io import protocol
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisKeyError
 
@@ -104,7 +104,7 @@ def _chunks(blob: bytes, chunk_bytes: int | None) -> list[memoryview]:
     return [view[i:i + size] for i in range(0, len(blob), size)] or [view]
 
 
-def _store_command(key: bytes, blob: bytes, manifest: models.Manifest, chunk_bytes: int | None) -> list:
+def _store_command(key: bytes, blob: bytes, manifest: protocol.Manifest, chunk_bytes: int | None) -> list:
     if manifest.kind == "script":
         return ["AI.SCRIPTSET", key, manifest.device, *(["TAG", manifest.tag] if manifest.tag else []), "SOURCE", blob]
     command: list = ["AI.MODELSTORE", key, manifest.backend, manifest.device]
@@ -119,7 +119,7 @@ def _store_command(key: bytes, blob: bytes, manifest: models.Manifest, chunk_byt
     return [*command, "BLOB", *_chunks(blob, chunk_bytes)]
 
 
-def store(db: Database, name: str, blob: bytes, manifest: models.Manifest, chunk_bytes: int | None = None) -> None:
+def store(db: Database, name: str, blob: bytes, manifest: protocol.Manifest, chunk_bytes: int | None = None) -> None:
     """Store a model or script on every shard, as SmartRedis does (AI.MODELSTORE / AI.SCRIPTSET)."""
     for key in shard_keys(db, name):
         db.redis.execute_command(*_store_command(key, blob, manifest, chunk_bytes))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from smartredis_io import wire
+from smartredis_io._helpers import typecheck
 from smartredis_io.client_base import ClientBase, command, poll
-from smartredis_io.configoptions import typecheck
 from smartredis_io.error import RedisKeyError
 
 __all__ = ["TensorCommands"]

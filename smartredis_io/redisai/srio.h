@@ -1,7 +1,7 @@
 /* The smartredis_io Redis module: what its source files share.
  *
  * The module serves RedisAI's commands on a stock redis-server, over smartredis_io's own storage
- * (smartredis_io/wire.py and smartredis_io/models.py), so that SmartRedis clients in C, C++, Fortran
+ * (smartredis_io/wire.py and smartredis_io/protocol.py), so that SmartRedis clients in C, C++, Fortran
  * and Python and smartredis_io share one database:
  *
  * - a tensor is a Redis string: a header (magic "SRT1", layout, dtype code, ndim, the shape as
@@ -124,7 +124,7 @@ int SRIO_TensorDelete(RedisModuleCtx *ctx, RedisModuleString *keyname);
 int SRIO_KeyHoldsTensor(RedisModuleKey *key);
 int SRIO_KeyHoldsManifest(RedisModuleKey *key);
 
-/* ---- models and scripts (smartredis_io/models.py) ----------------------------------------- */
+/* ---- models and scripts (smartredis_io/protocol.py) ----------------------------------------- */
 
 #define SRIO_MANIFEST_PREFIX "{\"kind\": "
 #define SRIO_VERSION_HEX 32
@@ -153,7 +153,7 @@ int SRIO_ManifestRead(RedisModuleCtx *ctx, RedisModuleString *keyname, SRIO_Mani
 /* Parse a manifest's JSON; SRIO_OK or SRIO_WRONGTYPE. */
 int SRIO_ManifestParse(const char *json, size_t len, SRIO_Manifest *m);
 void SRIO_ManifestFree(SRIO_Manifest *m);
-/* The JSON of a manifest, as smartredis_io writes it (json.dumps of models.Manifest); NULL when a
+/* The JSON of a manifest, as smartredis_io writes it (json.dumps of protocol.Manifest); NULL when a
  * string field is not UTF-8 text. Free with RedisModule_Free. */
 char *SRIO_ManifestJson(const SRIO_Manifest *m, size_t *len);
 /* The key of the blob a manifest stored at `keyname` points to. */

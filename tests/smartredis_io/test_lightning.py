@@ -25,7 +25,7 @@ from smartredis_io import (
     SmartRedisCheckpointIO,
     SmartRedisModelCheckpoint,
     SmartRedisModelPublisher,
-    models,
+    protocol,
     wire,
 )
 from smartredis_io.error import RedisReplyError
@@ -185,7 +185,7 @@ def test_fit_publish_run_model_from_another_process(orchestrator: Orchestrator, 
         with redis.Redis(host="127.0.0.1", port=orchestrator.database.port,
                          password=orchestrator.settings().password) as plain:
             alias = json.loads(plain.get(uid))
-        assert alias["blob"] == models.blob_key(f"{uid}.v6", alias["version"])
+        assert alias["blob"] == protocol.blob_key(f"{uid}.v6", alias["version"])
         assert not client.model_exists(f"{uid}.v2"), "only the newest versions are kept"
         # New weights reach run_model(alias) without restarting anything.
         with torch.no_grad():

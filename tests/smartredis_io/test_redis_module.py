@@ -18,7 +18,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as PlainCluster
 
-from smartredis_io import Client, models, wire
+from smartredis_io import Client, protocol, wire
 from smartredis_io import redis_module as locator
 from smartredis_io.server import RedisServer
 from tests.support.srio_models import linear, torchscript_bytes
@@ -252,10 +252,10 @@ def test_modelstore_is_smartredis_ios_model(db, redis_server, uid: str, model_by
     half = len(model_bytes) // 2
     assert db.execute_command("AI.MODELSTORE", uid, "TORCH", "gpu:1", "TAG", "v1", "BATCHSIZE", 8, "MINBATCHSIZE",
                               2, "MINBATCHTIMEOUT", 5, "BLOB", model_bytes[:half], model_bytes[half:]) == b"OK"
-    manifest = models.parse(db.get(uid))
+    manifest = protocol.parse(db.get(uid))
     assert (manifest.kind, manifest.backend, manifest.device, manifest.tag, manifest.batch_size,
             manifest.min_batch_size, manifest.min_batch_timeout) == ("model", "TORCH", "GPU:1", "v1", 8, 2, 5)
-    assert db.get(uid).startswith(models.MANIFEST_PREFIX) and len(manifest.version) == 32
+    assert db.get(uid).startswith(protocol.MANIFEST_PREFIX) and len(manifest.version) == 32
     with Client(False, redis_server.address) as client:
         assert client.get_model(uid) == model_bytes
         client.set_model(uid + "s", model_bytes, "TORCH", "CPU", tag="mine")
@@ -268,9 +268,9 @@ def test_modelstore_is_smartredis_ios_model(db, redis_server, uid: str, model_by
 
 def test_a_model_stored_again_replaces_its_blob(db, uid: str, model_bytes: bytes) -> None:
     db.execute_command("AI.MODELSTORE", uid, "TORCH", "CPU", "BLOB", model_bytes)
-    first = models.blob_key(uid, models.parse(db.get(uid)).version)
+    first = protocol.blob_key(uid, protocol.parse(db.get(uid)).version)
     db.execute_command("AI.MODELSTORE", uid, "TORCH", "CPU", "TAG", "2", "BLOB", model_bytes)
-    assert not db.exists(first) and db.exists(models.blob_key(uid, models.parse(db.get(uid)).version))
+    assert not db.exists(first) and db.exists(protocol.blob_key(uid, protocol.parse(db.get(uid)).version))
     assert db.execute_command("AI.MODELDEL", uid) == b"OK"
     assert db.keys(f"*{uid}*") == []
 
@@ -345,7 +345,7 @@ def test_scripts_set_and_stored_are_smartredis_ios(db, redis_server, uid: str) -
     assert db.execute_command("AI.SCRIPTGET", uid, "META") == [b"device", b"CPU", b"tag", b"t", b"Entry Points",
                                                                [b"double", b"add"]]
     assert db.execute_command("AI.SCRIPTGET", uid)[-2:] == [b"source", source.encode()]
-    assert models.parse(db.get(uid)).kind == "script"
+    assert protocol.parse(db.get(uid)).kind == "script"
     assert db.execute_command("AI.SCRIPTDEL", uid) == b"OK" and db.keys(f"*{{{uid}}}*") == []
 
 
@@ -379,8 +379,8 @@ def test_an_alias_is_read_only_with_read_access_to_its_target(redis_server, uid:
     """A manifest forged to name another key as its blob does not read that key for a user who may not."""
     with _plain(redis_server) as admin:
         admin.execute_command("AI.MODELSTORE", f"secret{uid}", "TORCH", "CPU", "BLOB", model_bytes)
-        secret_blob = models.blob_key(f"secret{uid}", models.parse(admin.get(f"secret{uid}")).version)
-        forged = models.Manifest("model", models.new_version(), blob=secret_blob)
+        secret_blob = protocol.blob_key(f"secret{uid}", protocol.parse(admin.get(f"secret{uid}")).version)
+        forged = protocol.Manifest("model", protocol.new_version(), blob=secret_blob)
         admin.set(f"mine{uid}", json.dumps(forged.__dict__))
         admin.acl_setuser(f"u{uid}", enabled=True, passwords=[f"+pw{uid}"], keys=[f"mine{uid}*"],
                           commands=["+ai.modelget"])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from smartredis_io import Client, Orchestrator, _torch_export, export_policy, models
+from smartredis_io import Client, Orchestrator, _torch_export, export_policy, protocol
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisReplyError
 from smartredis_io.torchscript_policy import RefusedGraph
@@ -59,7 +59,7 @@ def _store_raw(orchestrator: Orchestrator, name: str, blob: bytes) -> None:
     """Store as any writer to Redis could, without the client's check."""
     db = Database(orchestrator.settings())
     try:
-        models.store(db, name, blob, models.Manifest("model", models.new_version()))
+        protocol.store(db, name, blob, protocol.Manifest("model", protocol.new_version()))
     finally:
         db.close()
 

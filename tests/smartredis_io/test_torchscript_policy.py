@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from smartredis_io import Client, Orchestrator, _torchscript, models, torchscript_policy
+from smartredis_io import Client, Orchestrator, _torchscript, protocol, torchscript_policy
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisReplyError
 from smartredis_io.torchscript_policy import RefusedGraph
@@ -54,7 +54,7 @@ def _store_raw(orchestrator: Orchestrator, name: str, blob: bytes, kind: str) ->
     """Store as any writer to Redis could, without the client's check."""
     db = Database(orchestrator.settings())
     try:
-        models.store(db, name, blob, models.Manifest(kind, models.new_version()))
+        protocol.store(db, name, blob, protocol.Manifest(kind, protocol.new_version()))
     finally:
         db.close()
 

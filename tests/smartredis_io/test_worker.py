@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import Client, Orchestrator, models, wire
+from smartredis_io import Client, Orchestrator, protocol, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 from tests.support.srio_workers import WorkerEntry, registry, wait_until
@@ -48,7 +48,7 @@ def test_a_new_model_version_is_picked_up(orch_client: Client, orch_raw, uid: st
     assert len(orch_raw.keys(f"{{{uid}}}.blob.*")) == 1  # old versions' blobs are gone
 
 
-_BOUNDARY = models.EMBED_MAX_BYTES // 4  # float32 elements of an input the request can carry
+_BOUNDARY = protocol.EMBED_MAX_BYTES // 4  # float32 elements of an input the request can carry
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

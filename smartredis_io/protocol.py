@@ -1,4 +1,5 @@
-"""How models and scripts are stored, and the requests that execution workers receive.
+"""The protocol that clients, the Redis module and execution workers share: how models and scripts
+are stored, and the requests that the workers receive.
 
 A model or script key holds a small JSON manifest (kind, backend, device, batching, version); the
 bytes live at ``{key}.blob.<version>`` (a uint8 tensor, so chunked like any tensor) and the manifest,
