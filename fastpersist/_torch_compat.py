@@ -143,9 +143,10 @@ def resolve_weights_only(weights_only: bool | None) -> bool:
     return default_weights_only() if weights_only is None else bool(weights_only)
 
 
-def open_reader(path: str) -> Any:
-    """torch's own zip reader over ``path`` (C++ file I/O, not a Python stream)."""
-    return torch._C.PyTorchFileReader(path)
+def open_reader(source: str | Any) -> Any:
+    """torch's own zip reader over ``source``: a path (C++ file I/O, not a Python stream) or a readable,
+    seekable binary file object (``read``/``readinto``/``seek``/``tell``)."""
+    return torch._C.PyTorchFileReader(source)
 
 
 def storage_records(path: str, include_empty: bool = False) -> list[tuple[int, int, str]]:

@@ -49,7 +49,7 @@ from fastpersist.buffers import DoubleBuffer
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
 from fastpersist.memory import aligned_empty, round_down, round_up
-from fastpersist.writer import _fsync_dir, save_file, write_archive
+from fastpersist.writer import fsync_dir, save_file, write_archive
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
@@ -332,7 +332,7 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
             if os.path.exists(temp):
                 os.unlink(temp)
             raise
-        _fsync_dir(self.checkpoint_id)
+        fsync_dir(self.checkpoint_id)
 
     def _list(self) -> list[str]:
         try:
@@ -471,7 +471,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
 def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) -> torch.Tensor:
     """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
     no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
-    reader = torch._C.PyTorchFileReader(MemoryFile(data))
+    reader = _torch_compat.open_reader(MemoryFile(data))
     tensor = _torch_compat.unpickle(reader, "cpu", True, where, overall_storage=storage)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")

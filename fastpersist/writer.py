@@ -162,7 +162,7 @@ def save_file(
                 raise
             finally:
                 file.close()
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
     finally:
         if owned:
             ctx.close()
@@ -366,7 +366,8 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Flush ``directory``'s entries (a rename or a new file in it) to stable storage."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

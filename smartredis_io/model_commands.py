@@ -49,14 +49,14 @@ def _check_batching(batch_size: int, min_batch_size: int, min_batch_timeout: int
                     "min_batch_timeout may improve performance.")
 
 
-def _function_source(function: Callable) -> str:
+def function_source(function: Callable) -> str:
     """The source of a function to store as a script (``TypeError`` as SmartRedis when not callable)."""
     if not callable(function):
         raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
     return textwrap.dedent(inspect.getsource(function))
 
 
-def _checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
+def checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
     """The model's bytes, once its name is known not to be empty and the model safe to load."""
     if not name:
         raise ValueError("name is a required parameter of set_model.")
@@ -65,7 +65,8 @@ def _checked_model(name: str, model: bytes | bytearray | memoryview, method: str
     return blob
 
 
-def _check_file(path: str) -> str:
+def check_file(path: str) -> str:
+    """The absolute path of ``path``, a file that exists (``FileNotFoundError`` naming it otherwise)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(path)
@@ -180,7 +181,7 @@ class ModelCommands(ClientBase):
         typecheck(model, "model", (bytes, bytearray, memoryview))
         manifest = self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag,
                                         inputs, outputs)
-        self._store(name, _checked_model(name, model, "set_model"), manifest)
+        self._store(name, checked_model(name, model, "set_model"), manifest)
 
     @staticmethod
     def _model_manifest(backend: str, device: str, batch_size: int, min_batch_size: int, min_batch_timeout: int,
@@ -256,7 +257,7 @@ class ModelCommands(ClientBase):
         typecheck(model_file, "model_file", str)
         self._model_manifest(backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs,
                              "set_model_from_file")
-        with open(_check_file(model_file), "rb") as f:
+        with open(check_file(model_file), "rb") as f:
             blob = f.read()
         self.set_model(name, blob, backend, device, batch_size, min_batch_size, min_batch_timeout, tag, inputs,
                        outputs)
@@ -377,7 +378,7 @@ class ModelCommands(ClientBase):
         :raises RedisReplyError: if the function fails to set
         """
         typecheck(name, "name", str)
-        self.set_script(name, _function_source(function), device)
+        self.set_script(name, function_source(function), device)
 
     def set_script_from_file(self, name: str, file: str, device: str = "CPU") -> None:
         """Put a TorchScript script from a file to the database
@@ -395,7 +396,7 @@ class ModelCommands(ClientBase):
         typecheck(name, "name", str)
         typecheck(file, "file", str)
         _check_device(device)
-        with open(_check_file(file)) as f:
+        with open(check_file(file)) as f:
             self.set_script(name, f.read(), device)
 
     @command

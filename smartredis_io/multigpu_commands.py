@@ -23,7 +23,7 @@ from smartredis_io.error import (
     RedisRuntimeError,
     RedisTimeoutError,
 )
-from smartredis_io.model_commands import ModelCommands, _check_file, _checked_model, _function_source
+from smartredis_io.model_commands import ModelCommands, check_file, checked_model, function_source
 
 __all__ = ["MultiGPUCommands", "gpu_key"]
 
@@ -102,7 +102,7 @@ class MultiGPUCommands(ModelCommands):
         gpus = _check_gpus(first_gpu, num_gpus)
         arguments = (batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs, "set_model_multigpu")
         general = self._model_manifest(backend, "GPU", *arguments)
-        blob = _checked_model(name, model, "set_model_multigpu")
+        blob = checked_model(name, model, "set_model_multigpu")
         for gpu in gpus:
             self._store(gpu_key(name, gpu), blob, self._model_manifest(backend, f"GPU:{gpu}", *arguments))
         self._store(name, blob, general)
@@ -159,7 +159,7 @@ class MultiGPUCommands(ModelCommands):
         _check_gpus(first_gpu, num_gpus)
         self._model_manifest(backend, "GPU", batch_size, min_batch_size, min_batch_timeout, tag, inputs, outputs,
                              "set_model_from_file_multigpu")
-        with open(_check_file(model_file), "rb") as f:
+        with open(check_file(model_file), "rb") as f:
             blob = f.read()
         self.set_model_multigpu(name, blob, backend, first_gpu, num_gpus, batch_size, min_batch_size,
                                 min_batch_timeout, tag, inputs, outputs)
@@ -256,7 +256,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(file, "file", str)
         _check_gpus(first_gpu, num_gpus)
-        with open(_check_file(file)) as f:
+        with open(check_file(file)) as f:
             self.set_script_multigpu(name, f.read(), first_gpu, num_gpus)
 
     def set_function_multigpu(self, name: str, function: Callable, first_gpu: int, num_gpus: int) -> None:
@@ -279,7 +279,7 @@ class MultiGPUCommands(ModelCommands):
         typecheck(name, "name", str)
         typecheck(first_gpu, "first_gpu", int)
         typecheck(num_gpus, "num_gpus", int)
-        self.set_script_multigpu(name, _function_source(function), first_gpu, num_gpus)
+        self.set_script_multigpu(name, function_source(function), first_gpu, num_gpus)
 
     @command
     def run_script_multigpu(
