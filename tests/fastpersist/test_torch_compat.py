@@ -315,3 +315,14 @@ def test_writes_go_by_descriptor_or_path_as_this_deepspeed_takes_them(
 
 def test_local_header_struct_matches_the_zip_format() -> None:
     assert _torch_compat._LOCAL_HEADER.size == 30 == struct.calcsize("<IHHHHHIIIHH")
+
+
+# DeepSpeed 0.16's config models use pydantic APIs that newer pydantic deprecates; not ours to fix.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_ds_config_dict_is_read_back_from_deepspeeds_config_object() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds_config = {"train_batch_size": 1, "checkpoint": {"writer": {"type": "fast", "io_buffer_size": 1 << 20}}}
+    assert _deepspeed_compat.config_params_dict(DeepSpeedConfig(ds_config)) == ds_config
+    assert _deepspeed_compat.config_params_dict(ds_config) is ds_config
+    assert _deepspeed_compat.config_params_dict(None) is None
