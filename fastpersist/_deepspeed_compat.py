@@ -329,10 +329,19 @@ def commit_tag(info: Any) -> Any:
     return getattr(info, "tag", info)
 
 
+def config_params_dict(config_params: Any) -> dict[str, Any] | None:
+    """The ds_config dict behind a ``DeepSpeedConfig`` (its private ``_param_dict``), a dict as given, or
+    ``None`` when ``config_params`` holds none."""
+    if isinstance(config_params, dict):
+        return config_params
+    config = getattr(config_params, "_param_dict", None)
+    return config if isinstance(config, dict) else None
+
+
 def ds_config_dict(ds_engine: Any) -> dict[str, Any]:
     """The ds_config as the user wrote it (a dict), for a DeepSpeed engine of any supported release."""
-    config = getattr(getattr(ds_engine, "_config", None), "_param_dict", None)
-    if isinstance(config, dict):
+    config = config_params_dict(getattr(ds_engine, "_config", None))
+    if config is not None:
         return config
     config = getattr(ds_engine, "config", None)
     return config if isinstance(config, dict) else {}

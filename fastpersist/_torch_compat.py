@@ -144,7 +144,8 @@ def resolve_weights_only(weights_only: bool | None) -> bool:
 
 
 def open_reader(source: str | Any) -> Any:
-    """torch's own zip reader over ``source``: a path (C++ file I/O) or a readable, seekable file-like."""
+    """torch's own zip reader over ``source``: a path (C++ file I/O, not a Python stream) or a readable,
+    seekable binary file object (``read``/``readinto``/``seek``/``tell``)."""
     return torch._C.PyTorchFileReader(source)
 
 

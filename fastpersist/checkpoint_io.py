@@ -7,7 +7,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
@@ -18,7 +17,7 @@ from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointI
 log = logging.getLogger(__name__)
 
 
-def _local_path(path: _PATH) -> str:
+def _local_path(path: str | os.PathLike[str]) -> str:
     """The absolute local path of ``path``; a URL of another storage is refused."""
     text = os.fspath(path)
     scheme, sep, rest = text.partition("://")
@@ -69,7 +68,7 @@ class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
         self.last_stats: SaveStats | None = None
 
     @override
-    def _target(self, path: _PATH) -> str:
+    def _target(self, path: str | os.PathLike[str]) -> str:
         return _local_path(path)
 
     @override

@@ -97,10 +97,7 @@ class FastPersistCheckpointEngine(_deepspeed_compat.checkpoint_engine_base()):  
     ) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
-        raw = (
-            config_params if isinstance(config_params, dict) else getattr(config_params, "_param_dict", None)
-        )
-        settings = writer_settings(raw or {})
+        settings = writer_settings(_deepspeed_compat.config_params_dict(config_params) or {})
         self.context = context or FastPersistContext(
             engine=check_engine_name(engine) or settings.engine,
             io_buffer_mb=io_buffer_mb or settings.io_buffer_mb,

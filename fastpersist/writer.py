@@ -367,6 +367,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 def fsync_dir(directory: str) -> None:
+    """Flush ``directory``'s entries (a rename or a new file in it) to stable storage."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

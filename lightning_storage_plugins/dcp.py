@@ -19,7 +19,8 @@ only those are deleted. A reader reads only what the metadata names inside the c
 :class:`ShardedStorageWriter` and :class:`ShardedStorageReader` hold that protocol; each plugin adds
 how one rank's file is written and read. Every use of DCP API that changed between torch 2.6 and the
 newest torch (``set_up_storage_writer``/``read_metadata`` keyword arguments, ``Metadata.version``,
-``_StorageInfo``, ``StorageMeta``) lives in this module.
+``StorageMeta``) lives in this module; torch's private storage record (``StorageInfo``) comes from
+:mod:`lightning_storage_plugins._torch_compat`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from lightning_storage_plugins._torch_compat import StorageInfo
 from lightning_storage_plugins.errors import (
     CheckpointExistsError,
     CheckpointMetadataError,
@@ -78,8 +80,6 @@ TOKEN_HEX_DIGITS = 12
 # their temporaries and part objects, and temporaries of ``.metadata``. Only these are ever swept.
 _SWEPT = re.compile(r"^\.?__\d+_\d+(\.[0-9a-f]+)?\.distcp([./].*)?$|^\.metadata\..+$")
 
-# The storage info torch's FileSystemReader expects for every item (relative_path, offset, length).
-StorageInfo = _dcp_filesystem._StorageInfo
 
 
 def shard_name(rank: int, token: str, index: int = 0) -> str:

@@ -19,7 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typing_extensions import override
 
-from lightning_storage_plugins import _lightning_compat
+from lightning_storage_plugins._lightning_compat import (
+    fsdp_state_dict_type,
+    saves_distributed_checkpoint,
+    sharded_state_dict_context,
+)
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter
 
 __all__ = ["ShardedFSDPMixin", "ShardedModelParallelMixin"]
@@ -126,7 +130,7 @@ class ShardedFSDPMixin(_ShardedCheckpoints):
     through the plugin's DCP storage."""
 
     def _saves_sharded(self) -> bool:
-        return _lightning_compat.fsdp_state_dict_type(self) == "sharded"
+        return fsdp_state_dict_type(self) == "sharded"
 
     def _load_sharded(self, reader: ShardedStorageReader) -> None:
         from lightning.pytorch.trainer.states import TrainerFn
@@ -134,7 +138,7 @@ class ShardedFSDPMixin(_ShardedCheckpoints):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         model, module = self.model, self.lightning_module  # type: ignore[attr-defined]
-        with _lightning_compat.sharded_state_dict_context(model):
+        with sharded_state_dict_context(model):
             module_state = {self._model_key: model.state_dict()}
             dcp.load(module_state, storage_reader=reader)
             model.load_state_dict(module_state[self._model_key], strict=module.strict_loading)
@@ -155,7 +159,7 @@ class ShardedModelParallelMixin(_ShardedCheckpoints):
     _model_key = "state_dict"
 
     def _saves_sharded(self) -> bool:
-        return _lightning_compat.saves_distributed_checkpoint(self)
+        return saves_distributed_checkpoint(self)
 
     def _load_sharded(self, reader: ShardedStorageReader) -> None:
         from torch.distributed.checkpoint.state_dict import (

@@ -26,6 +26,7 @@ from fastpersist import (
 )
 from fastpersist.archive import ArchiveWriter
 from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty
+from lightning_storage_plugins.memoryfile import MemoryFile
 from tests.support.fp_compare import assert_same
 
 STATE = {
@@ -86,6 +87,18 @@ def test_storage_records_match_torchs_own_reader(ckpt_dir: Path) -> None:
     assert all(size == sizes[name] for _, size, name in records)
     if hasattr(reader, "get_record_size"):  # torch >= 2.7 can tell itself
         assert all(size == reader.get_record_size(name) for _, size, name in records)
+
+
+def test_open_reader_reads_an_archive_in_memory_as_torchs_reader_reads_the_file(ckpt_dir: Path) -> None:
+    path = ckpt_dir / "plain.pt"
+    torch.save(STATE["w"], path)
+    data = path.read_bytes()
+    from_memory = _torch_compat.open_reader(MemoryFile(data))
+    from_file = _torch_compat.open_reader(str(path))
+    assert sorted(from_memory.get_all_records()) == sorted(from_file.get_all_records())
+    storage = torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+    loaded = _torch_compat.unpickle(from_memory, "cpu", True, str(path), overall_storage=storage)
+    assert torch.equal(loaded, STATE["w"])
 
 
 def _named_storages(path: Path) -> dict[str, torch.UntypedStorage]:
@@ -302,3 +315,14 @@ def test_writes_go_by_descriptor_or_path_as_this_deepspeed_takes_them(
 
 def test_local_header_struct_matches_the_zip_format() -> None:
     assert _torch_compat._LOCAL_HEADER.size == 30 == struct.calcsize("<IHHHHHIIIHH")
+
+
+# DeepSpeed 0.16's config models use pydantic APIs that newer pydantic deprecates; not ours to fix.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_ds_config_dict_is_read_back_from_deepspeeds_config_object() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds_config = {"train_batch_size": 1, "checkpoint": {"writer": {"type": "fast", "io_buffer_size": 1 << 20}}}
+    assert _deepspeed_compat.config_params_dict(DeepSpeedConfig(ds_config)) == ds_config
+    assert _deepspeed_compat.config_params_dict(ds_config) is ds_config
+    assert _deepspeed_compat.config_params_dict(None) is None
