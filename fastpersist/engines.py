@@ -232,6 +232,8 @@ class PythonEngine(IOEngine):
         super().__init__()
         self._pool = pool
         self._futures: list[Future[None]] = []
+        self._starts: list[int] = []  # file offset each future's chunk starts at
+        self._landed = 0  # leading futures known to have completed without error
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         return None if buffer.device.type == "cpu" else f"staging buffer is on {buffer.device}"
@@ -241,9 +243,22 @@ class PythonEngine(IOEngine):
         for start in range(0, total, PY_CHUNK_BYTES):
             length = min(PY_CHUNK_BYTES, total - start)
             self._futures.append(self._pool.submit(_move, transfer, start, length))
+            self._starts.append(transfer.offset + start)
+
+    def wait_until(self, end: int) -> None:
+        """Block until every queued chunk starting before file offset ``end`` has moved (one file,
+        transfers submitted in offset order: reading a file front to back while using what landed).
+
+        Raises:
+            OSError: one of those chunks failed (as :meth:`wait` would raise it).
+        """
+        while self._landed < len(self._futures) and self._starts[self._landed] < end:
+            self._futures[self._landed].result()
+            self._landed += 1
 
     def _finish(self, queued: list[Transfer]) -> None:
         futures, self._futures = self._futures, []
+        self._starts, self._landed = [], 0
         errors = [future.exception() for future in futures]
         first = next((error for error in errors if error is not None), None)
         if first is not None:
