@@ -250,7 +250,9 @@ class _DirectRead(_Read):
         offset = whole.storage_offset()
         self.whole = whole.untyped_storage()[offset : offset + whole.numel()]
         if direct_end > start:
-            io_engine.submit(Transfer(file, whole.narrow(0, start, direct_end - start), start, write=False))
+            io_engine.submit(
+                Transfer(file, whole.narrow(0, start, direct_end - start), start, write=False, fresh=True)
+            )
         try:
             if end > direct_end:
                 _read_tail(file, whole.narrow(0, direct_end, end - direct_end), direct_end)

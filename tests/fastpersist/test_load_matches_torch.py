@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastpersist import _torch_compat, engines, fastpersist_load, fastpersist_save
+from fastpersist import _libc, _torch_compat, engines, fastpersist_load, fastpersist_save
 from fastpersist.archive import read_directory
 from tests.support.direct_io import o_direct_dir
 from tests.support.fp_compare import assert_same
@@ -263,3 +263,22 @@ def test_the_directory_is_read_as_zipfile_reads_it(ckpt_dir: Path, writer: str) 
         want = [(i.filename.split("/", 1)[-1], i.header_offset, i.file_size) for i in archive.infolist()]
         got = [(e.name, e.header_offset, e.size) for e in read_directory(stream.fileno(), path.stat().st_size)]
     assert got == want
+
+
+@pytest.mark.parametrize("populate", ["kernel populates", "kernel refuses (before Linux 5.14)"])
+def test_reads_into_fresh_memory_land_whether_or_not_the_kernel_populates_it(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, populate: str
+) -> None:
+    state = {f"t{i}": torch.full((1024 * 1024,), float(i)) for i in range(12)}  # 48 MiB: 3 chunks
+    path = ckpt_dir / "fresh.pt"
+    fastpersist_save(state, path, engine="python")
+    calls: list[int] = []
+    real = _libc.populate_write
+
+    def populate_write(address: int, length: int) -> int:
+        calls.append(length)
+        return errno.EINVAL if populate.startswith("kernel refuses") else real(address, length)
+
+    monkeypatch.setattr(_libc, "populate_write", populate_write)
+    assert_loaded_like_torch(fastpersist_load(path, engine="python"), torch.load(path, weights_only=True))
+    assert calls and (len(calls) == 1 or not populate.startswith("kernel refuses"))
