@@ -10,6 +10,11 @@ torch changes one of them underneath us.
 Saving mirrors ``torch.serialization._save``: the same pickle stream (``persistent_id`` tuples, storage
 keys in first-seen order, the dtype-sharing check), so a fastpersist file's ``data.pkl`` is byte for
 byte what torch.save would write. The archive around it is written by :mod:`fastpersist.archive`.
+
+Loading plain tensors to the CPU mirrors ``torch.serialization._load`` in a loop of its own
+(:func:`_load_plain_tensors`), without torch's per-tensor fake-tensor checks, and without reading
+any storage's bytes, so it can run while they are still being read. The torch sources it mirrors
+are pinned by digest in ``MIRRORED_SOURCES``; a torch whose sources differ gets torch's ``_load``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""``fastpersist_load``: read any torch.save file with large aligned reads, then unpickle as torch.load.
+"""``fastpersist_load``: read any torch.save file with large aligned reads, unpickling as torch.load.
 
 Two read paths, chosen by engine:
 
 - ``"python"`` (default, *direct*): one page-aligned host allocation the size of the storage span; it
   is read straight in with parallel O_DIRECT ``preadv`` calls, and each storage is a slice of it (as
   with ``torch.load(mmap=True)``). No staging copy: on a small machine the copy out of a pinned buffer
-  into freshly faulted memory costs more than the read itself.
+  into freshly faulted memory costs more than the read itself. Records are found from their local
+  headers as those land, and unpickling runs while the rest is read; the load returns only once
+  every read has completed and every record was checked.
 - ``"aio"`` (*staged*): DeepSpeed aio reads into the two halves of the staging buffer (one half is
   read while the other is scattered into separately allocated storages, which can be freed one by one).
 
