@@ -282,3 +282,17 @@ def test_reads_into_fresh_memory_land_whether_or_not_the_kernel_populates_it(
     monkeypatch.setattr(_libc, "populate_write", populate_write)
     assert_loaded_like_torch(fastpersist_load(path, engine="python"), torch.load(path, weights_only=True))
     assert calls and (len(calls) == 1 or not populate.startswith("kernel refuses"))
+
+
+@pytest.mark.parametrize("writer", ["torch", "fastpersist"])
+def test_conjugate_and_negative_bits_are_restored_as_torch_restores_them(ckpt_dir: Path, writer: str) -> None:
+    base = torch.complex(torch.arange(3.0), torch.arange(3.0) + 1)
+    state = {"conj": base.conj(), "neg": base.clone().conj().imag, "plain": base}
+    path = ckpt_dir / "bits.pt"
+    torch.save(state, path) if writer == "torch" else fastpersist_save(state, path, engine="python")
+    want = torch.load(path, weights_only=True)
+    got = fastpersist_load(path, weights_only=True, engine="python")
+    for key in state:
+        assert (got[key].is_conj(), got[key].is_neg()) == (want[key].is_conj(), want[key].is_neg()), key
+        assert torch.equal(got[key].resolve_conj().resolve_neg(), want[key].resolve_conj().resolve_neg()), key
+    assert got["conj"].is_conj() and got["neg"].is_neg()
