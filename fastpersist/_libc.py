@@ -1,5 +1,5 @@
-"""The C library call Python's ``os`` module lacks: ``fallocate`` (reserve file blocks without
-writing them)."""
+"""The C library calls Python's ``os`` module lacks: ``fallocate`` (reserve file blocks without
+writing them) and ``madvise(MADV_POPULATE_WRITE)`` (fault memory in ahead of its use)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,21 @@ def fallocate(fd: int, offset: int, length: int) -> int:
     if lib is None:
         return errno.ENOSYS
     if lib.fallocate(fd, 0, offset, length) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def populate_write(address: int, length: int) -> int:
+    """``madvise(address, length, MADV_POPULATE_WRITE)``: 0, or the errno (EINVAL before Linux 5.14).
+
+    Faults every page of the range in for writing, in one call that releases the GIL.
+    """
+    lib = _libc()
+    if lib is None:
+        return errno.ENOSYS
+    if lib.madvise(address, length, MADV_POPULATE_WRITE) == 0:
         return 0
     return ctypes.get_errno()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ class Transfer:
     buffer: torch.Tensor
     offset: int
     write: bool
+    # A read into memory never touched yet: the python engine faults it in from one thread, ahead of
+    # the reads (see ``PythonEngine._start``).
+    fresh: bool = False
 
 
 def open_file(path: str, write: bool, mode: int = FILE_MODE) -> OpenFile:
@@ -202,8 +206,26 @@ def _check_aligned(transfer: Transfer) -> None:
             raise ValueError(f"O_DIRECT {what} {value} is not a multiple of {ALIGNMENT_BYTES}")
 
 
-def _move(transfer: Transfer, start: int, length: int) -> None:
-    """Move ``length`` bytes of the transfer from byte ``start`` with pwritev/preadv, retrying partials."""
+def _populate(buffer: torch.Tensor, chunk: int, populated: list[threading.Event]) -> None:
+    """Fault ``buffer`` in, ``chunk`` bytes at a time, setting each chunk's event once it is done (or
+    at once for every chunk left when the kernel cannot: the reads then fault the pages themselves)."""
+    try:
+        for index, event in enumerate(populated):
+            start = index * chunk
+            length = min(chunk, buffer.numel() - start)
+            if _libc.populate_write(buffer.data_ptr() + start, length) != 0:
+                break
+            event.set()
+    finally:
+        for event in populated:
+            event.set()
+
+
+def _move(transfer: Transfer, start: int, length: int, ready: threading.Event | None = None) -> None:
+    """Move ``length`` bytes of the transfer from byte ``start`` with pwritev/preadv, retrying partials
+    (once ``ready`` is set, when given)."""
+    if ready is not None:
+        ready.wait()
     view = memoryview(transfer.buffer.numpy())[start : start + length]
     what = "write" if transfer.write else "read"
     done = 0
@@ -232,18 +254,41 @@ class PythonEngine(IOEngine):
         super().__init__()
         self._pool = pool
         self._futures: list[Future[None]] = []
+        self._starts: list[int] = []  # file offset each future's chunk starts at
+        self._landed = 0  # leading futures known to have completed without error
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         return None if buffer.device.type == "cpu" else f"staging buffer is on {buffer.device}"
 
     def _start(self, transfer: Transfer) -> None:
         total = transfer.buffer.numel()
-        for start in range(0, total, PY_CHUNK_BYTES):
+        chunks = range(0, total, PY_CHUNK_BYTES)
+        populated: list[threading.Event | None] = [None] * len(chunks)
+        if transfer.fresh and not transfer.write and len(chunks) > 1:
+            # O_DIRECT reads fault their pages in themselves, several threads at once; on a small
+            # (virtual) machine one thread populating ahead of them is faster. Measured on a 2-core
+            # VM, 1 GiB read into fresh memory: 0.55 s, against 0.57-0.90 s.
+            populated = [threading.Event() for _ in chunks]
+            self._pool.submit(_populate, transfer.buffer, PY_CHUNK_BYTES, populated)
+        for index, start in enumerate(chunks):
             length = min(PY_CHUNK_BYTES, total - start)
-            self._futures.append(self._pool.submit(_move, transfer, start, length))
+            self._futures.append(self._pool.submit(_move, transfer, start, length, populated[index]))
+            self._starts.append(transfer.offset + start)
+
+    def wait_until(self, end: int) -> None:
+        """Block until every queued chunk starting before file offset ``end`` has moved (one file,
+        transfers submitted in offset order: reading a file front to back while using what landed).
+
+        Raises:
+            OSError: one of those chunks failed (as :meth:`wait` would raise it).
+        """
+        while self._landed < len(self._futures) and self._starts[self._landed] < end:
+            self._futures[self._landed].result()
+            self._landed += 1
 
     def _finish(self, queued: list[Transfer]) -> None:
         futures, self._futures = self._futures, []
+        self._starts, self._landed = [], 0
         errors = [future.exception() for future in futures]
         first = next((error for error in errors if error is not None), None)
         if first is not None:

@@ -1,11 +1,13 @@
-"""``fastpersist_load``: read any torch.save file with large aligned reads, then unpickle as torch.load.
+"""``fastpersist_load``: read any torch.save file with large aligned reads, unpickling as torch.load.
 
 Two read paths, chosen by engine:
 
 - ``"python"`` (default, *direct*): one page-aligned host allocation the size of the storage span; it
   is read straight in with parallel O_DIRECT ``preadv`` calls, and each storage is a slice of it (as
   with ``torch.load(mmap=True)``). No staging copy: on a small machine the copy out of a pinned buffer
-  into freshly faulted memory costs more than the read itself.
+  into freshly faulted memory costs more than the read itself. Records are found from their local
+  headers as those land, and unpickling runs while the rest is read; the load returns only once
+  every read has completed and every record was checked.
 - ``"aio"`` (*staged*): DeepSpeed aio reads into the two halves of the staging buffer (one half is
   read while the other is scattered into separately allocated storages, which can be freed one by one).
 
@@ -16,6 +18,7 @@ go to ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from fastpersist import _torch_compat
+from fastpersist.archive import read_directory
 from fastpersist.buffers import split_halves
 from fastpersist.context import FastPersistContext
 from fastpersist.engines import IOEngine, OpenFile, PythonEngine, Transfer, io_error, open_file
@@ -95,49 +99,214 @@ def fastpersist_load(
     if "data.pkl" not in reader.get_all_records():
         raise CheckpointFormatError(path, "zip archive without data.pkl (not written by torch.save)")
     try:
-        all_records = _torch_compat.storage_records(path, include_empty=True)
+        entries, following = _data_directory(path)
     except (zipfile.BadZipFile, OSError) as err:
         raise CheckpointFormatError(path, f"damaged zip directory ({err})") from None
-    records = [record for record in all_records if record[1]]
-    storages: dict[str, torch.Tensor] = {}
-    whole: torch.UntypedStorage | None = None
-    if records:
-        owned = context is None
-        ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
-        try:
-            storages, whole = _read(path, records, engine, ctx)
-        finally:
-            if owned:
-                ctx.close()
-    table = _torch_compat.StorageTable(reader, all_records, storages, whole)
+    owned = context is None and any(size for _, size in entries.values())
+    ctx = (
+        FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
+        if owned
+        else context
+    )
     try:
-        return _torch_compat.unpickle(table, map_location, weights_only, path)
+        with ctx.lock if ctx is not None else contextlib.nullcontext():
+            read = _start_read(path, entries, following, engine, ctx)
+            try:
+                table = _torch_compat.StorageTable(reader, read.locate, read.storages, read.whole)
+                try:
+                    loaded = _torch_compat.unpickle(
+                        table, map_location, weights_only, path, data_ready=read.finish
+                    )
+                except BaseException:
+                    read.finish()  # a read error is the one to report, as when reading came first
+                    raise
+                read.finish()
+                return loaded
+            finally:
+                read.close()
     except _torch_compat.RecordSizeError as err:
         raise CheckpointFormatError(path, str(err)) from None
+    finally:
+        if owned and ctx is not None:
+            ctx.close()
 
 
-def _read(
-    path: str, records: list[Record], engine: str | None, ctx: FastPersistContext
-) -> tuple[dict[str, torch.Tensor], torch.UntypedStorage | None]:
-    """Read every storage record: into one allocation (direct path) or one tensor per record (staged)."""
-    with ctx.lock:
-        io_engine = ctx.io_engine(
-            engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
+def _data_directory(path: str) -> tuple[dict[str, tuple[int, int]], int]:
+    """The ``data/`` records (``name -> (local header offset, size)``) and where the first record
+    after the last of them starts (the end of the span that holds them all)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        file_size = os.fstat(fd).st_size
+        directory = read_directory(fd, file_size)
+    finally:
+        os.close(fd)
+    entries = _torch_compat.data_entries(directory, file_size)
+    last = max((offset for offset, _ in entries.values()), default=-1)
+    following = min(
+        (entry.header_offset for entry in directory if entry.header_offset > last), default=file_size
+    )
+    return entries, min(following, file_size)
+
+
+class _Read:
+    """Storage records being read (or already read): where each one's bytes are, once known."""
+
+    storages: dict[str, torch.Tensor] | None = None
+    whole: torch.UntypedStorage | None = None
+
+    def __init__(self, path: str, located: dict[str, tuple[int, int]]) -> None:
+        self.path = path
+        self._located = located
+
+    def locate(self, name: str) -> tuple[int, int] | None:
+        """``(file offset, size)`` of record ``name``'s bytes; ``None``: the archive has no such record."""
+        return self._located.get(name)
+
+    def finish(self) -> None:
+        """Return once every byte has been read and every record checked (else raise why not)."""
+
+    def close(self) -> None:
+        """Release the file (and wait for any read still in flight, unchecked)."""
+
+
+def _start_read(
+    path: str,
+    entries: dict[str, tuple[int, int]],
+    following: int,
+    engine: str | None,
+    ctx: FastPersistContext | None,
+) -> _Read:
+    """Start reading every storage record: the direct path returns with the reads in flight."""
+    if ctx is None or not any(size for _, size in entries.values()):
+        return _Read(path, _located_by_reads(path))  # no bytes to read: only the headers are needed
+    io_engine = ctx.io_engine(
+        engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
+    )
+    if io_engine.device != "cpu":
+        ctx.warn_once(
+            f"fastpersist_load reads into host memory: engine {io_engine.name!r} replaced by 'python'"
         )
-        if io_engine.device != "cpu":
-            ctx.warn_once(
-                f"fastpersist_load reads into host memory: engine {io_engine.name!r} replaced by 'python'"
-            )
-            io_engine = ctx.python_engine()
-        file = open_file(path, write=False)
+        io_engine = ctx.python_engine()
+    file = open_file(path, write=False)
+    if isinstance(io_engine, PythonEngine):
         try:
-            if isinstance(io_engine, PythonEngine):
-                return {}, _read_direct(records, io_engine, file)
-            storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
-            _read_staged(records, storages, io_engine, file, ctx)
-            return storages, None
-        finally:
+            return _DirectRead(path, entries, following, io_engine, file)
+        except BaseException:
             file.close()
+            raise
+    try:
+        located = _located_by_reads(path)
+        records = sorted((offset, size, name) for name, (offset, size) in located.items() if size)
+        read = _Read(path, located)
+        read.storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
+        _read_staged(records, read.storages, io_engine, file, ctx)
+    finally:
+        file.close()
+    return read
+
+
+def _located_by_reads(path: str) -> dict[str, tuple[int, int]]:
+    """Every ``data/`` record's bytes, found by reading its local header (a small read each)."""
+    try:
+        records = _torch_compat.storage_records(path, include_empty=True)
+    except (zipfile.BadZipFile, OSError) as err:
+        raise CheckpointFormatError(path, f"damaged zip directory ({err})") from None
+    return {name: (offset, size) for offset, size, name in records}
+
+
+class _DirectRead(_Read):
+    """The span holding every ``data/`` record, read with O_DIRECT into one page-aligned allocation
+    (each storage is a slice of it, as with ``torch.load(mmap=True)``).
+
+    Records are located from their local headers inside the span as the reads land, so unpickling
+    goes on while the bytes arrive; :meth:`finish` waits for the rest, then checks every record. No
+    staging copy: on a small machine the copy out of a pinned buffer into freshly faulted memory
+    costs more than the read itself.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        entries: dict[str, tuple[int, int]],
+        following: int,
+        io_engine: PythonEngine,
+        file: OpenFile,
+    ) -> None:
+        super().__init__(path, {})
+        self._entries = entries
+        self._engine = io_engine
+        self._file = file
+        self._file_size = file.size()
+        self._error: BaseException | None = None
+        self._done = False
+        start = round_down(min(offset for offset, _ in entries.values()))
+        self._end = end = max(following, start)
+        direct_end = max(start, _direct_end(file, end))
+        # Plain pages, not transparent huge pages: a huge page needs a free 2 MiB block, and on a
+        # virtual machine those are the blocks the host has taken back (free page reporting), so every
+        # first touch is a host fault; 4 KiB pages come from memory freed recently. Measured with the
+        # FastPersist micro-benchmark's 64-tensor load on a 2-core VM: 0.65-0.85 s instead of
+        # 1.1-1.25 s for 1 GiB.
+        whole = aligned_empty(max(end, direct_end))
+        self._view = memoryview(whole.numpy())
+        offset = whole.storage_offset()
+        self.whole = whole.untyped_storage()[offset : offset + whole.numel()]
+        if direct_end > start:
+            io_engine.submit(
+                Transfer(file, whole.narrow(0, start, direct_end - start), start, write=False, fresh=True)
+            )
+        try:
+            if end > direct_end:
+                _read_tail(file, whole.narrow(0, direct_end, end - direct_end), direct_end)
+        except BaseException:
+            io_engine.abandon()
+            raise
+
+    def locate(self, name: str) -> tuple[int, int] | None:
+        found = self._located.get(name)
+        if found is not None:
+            return found
+        entry = self._entries.get(name)
+        if entry is None:
+            return None
+        header_offset, size = entry
+        self._engine.wait_until(header_offset + _torch_compat.LOCAL_HEADER_BYTES)
+        try:
+            offset = _torch_compat.data_offset(self._view, header_offset, header_offset, name)
+            if offset + size > self._end:
+                _torch_compat.check_records([(offset, size, name)], self._file_size)
+                raise zipfile.BadZipFile(f"record {name} at offset {offset} overlaps the record after it")
+        except zipfile.BadZipFile as err:
+            raise CheckpointFormatError(self.path, f"damaged zip directory ({err})") from None
+        self._located[name] = found = (offset, size)
+        return found
+
+    def finish(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return
+        try:
+            self._engine.wait()
+            records = []
+            for name in self._entries:
+                found = self.locate(name)
+                if found is not None:
+                    records.append((found[0], found[1], name))
+            records.sort()
+            try:
+                _torch_compat.check_records(records, self._file_size)
+            except zipfile.BadZipFile as err:
+                raise CheckpointFormatError(self.path, f"damaged zip directory ({err})") from None
+        except BaseException as err:
+            self._error = err
+            raise
+        self._done = True
+
+    def close(self) -> None:
+        if not self._done:
+            self._engine.abandon()
+        self._file.close()
 
 
 _NOT_REGULAR = (
@@ -190,23 +359,6 @@ def _direct_end(file: OpenFile, end: int) -> int:
             errno.EIO, "read", file, size, "file is shorter than its zip directory says (truncated?)"
         )
     return min(round_up(end), round_down(size)) if file.direct else end
-
-
-def _read_direct(records: list[Record], io_engine: IOEngine, file: OpenFile) -> torch.UntypedStorage:
-    """Read the storage span straight into one page-aligned allocation; returns it as file-offset storage."""
-    start, end = _span(records)
-    direct_end = max(start, _direct_end(file, end))
-    # Plain pages, not transparent huge pages: a huge page needs a free 2 MiB block, and on a virtual
-    # machine those are the blocks the host has taken back (free page reporting), so every first touch
-    # is a host fault; 4 KiB pages come from memory freed recently. Measured with the FastPersist
-    # micro-benchmark's 64-tensor load on a 2-core VM: 0.65-0.85 s instead of 1.1-1.25 s for 1 GiB.
-    whole = aligned_empty(max(end, direct_end))
-    if direct_end > start:
-        io_engine.submit(Transfer(file, whole.narrow(0, start, direct_end - start), start, write=False))
-        io_engine.wait()
-    if end > direct_end:
-        _read_tail(file, whole.narrow(0, direct_end, end - direct_end), direct_end)
-    return whole.untyped_storage()[whole.storage_offset() : whole.storage_offset() + whole.numel()]
 
 
 def _read_staged(
