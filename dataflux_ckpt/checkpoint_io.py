@@ -30,9 +30,11 @@ from dataflux_ckpt.options import (
 from dataflux_ckpt.paths import GcsPath, check_bucket_name, parse_gcs_path, parse_gcs_prefix
 from dataflux_ckpt.retry import Deadline, RetryPolicy
 from dataflux_ckpt.upload import PARTS_SUFFIX, ObjectWriter, StreamingWriter, sweep_stale_parts
+from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
+from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,54 @@ def _check_torch_format(stream: ObjectReader) -> None:
             f"{uri} is not a torch checkpoint: it starts with {head[:8]!r}, neither a zip archive "
             f"(torch.save's format) nor torch's legacy format")
     stream.seek(0)
+
+
+def _load_object(stream: ObjectReader, map_location: Any = None, weights_only: bool | None = None) -> Any:
+    """What ``torch.load(stream, map_location, weights_only=weights_only)`` returns, unpickled while the
+    download goes on, with CPU tensors as views of the downloaded buffer instead of copies of it.
+
+    torch's own rules decide what loads: ``weights_only`` (``None``: torch's default) allows and
+    refuses exactly what ``torch.load`` does. Each storage must be exactly the bytes its tensor needs,
+    inside the object, and no two storages may share bytes. Nothing is returned before the whole
+    object has arrived and its crc32c matched. The buffer stays in memory as long as any loaded
+    tensor does (``torch.load(mmap=True)`` behaves the same way for files).
+
+    Raises:
+        pickle.UnpicklingError: ``weights_only`` refused something in the object.
+        zipfile.BadZipFile / RuntimeError / ValueError: the object is not a well-formed torch archive.
+        DataCorruptionError, DeadlineExceededError, TransferError: from the download.
+    """
+    weights_only = _load_compat.resolve_weights_only(weights_only)
+    if stream.pread(len(ZIP_MAGIC), 0) != ZIP_MAGIC:  # torch's legacy format: torch.load reads it
+        stream.seek(0)
+        return torch.load(stream, map_location=map_location, weights_only=weights_only)
+    archive = _load_compat.open_reader(stream)
+    if _load_compat.is_torchscript(archive):
+        stream.seek(0)
+        return torch.load(stream, map_location=map_location, weights_only=weights_only)
+    if "data.pkl" not in archive.get_all_records():
+        raise zipfile.BadZipFile(f"{stream.path.uri}: a zip archive without data.pkl (not written by torch.save)")
+    entries = _load_compat.data_entries(read_directory(stream.pread, stream.size), stream.size)
+    located: dict[str, tuple[int, int]] = {}
+
+    def locate(name: str) -> tuple[int, int] | None:
+        entry = entries.get(name)
+        if entry is None:
+            return None
+        header_offset, size = entry
+        header = stream.pread(_load_compat.LOCAL_HEADER_BYTES, header_offset)
+        offset = _load_compat.data_offset(header, 0, header_offset, name)
+        _load_compat.check_records([(offset, size, name)], stream.size)
+        located[name] = (offset, size)
+        return offset, size
+
+    table = _load_compat.StorageTable(archive, locate, whole=stream.untyped_storage())
+    loaded = _load_compat.unpickle(table, map_location, weights_only, stream.path.uri, data_ready=stream.verify)
+    stream.verify()
+    # Storages are views: two records over the same bytes would alias where torch.load's copies do not.
+    _load_compat.check_records(sorted((offset, size, name) for name, (offset, size) in located.items()),
+                               stream.size)
+    return loaded
 
 
 class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
@@ -239,7 +289,7 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
                 stream.verify()  # damaged bytes in transit explain it better
                 raise
             try:
-                checkpoint = torch.load(stream, map_location=map_location, weights_only=weights_only)
+                checkpoint = _load_object(stream, map_location=map_location, weights_only=weights_only)
             except pickle.UnpicklingError as exc:
                 stream.raise_if_failed()
                 stream.verify()  # damaged bytes explain a failed unpickling better than its own error

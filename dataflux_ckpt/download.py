@@ -2,7 +2,8 @@
 
 :class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the last range
 first: a torch zip archive is read from its end) and serves reads as soon as the ranges they touch
-have arrived, so ``torch.load`` overlaps with the download. The whole object's crc32c, combined
+have arrived, so loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a
+checkpoint while it arrives, with its tensors as views of the buffer). The whole object's crc32c, combined
 from the crc32c each download thread takes of its range, is checked against the server's metadata
 by :meth:`ObjectReader.verify` (called on close).
 """
@@ -14,6 +15,7 @@ import logging
 import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from dataflux_ckpt import _gcs_compat
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
@@ -21,6 +23,9 @@ from dataflux_ckpt.errors import DataCorruptionError, DeadlineExceededError, Tra
 from dataflux_ckpt.gcs import Gcs
 from dataflux_ckpt.paths import GcsPath
 from dataflux_ckpt.retry import Deadline
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,9 @@ class ObjectReader(io.RawIOBase):
         self._deadline = Deadline(deadline_s, "load", path.uri)
         info = gcs.stat(path, self._deadline)
         self.size, self._expected_crc, self.generation = info.size, info.crc32c, info.generation
-        # The one copy of the object in memory; torch.load copies from it into tensor storages.
-        # Anonymous mmap pages are zeroed lazily by the kernel, as the download threads first touch
-        # them, not all up front by this thread as bytearray(size) would.
+        # The one copy of the object in memory; loaded tensors are views of it. Anonymous mmap
+        # pages are zeroed lazily by the kernel, as the download threads first touch them, not all
+        # up front by this thread as bytearray(size) would.
         self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, info.size) if info.size else bytearray()
         self._view = memoryview(self._buffer)
         self._pos = 0
@@ -153,6 +158,34 @@ class ObjectReader(io.RawIOBase):
             )
         self._verified = True
 
+    def pread(self, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes from ``offset`` (fewer at the end), once they have arrived, as
+        ``os.pread``: the position does not move.
+
+        Raises:
+            DeadlineExceededError / TransferError: the bytes did not arrive.
+        """
+        if self.closed:
+            raise ValueError(f"read from a closed reader for {self.path}")
+        start = min(max(offset, 0), self.size)
+        end = min(start + max(size, 0), self.size)
+        self._wait(start, end)
+        return bytes(self._view[start:end])
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The whole object as one torch storage over this reader's buffer (no copy).
+
+        Only the bytes that have arrived are valid (see :meth:`pread`, :meth:`verify`). Slices of it
+        are views: tensors built on them keep the buffer alive after :meth:`close`, as long as they live.
+        """
+        import torch  # the reader itself serves torch-less users too
+
+        if self.closed:
+            raise ValueError(f"storage of a closed reader for {self.path}")
+        if not self.size:
+            return torch.UntypedStorage(0)
+        return torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
+
     def getbuffer(self) -> memoryview:
         """The verified bytes of the object (no copy)."""
         self.verify()
@@ -210,7 +243,7 @@ class ObjectReader(io.RawIOBase):
             self._executor.shutdown(wait=True, cancel_futures=True)
             super().close()
             self._view.release()
-            self._buffer = bytearray()  # the mmap is unmapped once no view of it is left
+            self._buffer = bytearray()  # the mmap is unmapped once no view (or tensor) of it is left
 
     def __del__(self) -> None:
         if "_executor" in self.__dict__ and not self.closed:  # not when __init__ failed
@@ -221,3 +254,4 @@ class ObjectReader(io.RawIOBase):
         if exc_type is not None:
             self._abandoned = True  # an error is already on its way out; skip the verification
         self.close()
+

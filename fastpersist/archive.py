@@ -15,10 +15,8 @@ Storage records carry a CRC-32 of 0, as torch.save writes them under
 
 from __future__ import annotations
 
-import os
 import secrets
 import struct
-import zipfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,23 +24,52 @@ from dataclasses import dataclass
 import torch
 
 from fastpersist.memory import ALIGNMENT_BYTES
+from lightning_storage_plugins.ziparchive import (
+    CENTRAL as _CENTRAL,
+)
+from lightning_storage_plugins.ziparchive import (
+    CENTRAL_SIG as _CENTRAL_SIG,
+)
+from lightning_storage_plugins.ziparchive import (
+    END as _END,
+)
+from lightning_storage_plugins.ziparchive import (
+    END_SIG as _END_SIG,
+)
+from lightning_storage_plugins.ziparchive import (
+    LOCAL as _LOCAL,
+)
+from lightning_storage_plugins.ziparchive import (
+    LOCAL_SIG as _LOCAL_SIG,
+)
+from lightning_storage_plugins.ziparchive import (
+    U16_MAX,
+    U32_MAX,
+)
+from lightning_storage_plugins.ziparchive import (
+    UTF8_NAMES as _UTF8_NAMES,
+)
+from lightning_storage_plugins.ziparchive import (
+    ZIP64_END as _ZIP64_END,
+)
+from lightning_storage_plugins.ziparchive import (
+    ZIP64_END_SIG as _ZIP64_END_SIG,
+)
+from lightning_storage_plugins.ziparchive import (
+    ZIP64_EXTRA_ID as _ZIP64_EXTRA_ID,
+)
+from lightning_storage_plugins.ziparchive import (
+    ZIP64_LOCATOR as _ZIP64_LOCATOR,
+)
+from lightning_storage_plugins.ziparchive import (
+    ZIP64_LOCATOR_SIG as _ZIP64_LOCATOR_SIG,
+)
 
 ARCHIVE_FOLDER = "archive"
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
-_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
-_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
-_ZIP64_LOCATOR = struct.Struct("<IIQI")
-_END = struct.Struct("<IHHHHIIH")
-_LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
-_ZIP64_END_SIG, _ZIP64_LOCATOR_SIG = 0x06064B50, 0x07064B50
-_UTF8_NAMES = 0x0800
-_ZIP64_EXTRA_ID = 0x0001
 _PADDING_EXTRA_ID = 0x4246  # "FB": the id torch's writer gives its alignment padding
 _VERSION_ZIP64 = 45
 _VERSION_PLAIN = 20
 _DOS_DATE_1980 = 0x21  # 1980-01-01, the zip epoch
-U32_MAX = 0xFFFFFFFF
-U16_MAX = 0xFFFF
 
 
 @dataclass
@@ -151,99 +178,3 @@ class ArchiveWriter:
 def new_serialization_id() -> bytes:
     """A fresh 40-digit id, the form torch.save gives ``.data/serialization_id``."""
     return "".join(str(secrets.randbelow(10)) for _ in range(40)).encode()
-
-
-@dataclass(frozen=True)
-class DirectoryEntry:
-    """One record of a zip central directory (what a reader needs to find and check its bytes)."""
-
-    name: str  # without the archive folder: ``data/0``, ``data.pkl``, ...
-    header_offset: int  # the record's local header
-    size: int
-    compressed_size: int
-    method: int  # 0: stored
-
-
-_END_SEARCH_BYTES = _END.size + U16_MAX  # the end record plus the longest comment
-
-
-def read_directory(fd: int, file_size: int) -> list[DirectoryEntry]:
-    """Every record of the zip archive open at ``fd``, from its central directory (zip64 included).
-
-    Two reads (the end records, then the directory) and one pass with ``struct``: Python's
-    ``zipfile`` builds a ``ZipInfo`` per record, which costs more than reading a checkpoint's bytes
-    when it holds many small tensors. Offsets are taken as written, as torch's reader (miniz) does.
-
-    Raises:
-        zipfile.BadZipFile: no end record, or the directory is cut short or malformed.
-    """
-    tail_size = min(file_size, _END_SEARCH_BYTES)
-    tail = os.pread(fd, tail_size, file_size - tail_size)
-    at = tail.rfind(struct.pack("<I", _END_SIG))
-    while at >= 0 and at + _END.size > len(tail):
-        at = tail.rfind(struct.pack("<I", _END_SIG), 0, at)
-    if at < 0:
-        raise zipfile.BadZipFile("no end of central directory record")
-    _, _, _, _, count, size, start, _ = _END.unpack_from(tail, at)
-    if count == U16_MAX or size == U32_MAX or start == U32_MAX:
-        locator_at = file_size - tail_size + at - _ZIP64_LOCATOR.size
-        locator = os.pread(fd, _ZIP64_LOCATOR.size, locator_at) if locator_at >= 0 else b""
-        if len(locator) != _ZIP64_LOCATOR.size or _ZIP64_LOCATOR.unpack(locator)[0] != _ZIP64_LOCATOR_SIG:
-            raise zipfile.BadZipFile("zip64 end of central directory locator missing")
-        end64_at = _ZIP64_LOCATOR.unpack(locator)[2]
-        end64 = os.pread(fd, _ZIP64_END.size, end64_at)
-        if len(end64) != _ZIP64_END.size or _ZIP64_END.unpack(end64)[0] != _ZIP64_END_SIG:
-            raise zipfile.BadZipFile(f"no zip64 end of central directory record at offset {end64_at}")
-        count, size, start = _ZIP64_END.unpack(end64)[7:10]
-    if start + size > file_size:
-        raise zipfile.BadZipFile(f"central directory ({size} bytes at offset {start}) ends past the end of the file")
-    directory = os.pread(fd, size, start)
-    if len(directory) != size:
-        raise zipfile.BadZipFile("central directory cut short")
-    entries = []
-    position = 0
-    for _ in range(count):
-        if position + _CENTRAL.size > size:
-            raise zipfile.BadZipFile(f"central directory holds fewer than its {count} records")
-        fields = _CENTRAL.unpack_from(directory, position)
-        if fields[0] != _CENTRAL_SIG:
-            raise zipfile.BadZipFile(f"bad central directory record at offset {start + position}")
-        flags, method = fields[3], fields[4]
-        compressed, plain, name_length, extra_length, comment_length = fields[8:13]
-        header_offset = fields[16]
-        name_at = position + _CENTRAL.size
-        extra_at = name_at + name_length
-        position = extra_at + extra_length + comment_length
-        if position > size:
-            raise zipfile.BadZipFile("central directory record cut short")
-        raw_name = directory[name_at:extra_at]
-        name = raw_name.decode("utf-8" if flags & _UTF8_NAMES else "cp437", errors="replace")
-        if U32_MAX in (plain, compressed, header_offset):
-            plain, compressed, header_offset = _zip64_fields(
-                directory[extra_at : extra_at + extra_length], plain, compressed, header_offset
-            )
-        entries.append(DirectoryEntry(name.split("/", 1)[-1], header_offset, plain, compressed, method))
-    return entries
-
-
-def _zip64_fields(extra: bytes, plain: int, compressed: int, header_offset: int) -> tuple[int, int, int]:
-    """The sizes and offset a zip64 extra field replaces (each only where the 32-bit field is full)."""
-    position = 0
-    while position + 4 <= len(extra):
-        field_id, field_size = struct.unpack_from("<HH", extra, position)
-        body = extra[position + 4 : position + 4 + field_size]
-        position += 4 + field_size
-        if field_id != _ZIP64_EXTRA_ID:
-            continue
-        values = list(struct.unpack_from(f"<{len(body) // 8}Q", body))
-        try:
-            if plain == U32_MAX:
-                plain = values.pop(0)
-            if compressed == U32_MAX:
-                compressed = values.pop(0)
-            if header_offset == U32_MAX:
-                header_offset = values.pop(0)
-        except IndexError:
-            raise zipfile.BadZipFile("zip64 extra field too short") from None
-        return plain, compressed, header_offset
-    raise zipfile.BadZipFile("zip64 sizes or offset without a zip64 extra field")

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from fastpersist import _torch_compat
-from fastpersist.archive import read_directory
 from fastpersist.buffers import split_halves
 from fastpersist.context import FastPersistContext
 from fastpersist.engines import IOEngine, OpenFile, PythonEngine, Transfer, io_error, open_file
 from fastpersist.memory import aligned_empty, round_down, round_up
+from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
 

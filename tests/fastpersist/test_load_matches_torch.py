@@ -1,6 +1,6 @@
 """``fastpersist_load`` returns what ``torch.load(weights_only=True)`` returns, and refuses what it refuses.
 
-The plain-tensor loop (``_torch_compat._load_plain_tensors``) replaces torch's per-tensor machinery for
+The plain-tensor loop (``lightning_storage_plugins._torch_compat._load_plain_tensors``) replaces torch's per-tensor machinery for
 CPU weights-only loads, and the direct read path unpickles while the bytes are still arriving; these
 tests compare every result with torch's own, and check that a read error is still the error reported.
 """
@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastpersist import _libc, _torch_compat, engines, fastpersist_load, fastpersist_save
-from fastpersist.archive import read_directory
+from lightning_storage_plugins import _torch_compat as load_compat
+from lightning_storage_plugins.ziparchive import read_directory
 from tests.support.direct_io import o_direct_dir
 from tests.support.fp_compare import assert_same
 
@@ -222,13 +223,13 @@ def test_plain_tensors_load_without_per_tensor_fake_mode_checks(
 
 def test_the_torch_functions_the_loop_mirrors_are_the_ones_it_was_written_against() -> None:
     changed = {
-        name: _torch_compat.source_digest(function)
-        for name, function in _torch_compat._MIRRORED_FUNCTIONS.items()
-        if name in _torch_compat.unmirrored_functions()
+        name: load_compat.source_digest(function)
+        for name, function in load_compat._MIRRORED_FUNCTIONS.items()
+        if name in load_compat.unmirrored_functions()
     }
     assert not changed, (
         f"torch {torch.__version__} changed {changed}: read the new source, mirror it in "
-        "fastpersist/_torch_compat.py and add its digest to MIRRORED_SOURCES"
+        "lightning_storage_plugins/_torch_compat.py and add its digest to MIRRORED_SOURCES"
     )
 
 

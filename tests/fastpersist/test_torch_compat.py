@@ -314,7 +314,7 @@ def test_writes_go_by_descriptor_or_path_as_this_deepspeed_takes_them(
 
 
 def test_local_header_struct_matches_the_zip_format() -> None:
-    assert _torch_compat._LOCAL_HEADER.size == 30 == struct.calcsize("<IHHHHHIIIHH")
+    assert _torch_compat.LOCAL_HEADER_BYTES == 30 == struct.calcsize("<IHHHHHIIIHH")
 
 
 # DeepSpeed 0.16's config models use pydantic APIs that newer pydantic deprecates; not ours to fix.

@@ -1,0 +1,176 @@
+"""Loads from GCS unpickle while the object arrives and hand out views of the downloaded buffer.
+
+Whatever the checkpoint, ``DatafluxCheckpointIO.load_checkpoint`` returns what ``torch.load`` returns
+for the same bytes (structure, dtypes, strides, values, storage sharing, refusals), refuses crafted
+archives or loads them as ``torch.load`` does, and holds about one checkpoint of extra memory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataflux_ckpt import DatafluxCheckpointIO
+from dataflux_ckpt.errors import InvalidCheckpointError
+from tests.fastpersist.test_crafted_archives import STATE as CRAFTED_STATE
+from tests.fastpersist.test_crafted_archives import _apply, mutations
+from tests.support.fp_compare import assert_same
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
+
+
+@st.composite
+def states(draw: st.DrawFn) -> dict[str, object]:
+    """State dicts of plain tensors: several dtypes, empty ones, views and slices sharing a storage,
+    non-contiguous ones, Parameters, nested containers."""
+    state: dict[str, object] = OrderedDict()
+    for index in range(draw(st.integers(1, 6))):
+        dtype = draw(st.sampled_from(DTYPES))
+        numel = draw(st.sampled_from([0, 1, 7, 1000, 70_000]))
+        base = (torch.arange(numel) % 251).to(dtype)
+        kind = draw(st.sampled_from(["plain", "slice", "strided", "parameter", "shared"]))
+        if kind == "slice" and numel > 2:
+            state[f"t{index}"] = base[1:]
+        elif kind == "strided" and numel >= 6:
+            state[f"t{index}"] = base[: numel // 2 * 2].view(-1, 2).t()
+        elif kind == "parameter" and dtype.is_floating_point:
+            state[f"t{index}"] = torch.nn.Parameter(base, requires_grad=draw(st.booleans()))
+        elif kind == "shared":
+            state[f"t{index}"] = base
+            state[f"t{index}_again"] = base[: max(numel - 1, 0)]
+        else:
+            state[f"t{index}"] = base
+    if draw(st.booleans()):
+        state["nested"] = {"list": [torch.ones(3), (torch.zeros(2, dtype=torch.int32), 5)], "step": 3}
+    return state
+
+
+def _put(plugin: DatafluxCheckpointIO, path: str, data: bytes) -> None:
+    with plugin.writer(path) as stream:
+        stream.write(data)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=states(), weights_only=st.sampled_from([True, False, None]),
+       map_location=st.sampled_from([None, "cpu", torch.device("cpu"), {"cpu": "cpu"}]),
+       writer=st.sampled_from(["plugin", "torch.save"]))
+def test_loads_match_torch_load(make_plugin, gcs_bucket, state, weights_only, map_location, writer):
+    plugin = make_plugin()  # 256 KiB ranges: a checkpoint spans several
+    path = f"gs://{gcs_bucket}/views/{writer}.ckpt"
+    if writer == "plugin":
+        plugin.save_checkpoint(state, path)
+        with plugin.reader(path) as stream:
+            data = stream.read()
+    else:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        _put(plugin, path, data)
+    want = torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    got = plugin.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+    assert_same(got, want)
+
+
+def test_loaded_tensors_are_writable_and_independent_of_another_load(ckpt_io, ckpt_path):
+    ckpt_io.save_checkpoint({"a": torch.zeros(1000), "b": torch.ones(10)}, ckpt_path)
+    first = ckpt_io.load_checkpoint(ckpt_path)
+    second = ckpt_io.load_checkpoint(ckpt_path)
+    first["a"] += 5
+    first["b"].mul_(3)
+    assert torch.equal(second["a"], torch.zeros(1000)) and torch.equal(second["b"], torch.ones(10))
+    assert torch.equal(first["a"], torch.full((1000,), 5.0)) and torch.equal(first["b"], torch.full((10,), 3.0))
+
+
+def test_legacy_format_and_torchscript_archives_load_as_torch_load_does(ckpt_io, gcs_bucket):
+    legacy = io.BytesIO()
+    torch.save({"w": torch.arange(5)}, legacy, _use_new_zipfile_serialization=False)
+    _put(ckpt_io, f"gs://{gcs_bucket}/views/legacy.ckpt", legacy.getvalue())
+    assert_same(ckpt_io.load_checkpoint(f"gs://{gcs_bucket}/views/legacy.ckpt", weights_only=True),
+                {"w": torch.arange(5)})
+    scripted = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), scripted)
+    _put(ckpt_io, f"gs://{gcs_bucket}/views/scripted.pt", scripted.getvalue())
+    loaded = ckpt_io.load_checkpoint(f"gs://{gcs_bucket}/views/scripted.pt", weights_only=False)
+    assert isinstance(loaded, torch.jit.ScriptModule)
+
+
+@pytest.fixture(scope="module")
+def crafted_original() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(CRAFTED_STATE, buffer)
+    return buffer.getvalue()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_crafted_record_sizes_are_refused_or_load_as_torch_load_does(make_plugin, gcs_bucket, crafted_original,
+                                                                     data):
+    plugin = make_plugin()
+    changes = data.draw(mutations(crafted_original), label="changes")
+    crafted = _apply(crafted_original, changes)
+    path = f"gs://{gcs_bucket}/views/crafted.ckpt"
+    _put(plugin, path, crafted)
+    expected, refused = None, False
+    try:
+        expected = torch.load(io.BytesIO(crafted), weights_only=True)
+    except Exception:  # noqa: BLE001 - any refusal by torch.load: the plugin must refuse too
+        refused = True
+    try:
+        got = plugin.load_checkpoint(path, weights_only=True)
+    except InvalidCheckpointError as err:
+        assert path in str(err)
+        return
+    assert not refused, f"torch.load refuses {changes}, the plugin returned {got!r}"
+    assert_same(got, expected)
+
+
+_MEASURE = textwrap.dedent("""
+    import json, sys
+    import torch
+    from dataflux_ckpt import DatafluxCheckpointIO
+    from google.cloud import storage
+    from google.auth.credentials import AnonymousCredentials
+
+    client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": sys.argv[1]})
+    plugin = DatafluxCheckpointIO(storage_client=client)
+
+    def rss_kib(field):
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak resident size starts again from the current one
+    before = rss_kib("VmRSS")
+    loaded = plugin.load_checkpoint(sys.argv[2])
+    peak = rss_kib("VmHWM")
+    total = sum(t.numel() * t.element_size() for t in loaded.values())
+    plugin.teardown()
+    print(json.dumps({"extra": (peak - before) * 1024, "bytes": total}))
+""")
+
+
+def test_a_load_holds_about_one_checkpoint_of_extra_memory(gcs_emulator, ckpt_io, ckpt_path, tmp_path):
+    state = {f"layer{index}": torch.randn(2**20) for index in range(48)}  # 192 MiB
+    ckpt_io.save_checkpoint(state, ckpt_path)
+    del state
+    script = tmp_path / "measure.py"
+    script.write_text(_MEASURE)
+    done = subprocess.run([sys.executable, str(script), gcs_emulator.url, ckpt_path], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "STORAGE_EMULATOR_HOST": gcs_emulator.url})
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    # The downloaded buffer is the tensors' memory: about one checkpoint, where copying tensors out
+    # of it held 1.6-1.7 checkpoints at the peak.
+    assert measured["extra"] <= 1.2 * measured["bytes"], measured
