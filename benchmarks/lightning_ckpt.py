@@ -78,6 +78,7 @@ from benchmarks.report import (  # noqa: E402
     spread,
     write_json,
 )
+from dataflux_ckpt.checksums import crc32c_extend  # noqa: E402
 
 log = logging.getLogger("benchmarks.lightning_ckpt")
 
@@ -266,6 +267,7 @@ CEILING_NAMES = {
     "xml": "raw parallel XML multipart upload",
     "composite": "raw parallel composite upload",
     "download": "raw parallel download",
+    "download_crc32c": "raw parallel download + crc32c",
     "load": "raw parallel download + torch.load",
 }
 
@@ -300,22 +302,25 @@ class UploadCeiling(Subject):
 class DownloadCeiling(Subject):
     """The bounds of a load: the object fetched with raw parallel ranged GETs (the plugin's part size
     and connection count) into memory. ``mode`` "download" stops there: the pure download, with no
-    deserialization, the ceiling of every GCS load. ``mode`` "load" then runs ``torch.load`` from
-    memory with its defaults: the serial bound of a load that does not overlap the two."""
+    deserialization and no integrity check, the ceiling of every GCS load. "download_crc32c" also
+    checks the bytes' crc32c as they arrive, as every load of the plugin must (its like-for-like
+    ceiling). "load" then runs ``torch.load`` from memory with its defaults: the serial bound of a
+    load that does not overlap the two."""
 
     def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
-        if mode not in ("download", "load"):
-            raise ValueError(f"a load ceiling is 'download' or 'load', not {mode!r}")
+        if mode not in ("download", "download_crc32c", "load"):
+            raise ValueError(f"a load ceiling is 'download', 'download_crc32c' or 'load', not {mode!r}")
         super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", meter, mode,
                          does_save=False)
         self.raw, self.bucket, self.mode = raw, bucket, mode
         self.size_bytes = len(data)
+        self.crc32c = crc32c_extend(0, data) if mode == "download_crc32c" else None
         self.name_ = f"{run_id}/ceiling-{mode}/ckpt"
         raw.single_upload(bucket, self.name_, data)
 
     def load(self, step: int) -> Op:
         def run() -> None:
-            buffer = self.raw.download(self.bucket, self.name_, self.size_bytes)
+            buffer = self.raw.download(self.bucket, self.name_, self.size_bytes, crc32c=self.crc32c)
             try:
                 if self.mode == "load":
                     with MemoryReader(buffer) as reader:
@@ -433,7 +438,8 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
 
     Ceilings get their ratios to the baseline and the peer too: the most any row on that path could
     show against them in this run. Every GCS load, and the "download + torch.load" bound, gets its
-    ratio to the pure parallel download (``load_vs_download``).
+    ratio to the pure parallel download (``load_vs_download``) and to that download with its crc32c
+    checked (``load_vs_verified_download``).
     """
     baseline = next((r for r in rows if r["key"] == BASELINE_KEY), None)
     peer = next((r for r in rows if r["key"] == PEER_KEY), None)
@@ -441,6 +447,8 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
     load_ceiling = ceilings.get("load")
     download = ceilings.get("download")
     download_mbps = download["load_median_mbps"] if download else None
+    verified = ceilings.get("download_crc32c")
+    verified_mbps = verified["load_median_mbps"] if verified else None
     for row in rows + ceiling_rows:
         for op in ("save", "load"):
             value = row[f"{op}_median_mbps"]
@@ -456,8 +464,11 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
         row["load_ceiling_mbps"] = load_ceiling["load_median_mbps"] if load_ceiling and gcs_row else None
         row["load_vs_ceiling"] = ratio(row["load_median_mbps"], row["load_ceiling_mbps"])
         row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if gcs_row else None
+        row["load_vs_verified_download"] = ratio(row["load_median_mbps"], verified_mbps) if gcs_row else None
     for row in ceiling_rows:
-        row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if row["upload"] == "load" else None
+        bounded = row["upload"] in ("load", "download_crc32c")
+        row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if bounded else None
+        row["load_vs_verified_download"] = None
 
 
 def _range(row: dict[str, Any], op: str) -> str | None:
@@ -488,6 +499,7 @@ RATIO_COLUMNS = {
     "save_vs_ceiling": "Save x ceil.",
     "load_vs_ceiling": "Load x ceil.",
     "load_vs_download": "Load x download",
+    "load_vs_verified_download": "Load x download+crc32c",
     "upload": "Save ceiling",
 }
 CEILING_COLUMNS = {
@@ -630,7 +642,8 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
         for mode in ("single", "xml", "composite"):
             if mode in needed:
                 subjects.append(UploadCeiling(mode, raw, bucket, data, run_id, meter))
-        subjects += [DownloadCeiling(mode, raw, bucket, data, run_id, meter) for mode in ("download", "load")]
+        subjects += [DownloadCeiling(mode, raw, bucket, data, run_id, meter)
+                     for mode in ("download", "download_crc32c", "load")]
     return subjects
 
 

@@ -7,7 +7,7 @@ the way a client library's connection pool does, and does only what each protoco
 * :meth:`RawGcs.single_upload`: one media upload request;
 * :meth:`RawGcs.xml_multipart_upload`: XML API multipart upload, parts on parallel connections;
 * :meth:`RawGcs.composite_upload`: part objects on parallel connections, then one compose;
-* :meth:`RawGcs.download`: parallel ranged GETs straight into one buffer.
+* :meth:`RawGcs.download`: parallel ranged GETs straight into one buffer (optionally checking their crc32c).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote, urlencode, urlsplit
 
+from dataflux_ckpt.checksums import crc32c_combine, crc32c_extend
 from lightning_storage_plugins.memoryfile import MemoryFile
 
 HTTP_TIMEOUT_S = 300.0
@@ -151,29 +152,43 @@ class RawGcs:
         return names
 
     # Downloads and housekeeping ---------------------------------------------------------------
-    def download(self, bucket: str, name: str, size: int) -> mmap.mmap:
+    def download(self, bucket: str, name: str, size: int, crc32c: int | None = None) -> mmap.mmap:
         """The ``size`` bytes of ``name``, fetched with ``part_bytes`` ranged GETs on the parallel
-        connections straight into one anonymous mapping (zeroed lazily, as the plugin's)."""
+        connections straight into one anonymous mapping (zeroed lazily, as the plugin's).
+
+        With ``crc32c``, each connection also takes the crc32c of its range block by block as the
+        bytes arrive (as the plugin's reader does), and the combined value must equal ``crc32c``.
+        """
         buffer = mmap.mmap(-1, max(size, 1))
         view = memoryview(buffer)
         target = f"/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?alt=media"
 
-        def fetch(start: int) -> None:
+        def fetch(start: int) -> int:
             end = min(start + self.part_bytes, size)
             response = self._request("GET", target, headers={"Range": f"bytes={start}-{end - 1}",
                                                               "Accept-Encoding": "identity"}, ok=(200, 206))
-            got = start
+            got, crc = start, 0
             while got < end:
-                n = response.readinto(view[got : min(end, got + READ_BLOCK_BYTES)])
+                block = view[got : min(end, got + READ_BLOCK_BYTES)]
+                n = response.readinto(block)
                 if not n:
                     raise RawGcsError(f"GET {self.url}{target}: connection closed at byte {got} of {end}")
+                if crc32c is not None:
+                    crc = crc32c_extend(crc, block[:n])
                 got += n
             response.read()  # the (empty) rest, so the connection can carry the next request
+            return crc
 
         try:
-            list(self._executor.map(fetch, range(0, size, self.part_bytes)))
+            crcs = list(self._executor.map(fetch, range(0, size, self.part_bytes)))
         finally:
             view.release()
+        if crc32c is not None:
+            whole = 0
+            for start, crc in zip(range(0, size, self.part_bytes), crcs, strict=True):
+                whole = crc32c_combine(whole, crc, min(self.part_bytes, size - start))
+            if whole != crc32c:
+                raise RawGcsError(f"GET {self.url}{target}: crc32c {whole:#010x}, expected {crc32c:#010x}")
         return buffer
 
     def delete(self, bucket: str, names: list[str] | str) -> None:

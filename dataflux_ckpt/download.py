@@ -65,8 +65,12 @@ class ObjectReader(io.RawIOBase):
         self._pos = 0
         step = chunk_size if parallel else max(info.size, 1)
         self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
-        self._arrived = [threading.Event() for _ in self._ranges]
-        # Each range's crc32c, taken by its download thread while the bytes are still in cache;
+        self._arrived = [threading.Event() for _ in self._ranges]  # done, or failed
+        # How many bytes from the start of each range have arrived: a reader waits only for the bytes
+        # it reads, so unpickling follows the download instead of waiting for whole ranges.
+        self._got = [0] * len(self._ranges)
+        self._progress = threading.Condition()
+        # Each range's crc32c, taken by its download thread block by block as the bytes arrive;
         # verify() combines them instead of reading the whole buffer once more at the end.
         self._range_crcs = [0] * len(self._ranges)
         self._complete = False  # every range arrived without error: reads skip the waits
@@ -103,29 +107,43 @@ class ObjectReader(io.RawIOBase):
             with self._pending_lock:
                 self._pending -= 1
                 self._complete = self._pending == 0 and self._error is None
+            with self._progress:
+                self._progress.notify_all()
 
     def _fetch_once(self, index: int, what: str) -> None:
         start, end = self._ranges[index]
         with self._gcs.open_range(self.path, self.generation, start, end, self._deadline) as response:
             source = _gcs_compat.raw_body_reader(response)
             target = self._view[start:end]
-            got = 0
+            got = crc = 0
             while got < end - start:
                 self._deadline.check(what)
-                n = source.readinto(target[got : got + READ_BLOCK_BYTES])
+                block = target[got : got + READ_BLOCK_BYTES]
+                n = source.readinto(block)
                 if not n:
                     raise ConnectionError(f"{what}: connection closed after {got} of {end - start} bytes")
+                crc = crc32c_extend(crc, block[:n])  # while the bytes are still in the CPU's cache
                 got += n
-        self._range_crcs[index] = crc32c_extend(0, target)
+                # A retry writes the same generation's bytes again: what arrived stays valid.
+                if got > self._got[index]:
+                    with self._progress:
+                        self._got[index] = got
+                        self._progress.notify_all()
+        self._range_crcs[index] = crc
 
     def _wait(self, start: int, end: int) -> None:
         if self._complete or end <= start:
             return
         step = self._ranges[0][1] - self._ranges[0][0]
         for index in range(start // step, (end - 1) // step + 1):
-            # Requests end by the deadline on their own; the grace covers a last backoff.
-            if not self._arrived[index].wait(max(self._deadline.remaining(), 0) + 1.0):
-                raise self._deadline.exceeded(f"waiting for bytes {start}-{end - 1}")
+            need = min(end, self._ranges[index][1]) - index * step
+            if self._got[index] >= need:
+                continue
+            with self._progress:
+                while self._got[index] < need and not self._arrived[index].is_set():
+                    # Requests end by the deadline on their own; the grace covers a last backoff.
+                    if not self._progress.wait(max(self._deadline.remaining(), 0) + 1.0):
+                        raise self._deadline.exceeded(f"waiting for bytes {start}-{end - 1}")
         if self._error is not None:
             raise self._error
 
@@ -140,8 +158,13 @@ class ObjectReader(io.RawIOBase):
             raise error
 
     def wait_all(self) -> None:
-        """Block until the whole object has arrived."""
-        self._wait(0, self.size)
+        """Block until every range's download has ended (and raise if one failed)."""
+        for event in self._arrived:
+            # Requests end by the deadline on their own; the grace covers a last backoff.
+            if not event.wait(max(self._deadline.remaining(), 0) + 1.0):
+                raise self._deadline.exceeded(f"waiting for the download of {self.path.uri}")
+        if self._error is not None:
+            raise self._error
 
     def verify(self) -> None:
         """Wait for the download and check the whole object's crc32c against the server's."""

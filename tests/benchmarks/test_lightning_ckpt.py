@@ -123,11 +123,11 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
     out, err, rows, chart = _run(tmp_path)
     by_type, ceilings = _by_kind(rows)
     assert [t.removesuffix(" [xml]") for t in by_type] == REFERENCE_ROWS
-    assert set(ceilings) == {"single", "xml", "download", "load"}
+    assert set(ceilings) == {"single", "xml", "download", "download_crc32c", "load"}
     for row in rows:
         assert ROW_KEYS <= row.keys()
         assert row["layers"] == 1 and row["network"] == "loopback" and row["size_mb"] > 1
-        load_ceiling = row["upload"] in ("download", "load")
+        load_ceiling = row["upload"] in ("download", "download_crc32c", "load")
         assert len(row["save_times_s"]) == (1 if row["kind"] == "row" or not load_ceiling else 0)
     for row in by_type.values():
         assert row["save_median_mbps"] > 0 and row["load_median_mbps"] > 0
@@ -148,9 +148,15 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
     for row in (gcsfs, no_tm, tm, ceilings["load"]):
         assert row["load_vs_download"] == pytest.approx(row["load_median_mbps"] / download["load_median_mbps"])
     assert ceilings["xml"]["load_vs_download"] is None and download["load_vs_download"] is None
+    # The like-for-like bound of a GCS load: the same download with its crc32c checked as it arrives.
+    verified = ceilings["download_crc32c"]
+    assert verified["type"] == "ceiling: raw parallel download + crc32c" and verified["load_median_mbps"] > 0
+    for row in (gcsfs, no_tm, tm):
+        assert row["load_vs_verified_download"] == pytest.approx(
+            row["load_median_mbps"] / verified["load_median_mbps"])
     # The console: the run's line, one progress bar per row, the tables; nothing from Lightning or the plugins.
     assert out.splitlines()[0].startswith("Lightning checkpoints, LAYERS=1, STEPS=1")
-    for title in ("Save MB/s", "Save x gcsfs", "Save x ceil.", "Load x download", "Ceiling",
+    for title in ("Save MB/s", "Save x gcsfs", "Save x ceil.", "Load x download", "Load x download+crc32c", "Ceiling",
                   "raw parallel XML multipart upload", "ceiling: raw parallel download "):
         assert title in out
     for line in (out + err).splitlines():
@@ -178,7 +184,7 @@ def test_both_upload_modes_each_with_its_own_ceiling(tmp_path):
     out, _, rows, _ = _run(tmp_path, "--types", "dataflux-tm", "--upload-mode", "both")
     by_type, ceilings = _by_kind(rows)
     assert list(by_type) == ["Dataflux (Transfer Manager Enabled) [xml]", "Dataflux (Transfer Manager Enabled) [composite]"]
-    assert set(ceilings) == {"xml", "composite", "download", "load"}
+    assert set(ceilings) == {"xml", "composite", "download", "download_crc32c", "load"}
     for mode in ("xml", "composite"):
         row = by_type[f"Dataflux (Transfer Manager Enabled) [{mode}]"]
         assert row["upload"] == mode

@@ -7,13 +7,17 @@ archives or loads them as ``torch.load`` does, and holds about one checkpoint of
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import OrderedDict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -21,10 +25,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflux_ckpt import DatafluxCheckpointIO
+from dataflux_ckpt.download import READ_BLOCK_BYTES
 from dataflux_ckpt.errors import InvalidCheckpointError
 from tests.fastpersist.test_crafted_archives import STATE as CRAFTED_STATE
 from tests.fastpersist.test_crafted_archives import _apply, mutations
 from tests.support.fp_compare import assert_same
+from tests.support.gcs import client_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
 
@@ -174,3 +180,78 @@ def test_a_load_holds_about_one_checkpoint_of_extra_memory(gcs_emulator, ckpt_io
     # The downloaded buffer is the tensors' memory: about one checkpoint, where copying tensors out
     # of it held 1.6-1.7 checkpoints at the peak.
     assert measured["extra"] <= 1.2 * measured["bytes"], measured
+
+
+class _HoldingProxy:
+    """A proxy to the emulator that sends the first ``hold_after`` bytes of every object download,
+    then holds the rest until :attr:`release` is set."""
+
+    def __init__(self, upstream: str, hold_after: int) -> None:
+        upstream_parts = urlsplit(upstream)
+        self.release = threading.Event()
+        self.holding = threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                conn = http.client.HTTPConnection(upstream_parts.hostname, upstream_parts.port, timeout=30)
+                try:
+                    conn.request("GET", self.path, headers={k: v for k, v in self.headers.items()
+                                                            if k.lower() not in ("host", "connection")})
+                    response = conn.getresponse()
+                    payload = response.read()
+                    self.send_response(response.status)
+                    for name, value in response.getheaders():
+                        if name.lower() not in ("connection", "transfer-encoding", "content-length"):
+                            self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if "alt=media" not in self.path or len(payload) <= hold_after:
+                        self.wfile.write(payload)
+                        return
+                    self.wfile.write(payload[:hold_after])
+                    self.wfile.flush()
+                    proxy.holding.set()
+                    proxy.release.wait(60)
+                    self.wfile.write(payload[hold_after:])
+                finally:
+                    conn.close()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _HoldingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_bytes_are_served_as_they_arrive_not_when_their_range_is_complete(gcs_emulator, gcs_bucket, make_plugin):
+    path = f"gs://{gcs_bucket}/views/held.bin"
+    data = os.urandom(3 * READ_BLOCK_BYTES)
+    _put(make_plugin(), path, data)
+    # One range of three read blocks; the proxy holds the last block and a half back.
+    with _HoldingProxy(gcs_emulator.url, hold_after=READ_BLOCK_BYTES + READ_BLOCK_BYTES // 2) as proxy:
+        plugin = make_plugin(client=client_for(proxy.url), chunk_size=len(data), max_workers=1)
+        with plugin.reader(path) as stream:
+            got: list[bytes] = []
+            early = threading.Thread(target=lambda: got.append(stream.pread(1000, READ_BLOCK_BYTES - 1000)))
+            early.start()
+            early.join(30)
+            held = early.is_alive()
+            proxy.release.set()
+            early.join()
+            assert not held, "bytes of the first block were not served until the whole range arrived"
+            assert got == [data[READ_BLOCK_BYTES - 1000 : READ_BLOCK_BYTES]]
+            assert stream.pread(1000, len(data) - 1000) == data[-1000:]

@@ -91,7 +91,11 @@ def test_benchmark_tensor_workload_on_tiny_sizes(ckpt_dir: Path, aio_engine: str
     assert names == [
         "test_save", "test_fastpersist_aio_nopatch", "test_fastpersist_py_nopatch",
         "test_torch_load", "test_fastpersist_load", "raw_odirect_write", "raw_odirect_read",
+        "raw_odirect_read_new_memory",
     ]  # fmt: skip
+    by_name = {row["name"]: row for row in rows}
+    assert by_name["test_fastpersist_load"]["vs_ceiling_new_memory"] > 0
+    assert by_name["test_save"]["vs_ceiling_new_memory"] is None
     assert all(
         {"name", "bytes", "seconds", "seconds_min", "seconds_max", "gbps", "engine"} <= set(row)
         for row in rows
@@ -102,7 +106,7 @@ def test_benchmark_tensor_workload_on_tiny_sizes(ckpt_dir: Path, aio_engine: str
     import re
 
     summary_lines = [line for line in done.stdout.splitlines() if " -- " in line]
-    assert len(summary_lines) == 7 and all(re.match(SUMMARY_LINE, line) for line in summary_lines)
+    assert len(summary_lines) == 8 and all(re.match(SUMMARY_LINE, line) for line in summary_lines)
     assert not [p for p in ckpt_dir.iterdir() if p.is_file()], "benchmark left data files behind"
 
 
