@@ -1,5 +1,11 @@
 """crc32c over any buffer (bytes, bytearray, read-only memoryviews), without copying it, and the
-crc32c of a concatenation from the crc32c of its pieces."""
+crc32c of a concatenation from the crc32c of its pieces.
+
+Where the optional ``crc32c`` package (``pip install "lightning-storage-plugins[gcs-fast-crc]"``,
+LGPL-2.1) is installed, it computes the checksums: it interleaves three streams of the CPU's crc32
+instruction and releases the GIL, about 3x google-crc32c's single stream (29 vs 8 GB/s measured on
+the build machine), which is most of what verifying a load costs. Both give the same values.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,11 @@ import struct
 import google_crc32c
 import numpy as np
 
+try:
+    import crc32c as _fast_crc32c
+except ImportError:  # optional: google-crc32c does the same, more slowly
+    _fast_crc32c = None
+
 BytesLike = bytes | bytearray | memoryview
 
 
@@ -20,6 +31,8 @@ def crc32c_extend(crc: int, data: BytesLike) -> int:
     ``google_crc32c`` accepts only buffers without a release hook (bytes, ctypes arrays); a ctypes
     array laid over the same memory gives it any buffer without a copy.
     """
+    if _fast_crc32c is not None:
+        return _fast_crc32c.crc32c(data if isinstance(data, bytes) else memoryview(data).cast("B"), crc)
     if isinstance(data, bytes):
         return google_crc32c.extend(crc, data)
     view = memoryview(data).cast("B")
