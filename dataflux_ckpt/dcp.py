@@ -4,7 +4,9 @@
     dcp.load(state_dict, storage_reader=DatafluxStorageReader("gs://bucket/run/step-100"))
 
 Save: each rank writes one object, ``__<rank>_0.<token>.distcp``, through :class:`ObjectWriter`
-(parallel part uploads, at most ``max_workers + 1`` part buffers alive: a shard is never held whole).
+(parallel part uploads, at most ``max_workers + 1`` parts alive: a shard is never held whole). The
+whole parts of a contiguous CPU tensor go up from the tensor's own memory; only bytes that share a part
+with another item, and tensors that are not contiguous or not on the CPU, pass through part buffers.
 Tensors are stored as their raw bytes (C order) with a crc32c for every ``block_size`` bytes of each
 item, recorded in the metadata; the coordinator publishes ``.metadata`` last, in one request.
 
@@ -354,9 +356,14 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
                     info = GcsItemInfo(name, offset, view.nbytes, crc32c=crcs.values(), block_size=self.block_size)
                 else:
                     tensor = data.detach()
-                    for piece in _host_bytes(tensor, f"{item.index.fqn} of {target}"):
+                    for piece, own in _host_bytes(tensor, f"{item.index.fqn} of {target}"):
                         crcs.update(piece)
-                        stream.write(piece)
+                        # The tensor's own memory outlives the upload (DCP holds the state until
+                        # write_data returns): its whole parts go up without a staging copy.
+                        if own:
+                            stream.write_borrowed(piece)
+                        else:
+                            stream.write(piece)
                     info = GcsItemInfo(name, offset, stream.tell() - offset, crc32c=crcs.values(),
                                        block_size=self.block_size, dtype=_dtype_name(tensor.dtype),
                                        shape=tuple(tensor.shape))
@@ -420,17 +427,19 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _host_bytes(tensor: torch.Tensor, what: str) -> Iterator[memoryview]:
-    """The tensor's bytes in C order, as host memory: a CPU tensor's own memory (a copy only when it
-    is not contiguous), a device tensor's in pieces of ``DEVICE_PIECE_BYTES``."""
+def _host_bytes(tensor: torch.Tensor, what: str) -> Iterator[tuple[memoryview, bool]]:
+    """The tensor's bytes in C order, as host memory, each piece with whether it is the tensor's own
+    memory: a contiguous CPU tensor's is; a copy is made when it is not contiguous, and a device
+    tensor's bytes come in copied pieces of ``DEVICE_PIECE_BYTES``."""
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise TypeError(f"{what}: cannot store a {tensor.layout} / quantized tensor as raw bytes")
-    flat = _flat_bytes(tensor.contiguous())
+    contiguous = tensor.contiguous()
+    flat = _flat_bytes(contiguous)
     if flat.device.type == "cpu":
-        yield memoryview(flat.numpy())
+        yield memoryview(flat.numpy()), contiguous is tensor
         return
     for start in range(0, flat.numel(), DEVICE_PIECE_BYTES):
-        yield memoryview(flat[start : start + DEVICE_PIECE_BYTES].cpu().numpy())
+        yield memoryview(flat[start : start + DEVICE_PIECE_BYTES].cpu().numpy()), False
 
 
 class _BlockCrcs:

@@ -176,9 +176,19 @@ class _XmlMultipartEngine:
         self._gcs.xml_abort(self._path, self._upload_id, deadline)
 
 
+# A part that holds no slot (an empty last part cut before anything was written).
+_NO_SLOT: Any = object()
+
+
 class _ChunkingWriter(io.RawIOBase):
-    """A write-only file-like that cuts what is written into ``chunk_size`` buffers and hands each
-    full one to :meth:`_submit_buffer`, with at most ``buffers`` buffers alive at once.
+    """A write-only file-like that cuts what is written into ``chunk_size`` parts and hands each
+    full one to :meth:`_submit_buffer`, with at most ``buffers`` parts alive at once.
+
+    :meth:`write` copies into part buffers (the caller may reuse its memory at once);
+    :meth:`write_borrowed` uploads whole parts straight from the caller's memory, which must stay
+    alive and unchanged until the writer is closed. Either way a part holds one of ``buffers``
+    slots from the moment it is cut until its upload ends, so at most ``buffers`` parts (copied or
+    borrowed) are referenced at once, and at most ``buffers`` part buffers are ever allocated.
 
     ``close()`` (or leaving the ``with`` block normally) publishes the object; leaving it with an
     exception, or :meth:`abort`, discards the upload and leaves any previous object intact.
@@ -198,11 +208,15 @@ class _ChunkingWriter(io.RawIOBase):
         self._chunk_size, self._buffers = chunk_size, buffers
         self._cleanup_timeout_s = cleanup_timeout_s
         self._deadline = Deadline(deadline_s, "save", path.uri)
+        # The part being cut: the slot it holds (with the buffer that slot last held, or None),
+        # and either the buffer it is copied into or a full part of the caller's memory.
+        self._slot: bytearray | None = _NO_SLOT
         self._buffer: bytearray | None = None
+        self._borrowed: memoryview | None = None
         self._fill = 0
         self._size = 0
         self._crc = 0
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         self._allocated = 0
         self._executor: ThreadPoolExecutor | None = None
         self._futures: list[Future[Any]] = []
@@ -226,20 +240,39 @@ class _ChunkingWriter(io.RawIOBase):
         return self._size
 
     def write(self, data: BytesLike) -> int:  # type: ignore[override]
+        """Append ``data`` (copied: the caller may change its memory once this returns)."""
+        return self._write(data, borrow=False)
+
+    def write_borrowed(self, data: BytesLike) -> int:
+        """Append ``data``, uploading each whole part of it from the caller's memory, not a copy.
+
+        The caller keeps ``data`` alive and unchanged until :meth:`close` (or :meth:`abort`)
+        returns: a part's crc32c is taken when it is cut and checked by the server, so bytes
+        changed meanwhile fail the upload instead of being stored. Bytes that do not fill a whole
+        part (where ``data`` starts or ends inside one) are copied as :meth:`write` does.
+        """
+        return self._write(data, borrow=True)
+
+    def _write(self, data: BytesLike, borrow: bool) -> int:
         if self.closed or self._done:
             raise ValueError(f"write to a closed writer for {self.path}")
         view = memoryview(data).cast("B")
         offset, total = 0, view.nbytes
         while offset < total:
-            # A full buffer is handed on only once more bytes follow, so that an object of exactly
+            # A full part is handed on only once more bytes follow, so that an object of exactly
             # one chunk still goes up in a single request.
             if self._fill == self._chunk_size:
                 self._deadline.check()
                 self._submit_buffer()
-            if self._buffer is None:
-                self._buffer = self._acquire_buffer()
             take = min(self._chunk_size - self._fill, total - offset)
-            self._buffer[self._fill : self._fill + take] = view[offset : offset + take]
+            if borrow and take == self._chunk_size:  # a whole part of the caller's memory
+                self._slot = self._acquire_slot()
+                self._borrowed = view[offset : offset + take]
+            else:
+                if self._buffer is None:
+                    slot = self._acquire_slot()
+                    self._slot = self._buffer = slot if slot is not None else bytearray(self._chunk_size)
+                self._buffer[self._fill : self._fill + take] = view[offset : offset + take]
             self._fill += take
             offset += take
         self._size += total
@@ -279,9 +312,10 @@ class _ChunkingWriter(io.RawIOBase):
         if not getattr(self, "_done", True):
             self.abort()
 
-    # Buffers ---------------------------------------------------------------------------------
-    def _acquire_buffer(self) -> bytearray:
-        """A free buffer; when all exist and are in flight, this waits for an upload to finish."""
+    # Slots and buffers -----------------------------------------------------------------------
+    def _acquire_slot(self) -> bytearray | None:
+        """A free slot, as the buffer it last held (``None`` when it never held one); when every
+        slot is taken by a part in flight, this waits for an upload to finish."""
         while True:
             self._raise_if_failed()
             try:
@@ -290,7 +324,7 @@ class _ChunkingWriter(io.RawIOBase):
                 pass
             if self._allocated < self._buffers:
                 self._allocated += 1
-                return bytearray(self._chunk_size)
+                return None
             self._deadline.check("waiting for a part upload to free a buffer")
             try:
                 return self._free.get(timeout=BUFFER_WAIT_S)
@@ -302,14 +336,22 @@ class _ChunkingWriter(io.RawIOBase):
             if future.done() and future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
 
-    def _cut_part(self) -> tuple[bytearray, memoryview, int]:
-        """Take the current buffer; returns it, a view of its filled bytes, and their crc32c."""
-        buffer = self._buffer if self._buffer is not None else bytearray()
-        data = memoryview(buffer)[: self._fill]
+    def _release_slot(self, slot: bytearray | None) -> None:
+        """Give back the slot a part held (its upload ended)."""
+        if slot is not _NO_SLOT:
+            self._free.put(slot)
+
+    def _cut_part(self) -> tuple[bytearray | None, memoryview, int]:
+        """Take the current part; returns its slot (for :meth:`_release_slot`), its bytes, and their crc32c."""
+        if self._borrowed is not None:
+            data = self._borrowed
+        else:
+            data = memoryview(self._buffer if self._buffer is not None else b"")[: self._fill]
+        slot = self._slot
         crc = crc32c_extend(0, data)
         self._crc = crc32c_combine(self._crc, crc, data.nbytes)
-        self._buffer, self._fill = None, 0
-        return buffer, data, crc
+        self._slot, self._buffer, self._borrowed, self._fill = _NO_SLOT, None, None, 0
+        return slot, data, crc
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._executor is None:
@@ -367,7 +409,7 @@ class _ChunkingWriter(io.RawIOBase):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        self._buffer = None
+        self._slot, self._buffer, self._borrowed = _NO_SLOT, None, None
 
     # Engine-specific -------------------------------------------------------------------------
     def _submit_buffer(self) -> None:
@@ -438,10 +480,10 @@ class ObjectWriter(_ChunkingWriter):
             self._executor = ThreadPoolExecutor(self._buffers - 1, thread_name_prefix="dataflux-upload")
             self._engine = self._start_engine()
             log.debug("uploading %s in parts with the %s engine", self.path, self._engine.mode)
-        buffer, data, crc = self._cut_part()
-        self._submit(self._upload_part, len(self._futures) + 1, buffer, data, crc)
+        slot, data, crc = self._cut_part()
+        self._submit(self._upload_part, len(self._futures) + 1, slot, data, crc)
 
-    def _upload_part(self, number: int, buffer: bytearray, data: memoryview, crc: int) -> Any:
+    def _upload_part(self, number: int, slot: bytearray | None, data: memoryview, crc: int) -> Any:
         what = f"upload of part {number} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
         assert self._engine is not None
         engine, deadline = self._engine, self._deadline
@@ -452,7 +494,7 @@ class ObjectWriter(_ChunkingWriter):
         except Exception as exc:
             raise TransferError(f"{what} failed: {exc}") from exc
         finally:
-            self._free.put(buffer)
+            self._release_slot(slot)
 
     def _finish(self) -> None:
         if self._engine is None:
@@ -510,10 +552,10 @@ class StreamingWriter(_ChunkingWriter):
         self._result: ObjectInfo | None = None
 
     def _submit_buffer(self) -> None:
-        buffer, data, _ = self._cut_part()
-        self._submit(self._send, buffer, data, False)
+        slot, data, _ = self._cut_part()
+        self._submit(self._send, slot, data, False)
 
-    def _send(self, buffer: bytearray, data: memoryview, last: bool) -> None:
+    def _send(self, slot: bytearray | None, data: memoryview, last: bool) -> None:
         offset = self._sent
         total = offset + data.nbytes if last else None
         try:
@@ -523,12 +565,12 @@ class StreamingWriter(_ChunkingWriter):
         except Exception as exc:
             raise TransferError(f"resumable upload of {self.path} failed: {exc}") from exc
         finally:
-            self._free.put(buffer)
+            self._release_slot(slot)
         self._sent += data.nbytes
 
     def _finish(self) -> None:
-        buffer, data, _ = self._cut_part()
-        self._submit(self._send, buffer, data, True)
+        slot, data, _ = self._cut_part()
+        self._submit(self._send, slot, data, True)
         self._wait_all()
         if self._result is None:
             raise TransferError(f"resumable upload of {self.path}: the session did not finish")

@@ -32,8 +32,8 @@ def _names(plugin: DatafluxCheckpointIO, url: str, bucket: str) -> list[str]:
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(size=st.sampled_from(SIZES), seed=st.integers(0, 2**16),
        path=st.sampled_from(["composite", "xml", "stream"]),
-       write_block=st.sampled_from([1 << 12, C - 5, 3 * C]))
-def test_round_trip_is_byte_exact(make_plugin, gcs_xml_server, gcs_bucket, size, seed, path, write_block):
+       write_block=st.sampled_from([1 << 12, C - 5, 3 * C]), borrow=st.booleans())
+def test_round_trip_is_byte_exact(make_plugin, gcs_xml_server, gcs_bucket, size, seed, path, write_block, borrow):
     transfer_manager = path != "stream"
     mode = "xml" if path == "xml" else "composite"
     plugin = make_plugin(client_for(gcs_xml_server.url), use_transfer_manager=transfer_manager, upload_mode=mode)
@@ -42,7 +42,8 @@ def test_round_trip_is_byte_exact(make_plugin, gcs_xml_server, gcs_bucket, size,
     with plugin.writer(path) as stream:
         assert isinstance(stream, ObjectWriter if transfer_manager else StreamingWriter)
         for start in range(0, size, write_block):
-            stream.write(memoryview(data)[start : start + write_block])
+            block = memoryview(data)[start : start + write_block]
+            stream.write_borrowed(block) if borrow else stream.write(block)
     with plugin.reader(path) as stream:
         assert stream.size == size
         assert stream.read() == data
