@@ -14,7 +14,12 @@ in order, ``--repeat`` rounds, so compared rows interleave):
   ``FsspecWriter`` / ``FsspecReader`` over gcsfs (the baseline), ``DatafluxStorageWriter`` / ``Reader``,
   gcs-torch-dataflux 1.4.0's ``GCSDistributedWriter`` / ``Reader`` (the peer, run by a worker process per
   rank with its own google-cloud-storage 2.x: ``--peer-path``), and the ceiling: one raw upload and one
-  raw download of the same bytes per rank, all ranks at once;
+  raw download of the same bytes per rank, all ranks at once; and the ceiling of the path
+  ``DatafluxStorageWriter`` / ``Reader`` take: the same bytes as an XML API multipart upload and as
+  parallel ranged GETs, in parts of the plugin's default ``chunk_size``, ``max_workers`` at a time, with
+  nothing else on the client (``x path ceil``). Where the XML multipart server stands in front of
+  fake-gcs-server, that path costs the server more than one request does: it receives and hashes the
+  parts, then writes the whole object to fake-gcs-server when the upload completes;
 * DCP's own cost: ``dcp.save`` / ``dcp.load`` over a storage layer that keeps nothing but the metadata
   (planning, collectives, metadata, resolving each item), which every storage layer pays on top of
   moving the bytes. ``x (ceil+DCP)`` compares a row with its ceiling plus that cost.
@@ -73,6 +78,7 @@ class Row:
     storage: str  # "local" or "gcs"
     baseline: str | None = None  # the row this one is compared with
     ceiling: bool = False
+    path_ceiling: str | None = None  # the ceiling row of the transfer path this row takes
     peer: bool = False
     protocol: bool = False  # DCP's own cost, over storage that keeps nothing
 
@@ -82,9 +88,11 @@ ROWS = {row.key: row for row in [
     Row("fastpersist", "FastPersistStorageWriter/Reader", "local", baseline="filesystem"),
     Row("raw_local", "raw O_DIRECT write+fsync / read (ceiling)", "local", ceiling=True),
     Row("fsspec", "FsspecWriter/Reader (gcsfs)", "gcs"),
-    Row("dataflux", "DatafluxStorageWriter/Reader", "gcs", baseline="fsspec"),
+    Row("dataflux", "DatafluxStorageWriter/Reader", "gcs", baseline="fsspec", path_ceiling="raw_gcs_parts"),
     Row("peer", "GCSDistributedWriter/Reader (gcs-torch-dataflux 1.4.0)", "gcs", peer=True),
     Row("raw_gcs", "raw upload / download, one request per rank (ceiling)", "gcs", ceiling=True),
+    Row("raw_gcs_parts", "raw XML multipart upload / ranged GETs, in parts (ceiling of the dataflux path)", "gcs",
+        ceiling=True),
     Row("dcp_protocol", "dcp.save/load over storage that keeps nothing (DCP's own cost)", "local", protocol=True),
 ]}
 
@@ -256,6 +264,15 @@ def raw_gcs(endpoint: str, bucket: str, name: str, buffer: Any, upload: bool) ->
         conn.close()
 
 
+def raw_gcs_parts(raw: Any, bucket: str, name: str, buffer: Any, upload: bool) -> None:
+    """``buffer`` as an XML multipart upload, or back with parallel ranged GETs, in ``raw``'s parts."""
+    view = memoryview(buffer.numpy())
+    if upload:
+        raw.xml_multipart_upload(bucket, name, view)
+    else:
+        raw.download_into(bucket, name, view)
+
+
 def drop_cache(directory: str) -> None:
     """Evict every file under ``directory`` from the page cache (O_DIRECT readers never use it)."""
     for root, _, files in os.walk(directory):
@@ -405,6 +422,12 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
     needs_raw = any(row.ceiling for row in rows)
     buffer = aligned_copy(shards) if needs_raw else None
     peer = PeerClient(spec, rank) if any(row.peer for row in rows) else None
+    raw_parts = None
+    if any(row.key == "raw_gcs_parts" for row in rows):
+        from benchmarks.raw_gcs import RawGcs
+        from dataflux_ckpt.options import CHUNK_SIZE_BYTES, MAX_WORKERS
+
+        raw_parts = RawGcs(spec["endpoint"], workers=MAX_WORKERS, part_bytes=CHUNK_SIZE_BYTES)
     from fastpersist import FastPersistContext
 
     fastpersist_context = FastPersistContext()  # handle and staging buffer kept across saves, as a trainer would
@@ -450,6 +473,9 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
         if row.key == "raw_gcs":
             name = f"{prefix}/{os.path.basename(where)}/rank{rank}.bin".lstrip("/")
             return lambda: raw_gcs(spec["endpoint"], bucket, name, buffer, op == "save")
+        if row.key == "raw_gcs_parts":
+            name = f"{prefix}/{os.path.basename(where)}/rank{rank}.bin".lstrip("/")
+            return lambda: raw_gcs_parts(raw_parts, bucket, name, buffer, op == "save")
         saved, loaded = (small, small_target) if warmup else (state, target)
         if op == "save":
             return lambda: dcp.save(saved, storage_writer=writers[row.key]())
@@ -509,6 +535,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
                 dist.barrier()
     finally:
         fastpersist_context.close()
+        if raw_parts is not None:
+            raw_parts.close()
         if peer is not None:
             peer.close()
     Path(spec["results"][rank]).write_text(json.dumps(results))
@@ -596,6 +624,8 @@ def summarize(world: int, keys: list[str], args: argparse.Namespace, results: li
             entry[f"{op}_vs_baseline"] = base[f"{op}_s"] / entry[f"{op}_s"] if base else None
             entry[f"{op}_vs_peer"] = peer[f"{op}_s"] / entry[f"{op}_s"] if peer and not row.peer else None
             entry[f"{op}_vs_ceiling"] = ceiling[f"{op}_s"] / entry[f"{op}_s"] if ceiling else None
+            path_ceiling = by_key.get(row.path_ceiling) if row.path_ceiling else None
+            entry[f"{op}_vs_path_ceiling"] = path_ceiling[f"{op}_s"] / entry[f"{op}_s"] if path_ceiling else None
             entry[f"{op}_vs_ceiling_dcp"] = ((ceiling[f"{op}_s"] + protocol[f"{op}_s"]) / entry[f"{op}_s"]
                                              if ceiling and protocol and not (row.ceiling or row.protocol) else None)
     return summary
@@ -606,6 +636,7 @@ COLUMNS = {
     "load_s": "load s", "load_spread_s": "load range", "load_mibps": "load MiB/s",
     "save_vs_baseline": "save x base", "load_vs_baseline": "load x base", "save_vs_peer": "save x peer",
     "load_vs_peer": "load x peer", "save_vs_ceiling": "save x ceil", "load_vs_ceiling": "load x ceil",
+    "save_vs_path_ceiling": "save x path ceil", "load_vs_path_ceiling": "load x path ceil",
     "save_vs_ceiling_dcp": "save x (ceil+DCP)", "load_vs_ceiling_dcp": "load x (ceil+DCP)",
     "save_extra_rss_mib": "save +RSS MiB/rank", "load_extra_rss_mib": "load +RSS MiB/rank", "verified": "ok",
 }

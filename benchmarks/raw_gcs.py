@@ -7,7 +7,8 @@ the way a client library's connection pool does, and does only what each protoco
 * :meth:`RawGcs.single_upload`: one media upload request;
 * :meth:`RawGcs.xml_multipart_upload`: XML API multipart upload, parts on parallel connections;
 * :meth:`RawGcs.composite_upload`: part objects on parallel connections, then one compose;
-* :meth:`RawGcs.download`: parallel ranged GETs straight into one buffer (optionally checking their crc32c).
+* :meth:`RawGcs.download` / :meth:`RawGcs.download_into`: parallel ranged GETs straight into one buffer
+  (optionally checking their crc32c).
 """
 
 from __future__ import annotations
@@ -161,6 +162,17 @@ class RawGcs:
         """
         buffer = mmap.mmap(-1, max(size, 1))
         view = memoryview(buffer)
+        try:
+            self.download_into(bucket, name, view[:size], crc32c)
+        finally:
+            view.release()
+        return buffer
+
+    def download_into(self, bucket: str, name: str, view: memoryview, crc32c: int | None = None) -> None:
+        """The first ``len(view)`` bytes of ``name``, fetched with ``part_bytes`` ranged GETs on the
+        parallel connections straight into ``view``; ``crc32c`` as for :meth:`download`."""
+        view = view.cast("B")
+        size = view.nbytes
         target = f"/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}?alt=media"
 
         def fetch(start: int) -> int:
@@ -179,17 +191,13 @@ class RawGcs:
             response.read()  # the (empty) rest, so the connection can carry the next request
             return crc
 
-        try:
-            crcs = list(self._executor.map(fetch, range(0, size, self.part_bytes)))
-        finally:
-            view.release()
+        crcs = list(self._executor.map(fetch, range(0, size, self.part_bytes)))
         if crc32c is not None:
             whole = 0
             for start, crc in zip(range(0, size, self.part_bytes), crcs, strict=True):
                 whole = crc32c_combine(whole, crc, min(self.part_bytes, size - start))
             if whole != crc32c:
                 raise RawGcsError(f"GET {self.url}{target}: crc32c {whole:#010x}, expected {crc32c:#010x}")
-        return buffer
 
     def delete(self, bucket: str, names: list[str] | str) -> None:
         """Delete objects (one request each); a missing one is fine."""

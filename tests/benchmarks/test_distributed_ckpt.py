@@ -25,7 +25,7 @@ def test_help_names_the_options() -> None:
 def test_two_ranks_every_local_and_gcs_row(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "DATAFLUX_PEER_PATH"}
-    rows = ["filesystem", "fastpersist", "raw_local", "fsspec", "dataflux", "raw_gcs", "dcp_protocol"]
+    rows = ["filesystem", "fastpersist", "raw_local", "fsspec", "dataflux", "raw_gcs", "raw_gcs_parts", "dcp_protocol"]
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.distributed_ckpt", "--ranks", "2", "--size_mb", "8", "--tensors", "4",
          "--repeat", "1", "--rows", *rows, "--folder", str(tmp_path), "--json", str(out)],
@@ -41,6 +41,9 @@ def test_two_ranks_every_local_and_gcs_row(tmp_path: Path) -> None:
         assert row["save_s"] > 0 and row["load_s"] > 0 and row["save_extra_rss_mib"] >= 0
     assert data["fastpersist"]["save_vs_baseline"] > 0 and data["dataflux"]["load_vs_baseline"] > 0
     assert data["dataflux"]["save_vs_ceiling"] > 0 and data["raw_gcs"]["save_vs_ceiling"] == 1.0
+    # the dataflux row against the ceiling of its own transfer path (XML multipart parts, ranged GETs)
+    assert data["dataflux"]["save_vs_path_ceiling"] > 0 and data["dataflux"]["load_vs_path_ceiling"] > 0
+    assert data["raw_gcs_parts"]["save_vs_ceiling"] > 0 and data["fsspec"]["save_vs_path_ceiling"] is None
     # a row against its ceiling plus DCP's own cost: more than against the ceiling alone
     assert data["fastpersist"]["save_vs_ceiling_dcp"] > data["fastpersist"]["save_vs_ceiling"]
     assert data["raw_local"]["save_vs_ceiling_dcp"] is None
