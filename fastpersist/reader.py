@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ def fastpersist_load(
     )
     try:
         with ctx.lock if ctx is not None else contextlib.nullcontext():
-            read = _start_read(path, entries, following, engine, ctx)
+            read = _start_read(path, entries, following, engine, ctx, _device_of(map_location))
             try:
                 table = _torch_compat.StorageTable(reader, read.locate, read.storages, read.whole)
                 try:
@@ -169,16 +170,33 @@ class _Read:
         """Release the file (and wait for any read still in flight, unchecked)."""
 
 
+def _device_of(map_location: Any) -> torch.device | None:
+    """The CUDA device a ``map_location`` sends every storage to (``"cuda"``, ``"cuda:1"``, a
+    ``torch.device``), else ``None`` (host loads, and dicts or functions that decide per storage)."""
+    if isinstance(map_location, str) and map_location.startswith("cuda"):
+        device = torch.device(map_location)
+    elif isinstance(map_location, torch.device):
+        device = map_location
+    else:
+        return None
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None  # torch.load's own path, and its own error where there is no CUDA
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _start_read(
     path: str,
     entries: dict[str, tuple[int, int]],
     following: int,
     engine: str | None,
     ctx: FastPersistContext | None,
+    device: torch.device | None = None,
 ) -> _Read:
     """Start reading every storage record: the direct path returns with the reads in flight."""
     if ctx is None or not any(size for _, size in entries.values()):
         return _Read(path, _located_by_reads(path))  # no bytes to read: only the headers are needed
+    if device is not None:
+        return _read_to_device(path, device, engine, ctx)
     io_engine = ctx.io_engine(
         engine or ctx.engine or DEFAULT_LOAD_ENGINE, os.path.dirname(os.path.abspath(path))
     )
@@ -198,10 +216,45 @@ def _start_read(
         located = _located_by_reads(path)
         records = sorted((offset, size, name) for name, (offset, size) in located.items() if size)
         read = _Read(path, located)
-        read.storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
-        _read_staged(records, read.storages, io_engine, file, ctx)
+        storages = read.storages = {name: torch.empty(size, dtype=torch.uint8) for _, size, name in records}
+        cursor = 0  # first record not yet fully copied
+
+        def scatter(half: torch.Tensor, offset: int, length: int) -> None:
+            nonlocal cursor
+            cursor = _scatter(records, storages, cursor, half, offset, length)
+
+        _read_staged(_span(records), scatter, io_engine, file, ctx)
     finally:
         file.close()
+    return read
+
+
+def _read_to_device(path: str, device: torch.device, engine: str | None, ctx: FastPersistContext) -> _Read:
+    """A load to one GPU: the file is read through the page-locked staging halves, each half copied to
+    the device as one span, into one device allocation of which every storage is a view. No host copy
+    of the checkpoint is made, and the copies to the device run at the pinned copy rate."""
+    located = _located_by_reads(path)
+    records = sorted((offset, size, name) for name, (offset, size) in located.items() if size)
+    read = _Read(path, located)
+    start, end = _span(records)
+    # Indexed by file offset, as storages are located; the bytes before the first record are not read.
+    whole = torch.empty(end, dtype=torch.uint8, device=device)
+    io_engine = ctx.io_engine(engine or ctx.engine or "aio", os.path.dirname(os.path.abspath(path)))
+    if io_engine.device != "cpu":
+        ctx.warn_once(f"fastpersist_load stages through host memory: engine {io_engine.name!r} replaced by 'aio'")
+        io_engine = ctx.io_engine("aio")
+
+    def copy_span(half: torch.Tensor, offset: int, length: int) -> None:
+        # Synchronous: the half is read into again two chunks later (a pinned copy of a half takes
+        # a few milliseconds, a disk read of it far longer).
+        whole.narrow(0, offset, length).copy_(half.narrow(0, 0, length))
+
+    file = open_file(path, write=False)
+    try:
+        _read_staged((start, end), copy_span, io_engine, file, ctx)
+    finally:
+        file.close()
+    read.whole = whole.untyped_storage()
     return read
 
 
@@ -362,13 +415,14 @@ def _direct_end(file: OpenFile, end: int) -> int:
 
 
 def _read_staged(
-    records: list[Record],
-    storages: dict[str, torch.Tensor],
+    span: tuple[int, int],
+    deliver: Callable[[torch.Tensor, int, int], None],
     io_engine: IOEngine,
     file: OpenFile,
     ctx: FastPersistContext,
 ) -> None:
-    """Read through the staging halves, scattering one half while the next is in flight."""
+    """Read ``span`` of the file through the staging halves; ``deliver(half, file offset, length)``
+    takes each half's bytes out while the next half is in flight."""
     buffer = ctx.staging_buffer("cpu")
     if buffer.device.type != "cpu":
         raise ValueError(f"staging buffer is on {buffer.device}; loads stage through host memory")
@@ -377,7 +431,7 @@ def _read_staged(
     if reason is not None:
         ctx.warn_once(f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'")
         io_engine = ctx.python_engine()
-    start, end = _span(records)
+    start, end = span
     direct_end = _direct_end(file, end)
     chunks = [
         (offset, min(halves[0].numel(), end - offset)) for offset in range(start, end, halves[0].numel())
@@ -394,12 +448,11 @@ def _read_staged(
 
     try:
         submit(0)
-        cursor = 0  # first record not yet fully copied
         for index, (offset, length) in enumerate(chunks):
             io_engine.wait()
             if index + 1 < len(chunks):
                 submit(index + 1)
-            cursor = _scatter(records, storages, cursor, halves[index % 2], offset, length)
+            deliver(halves[index % 2], offset, length)
     except BaseException:
         io_engine.abandon()
         raise

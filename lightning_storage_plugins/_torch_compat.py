@@ -238,7 +238,8 @@ class StorageTable:
         return self._whole[offset : offset + size]
 
     def get_storage_from_record(self, name: str, nbytes: int, dtype: Any) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8).set_(self.storage(name, nbytes))
+        storage = self.storage(name, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
     def get_record_offset(self, name: str) -> int:
         found = self._locate(name)
