@@ -30,11 +30,9 @@ from lightning_storage_plugins._torch_compat import LOAD_TAKES_WEIGHTS_ONLY as L
 from lightning_storage_plugins._torch_compat import LOCAL_HEADER_BYTES as LOCAL_HEADER_BYTES
 from lightning_storage_plugins._torch_compat import RecordSizeError as RecordSizeError
 from lightning_storage_plugins._torch_compat import StorageTable as StorageTable
-from lightning_storage_plugins._torch_compat import WeightsOnlyError as WeightsOnlyError
 from lightning_storage_plugins._torch_compat import check_records as check_records
 from lightning_storage_plugins._torch_compat import data_entries as data_entries
 from lightning_storage_plugins._torch_compat import data_offset as data_offset
-from lightning_storage_plugins._torch_compat import default_weights_only as default_weights_only
 from lightning_storage_plugins._torch_compat import describe_reader_error as describe_reader_error
 from lightning_storage_plugins._torch_compat import is_torchscript as is_torchscript
 from lightning_storage_plugins._torch_compat import open_reader as open_reader
