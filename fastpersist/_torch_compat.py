@@ -15,10 +15,12 @@ byte what torch.save would write. The archive around it is written by :mod:`fast
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import os
 import pickle
+import types
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +57,12 @@ DEFAULT_PROTOCOL: int = _serialization.DEFAULT_PROTOCOL
 # ----------------------------------------------------------------------------------------------- save
 
 
+# Exact types (not subclasses) that are never storages, the bulk of what a state dict pickles.
+_NEVER_STORAGES = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes, collections.OrderedDict,
+                             torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.device, type,
+                             types.FunctionType, types.BuiltinFunctionType})
+
+
 class StoragePickler(pickle.Pickler):
     """torch.save's pickler: storages become ``("storage", type, key, location, numel)`` persistent ids.
 
@@ -72,6 +80,8 @@ class StoragePickler(pickle.Pickler):
         self._dtypes: dict[int, torch.dtype] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _NEVER_STORAGES:  # the pickler asks about every object: answer most at once
+            return None
         if isinstance(obj, torch.storage.TypedStorage):
             storage = obj._untyped_storage
             storage_dtype = obj.dtype

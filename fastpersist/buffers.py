@@ -11,6 +11,9 @@ from fastpersist.memory import ALIGNMENT_BYTES, round_down, round_up
 
 Piece = bytes | bytearray | memoryview | torch.Tensor
 SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy_ call
+# A half goes to the disk in this many slices, each as soon as it is filled: the first write starts
+# after a quarter of a half is staged, not a whole one, and the last one to wait for is a quarter.
+SLICES_PER_HALF = 4
 
 
 def flat_bytes(buffer: torch.Tensor) -> torch.Tensor:
@@ -46,18 +49,25 @@ def piece_length(piece: Piece) -> int:
 
 
 class DoubleBuffer:
-    """Write-side staging: :meth:`put` appends bytes to the current half; a full half goes to ``drain``.
+    """Write-side staging: :meth:`put` appends bytes to the current half, which goes out in slices.
 
-    ``drain(half, nbytes, file_offset)`` must submit ``half[:nbytes]`` for ``file_offset`` and return
-    once the *other* half may be overwritten. ``position`` is the file offset of the next byte put.
+    ``drain(chunk, file_offset, ends_half)`` must start writing ``chunk`` (a slice of the current
+    half, a multiple of ``ALIGNMENT_BYTES`` long except for the file's tail) at ``file_offset``. Each
+    slice of ``capacity / SLICES_PER_HALF`` bytes or more goes out as soon as it is filled, so the
+    disk is busy while the rest of the half is filled; the slice that ends a half comes with
+    ``ends_half=True``, and then ``drain`` must return only once the *other* half may be overwritten
+    (every write started before this one has completed). ``position`` is the file offset of the next
+    byte put.
     """
 
-    def __init__(self, buffer: torch.Tensor, drain: Callable[[torch.Tensor, int, int], None]) -> None:
+    def __init__(self, buffer: torch.Tensor, drain: Callable[[torch.Tensor, int, bool], None]) -> None:
         self.halves = split_halves(buffer)
         self.capacity = self.halves[0].numel()
+        self.slice = max(ALIGNMENT_BYTES, round_down(self.capacity // SLICES_PER_HALF))
         self._drain = drain
         self._index = 0
         self._filled = 0
+        self._sent = 0  # bytes of the current half already handed to drain (a multiple of the alignment)
         self._file_offset = 0
         self.has_device_copies = False  # non-blocking copies to or from a GPU are pending
         on_cpu = self.halves[0].device.type == "cpu"
@@ -77,7 +87,9 @@ class DoubleBuffer:
             self._filled += count
             done += count
             if self._filled == self.capacity:
-                self._submit(self.capacity)
+                self._end_half(self.capacity)
+            elif self._filled - self._sent >= self.slice:
+                self._send(round_down(self._filled), ends_half=False)
 
     def flush(self, pad_to: int = ALIGNMENT_BYTES) -> int:
         """Submit what is staged, zero-padded to a multiple of ``pad_to``; returns the padding added."""
@@ -86,14 +98,21 @@ class DoubleBuffer:
             return 0
         padded = round_up(tail, pad_to)
         self.halves[self._index].narrow(0, tail, padded - tail).zero_()
-        self._submit(padded)
+        self._end_half(padded)
         return padded - tail
 
-    def _submit(self, nbytes: int) -> None:
-        self._drain(self.halves[self._index].narrow(0, 0, nbytes), nbytes, self._file_offset)
+    def _send(self, end: int, ends_half: bool) -> None:
+        """Hand bytes ``[sent, end)`` of the current half to ``drain``."""
+        if end > self._sent or ends_half:
+            chunk = self.halves[self._index].narrow(0, self._sent, end - self._sent)
+            self._drain(chunk, self._file_offset + self._sent, ends_half)
+        self._sent = end
+
+    def _end_half(self, nbytes: int) -> None:
+        self._send(nbytes, ends_half=True)
         self._file_offset += nbytes
         self._index ^= 1
-        self._filled = 0
+        self._filled = self._sent = 0
 
     def _copy(self, piece: Piece, start: int, count: int) -> None:
         view = self._views[self._index]

@@ -219,16 +219,20 @@ def _write(
     """Stream what ``content`` puts through the double buffer; returns (size, storages, writes)."""
     writes = 0
 
-    def drain(half: torch.Tensor, nbytes: int, offset: int) -> None:
+    def drain(chunk: torch.Tensor, offset: int, ends_half: bool) -> None:
         nonlocal writes
         if stage.has_device_copies:
             torch.cuda.synchronize()  # non-blocking device-to-host copies must land before the write
             stage.has_device_copies = False
-        io_engine.wait()  # the other half's write is done: it may be refilled after this submit
+        if ends_half:
+            io_engine.wait()  # the other half's writes are done: it may be refilled after this submit
+        if not chunk.numel():
+            return
+        nbytes = chunk.numel()
         _reserve_ahead(file, offset + nbytes)
         if offset + nbytes > file.reserved and isinstance(io_engine, AioEngine):
             _check_free_space(file, offset, nbytes)
-        io_engine.submit(Transfer(file, half, offset, write=True))
+        io_engine.submit(Transfer(file, chunk, offset, write=True))
         writes += 1
 
     stage = DoubleBuffer(buffer, drain)

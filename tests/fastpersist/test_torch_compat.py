@@ -169,7 +169,7 @@ def test_zip64_records_load_in_torch(ckpt_dir: Path) -> None:
     path = ckpt_dir / "zip64.pt"
     chunks: list[bytes] = []
     sink = DoubleBuffer(
-        aligned_empty(2 * ALIGNMENT_BYTES), lambda half, n, off: chunks.append(bytes(half.numpy()[:n]))
+        aligned_empty(2 * ALIGNMENT_BYTES), lambda chunk, offset, ends_half: chunks.append(bytes(chunk.numpy()))
     )
     archive = ArchiveWriter(sink.put, lambda: sink.position, zip64_limit=0)
     pickled = _torch_compat.dump_pickle(STATE, 2, archive.add_storage)
