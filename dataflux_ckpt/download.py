@@ -1,8 +1,8 @@
 """Parallel ranged downloads into one preallocated buffer, readable while it fills.
 
-:class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the last range
-first: a torch zip archive is read from its end) and serves reads as soon as the ranges they touch
-have arrived, so loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a
+:class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the object's
+last MiB first, as a range of its own: a torch zip archive is read from its end) and serves reads as
+soon as the bytes they touch have arrived, so loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a
 checkpoint while it arrives, with its tensors as views of the buffer). The whole object's crc32c, combined
 from the crc32c each download thread takes of its range, is checked against the server's metadata
 by :meth:`ObjectReader.verify` (called on close).
@@ -10,6 +10,7 @@ by :meth:`ObjectReader.verify` (called on close).
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import mmap
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READ_BLOCK_BYTES = 4 * 2**20
+TAIL_BYTES = 2**20  # holds the zip directory of a torch archive of some 10,000 tensors
 DEADLINE_S = 1800.0
 
 
@@ -65,6 +67,12 @@ class ObjectReader(io.RawIOBase):
         self._pos = 0
         step = chunk_size if parallel else max(info.size, 1)
         self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
+        if parallel and info.size > 2 * TAIL_BYTES:
+            # The end of the object gets a range of its own, fetched first: a torch archive's zip
+            # directory is there, and a loader reads it before any record.
+            cut = info.size - TAIL_BYTES
+            self._ranges = [(start, min(end, cut)) for start, end in self._ranges if start < cut] + [(cut, info.size)]
+        self._starts = [start for start, _ in self._ranges]
         self._arrived = [threading.Event() for _ in self._ranges]  # done, or failed
         # How many bytes from the start of each range have arrived: a reader waits only for the bytes
         # it reads, so unpickling follows the download instead of waiting for whole ranges.
@@ -134,9 +142,9 @@ class ObjectReader(io.RawIOBase):
     def _wait(self, start: int, end: int) -> None:
         if self._complete or end <= start:
             return
-        step = self._ranges[0][1] - self._ranges[0][0]
-        for index in range(start // step, (end - 1) // step + 1):
-            need = min(end, self._ranges[index][1]) - index * step
+        for index in range(bisect.bisect_right(self._starts, start) - 1, bisect.bisect_left(self._starts, end)):
+            range_start, range_end = self._ranges[index]
+            need = min(end, range_end) - range_start
             if self._got[index] >= need:
                 continue
             with self._progress:

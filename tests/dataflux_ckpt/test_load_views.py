@@ -255,3 +255,44 @@ def test_bytes_are_served_as_they_arrive_not_when_their_range_is_complete(gcs_em
             assert not held, "bytes of the first block were not served until the whole range arrived"
             assert got == [data[READ_BLOCK_BYTES - 1000 : READ_BLOCK_BYTES]]
             assert stream.pread(1000, len(data) - 1000) == data[-1000:]
+
+
+def test_the_end_of_the_object_arrives_first(gcs_emulator, gcs_bucket, make_plugin):
+    # A torch archive's zip directory is at its end, and a loader reads it before any record: the
+    # end must not wait behind the range it would otherwise close.
+    path = f"gs://{gcs_bucket}/views/tail.bin"
+    data = os.urandom(3 * READ_BLOCK_BYTES)
+    _put(make_plugin(), path, data)
+    with _HoldingProxy(gcs_emulator.url, hold_after=2 * READ_BLOCK_BYTES) as proxy:
+        plugin = make_plugin(client=client_for(proxy.url), chunk_size=len(data), max_workers=2)
+        with plugin.reader(path) as stream:
+            got: list[bytes] = []
+            tail = threading.Thread(target=lambda: got.append(stream.pread(1000, len(data) - 1000)))
+            tail.start()
+            tail.join(30)
+            held = tail.is_alive()
+            proxy.release.set()
+            tail.join()
+            assert not held, "the end of the object waited for the rest of its range"
+            assert got == [data[-1000:]]
+            stream.verify()
+            assert stream.pread(len(data), 0) == data
+
+
+_SPANS_OBJECT = os.urandom(2 * 2**20 + 12_345)  # more than two tails long: the end gets a range of its own
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    chunk_size=st.sampled_from([65_536, 300_001, 2**20, 1_500_000, len(_SPANS_OBJECT)]),
+    spans=st.lists(st.tuples(st.integers(0, len(_SPANS_OBJECT) + 10), st.integers(0, len(_SPANS_OBJECT))),
+                   min_size=1, max_size=8),
+)
+def test_any_span_reads_back_whatever_the_ranges(gcs_emulator, gcs_bucket, make_plugin, chunk_size, spans):
+    path = f"gs://{gcs_bucket}/views/spans.bin"
+    plugin = make_plugin(chunk_size=chunk_size, max_workers=3)
+    _put(plugin, path, _SPANS_OBJECT)
+    with plugin.reader(path) as stream:
+        for offset, size in spans:
+            assert stream.pread(size, offset) == _SPANS_OBJECT[offset : offset + size]
+        stream.verify()
