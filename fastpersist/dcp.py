@@ -6,8 +6,8 @@
 The checkpoint is what torch's ``FileSystemWriter`` writes: one file per rank whose items are
 ``torch.save`` blobs (pickled items raw) and a pickled ``.metadata``, so torch's ``FileSystemReader``
 loads it, and :class:`FastPersistStorageReader` loads checkpoints torch wrote. What differs is the I/O:
-each rank's file is streamed through the two halves of a page-locked staging buffer, each full half
-going out as one large aligned O_DIRECT write through a FastPersist engine (DeepSpeed aio by default)
+each rank's file is streamed through the two halves of a page-locked staging buffer, each half going
+out in large aligned O_DIRECT writes as it fills, through a FastPersist engine (DeepSpeed aio by default)
 that checks the bytes every write put down; the file is fsynced and renamed into place. Loads read each
 file in windows with parallel aligned O_DIRECT reads, the next window in flight while this one's tensors
 (built on the bytes read, no copy) are copied into their targets.

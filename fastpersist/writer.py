@@ -2,10 +2,11 @@
 
 Write path (why): the object is pickled as torch.save pickles it, and every storage the pickler meets
 is appended to the file at once (see :mod:`fastpersist.archive`), so disk writes overlap pickling.
-The bytes go through the two halves of the staging buffer and each full half goes out as one large
-aligned write at the next sequential offset: small tensors are batched for free (10,000 tensors are
-still ``size / half`` writes), every write is aligned, and only the final tail is padded (then
-truncated off).
+The bytes go through the two halves of the staging buffer, and each quarter of a half goes out as one
+large aligned write at the next sequential offset as soon as it is filled (so the disk starts after a
+quarter of a half, not a whole one, and the last write waited for is a quarter): small tensors are
+batched for free (10,000 tensors are still ``4 * size / half`` writes), every write is aligned, and
+only the final tail is padded (then truncated off).
 
 Crash safety: the file is written under a temporary name in the target directory, fsynced and
 renamed into place, so ``file_path`` only ever holds a complete checkpoint. Temporaries are locked
