@@ -3,6 +3,7 @@ as the running torch does. A torch or DeepSpeed release that changes one of thes
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
@@ -58,6 +59,34 @@ def test_the_pickle_is_the_one_torch_save_writes() -> None:
     )
     assert ours == expected
     assert seen == [str(i) for i in range(len(seen))] and len(seen) == 5  # the view shares w's storage
+
+
+def test_the_pickle_is_torch_save_s_for_storages_and_everything_around_them() -> None:
+    # Storages reached every way torch.save meets them (inside tensors and Parameters, bare untyped,
+    # typed and legacy typed) beside the objects the pickler asks about most (containers, sizes,
+    # dtypes, devices, classes, functions), which are never storages.
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    obj = collections.OrderedDict(
+        weight=weight,
+        untyped=torch.arange(6, dtype=torch.int64).untyped_storage(),
+        typed=torch.storage.TypedStorage(wrap_storage=torch.arange(3.0).untyped_storage(), dtype=torch.float32,
+                                         _internal=True),
+        size=torch.Size([2, 3]),
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        kind=collections.OrderedDict,
+        function=torch.nn.functional.relu,
+        again=weight,
+        values=(1, 2.5, True, None, b"x", "s", [torch.zeros(2)]),
+    )
+    reference = io.BytesIO()
+    torch.save(obj, reference)
+    with zipfile.ZipFile(io.BytesIO(reference.getvalue())) as archive:
+        expected = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+    seen: list[str] = []
+    ours = _torch_compat.dump_pickle(obj, _torch_compat.DEFAULT_PROTOCOL, lambda key, storage: seen.append(key))
+    assert ours == expected
+    assert len(seen) == 4
 
 
 def test_storages_viewed_as_different_dtypes_are_refused_as_torch_refuses(ckpt_dir: Path) -> None:
