@@ -237,6 +237,20 @@ class _HoldingProxy:
         self._server.server_close()
 
 
+def _pread_while_held(stream, proxy: _HoldingProxy, size: int, offset: int) -> tuple[bool, bytes]:
+    """``stream.pread(size, offset)`` while the proxy holds the rest of a response back: whether the
+    read was still waiting 30 s in (the proxy is then released), and what it returned."""
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(stream.pread(size, offset)))
+    reader.start()
+    proxy.holding.wait(30)
+    reader.join(30)
+    held = reader.is_alive()
+    proxy.release.set()
+    reader.join()
+    return held, got[0]
+
+
 def test_bytes_are_served_as_they_arrive_not_when_their_range_is_complete(gcs_emulator, gcs_bucket, make_plugin):
     path = f"gs://{gcs_bucket}/views/held.bin"
     data = os.urandom(3 * READ_BLOCK_BYTES)
@@ -245,15 +259,9 @@ def test_bytes_are_served_as_they_arrive_not_when_their_range_is_complete(gcs_em
     with _HoldingProxy(gcs_emulator.url, hold_after=READ_BLOCK_BYTES + READ_BLOCK_BYTES // 2) as proxy:
         plugin = make_plugin(client=client_for(proxy.url), chunk_size=len(data), max_workers=1)
         with plugin.reader(path) as stream:
-            got: list[bytes] = []
-            early = threading.Thread(target=lambda: got.append(stream.pread(1000, READ_BLOCK_BYTES - 1000)))
-            early.start()
-            early.join(30)
-            held = early.is_alive()
-            proxy.release.set()
-            early.join()
+            held, got = _pread_while_held(stream, proxy, 1000, READ_BLOCK_BYTES - 1000)
             assert not held, "bytes of the first block were not served until the whole range arrived"
-            assert got == [data[READ_BLOCK_BYTES - 1000 : READ_BLOCK_BYTES]]
+            assert got == data[READ_BLOCK_BYTES - 1000 : READ_BLOCK_BYTES]
             assert stream.pread(1000, len(data) - 1000) == data[-1000:]
 
 
@@ -266,15 +274,9 @@ def test_the_end_of_the_object_arrives_first(gcs_emulator, gcs_bucket, make_plug
     with _HoldingProxy(gcs_emulator.url, hold_after=2 * READ_BLOCK_BYTES) as proxy:
         plugin = make_plugin(client=client_for(proxy.url), chunk_size=len(data), max_workers=2)
         with plugin.reader(path) as stream:
-            got: list[bytes] = []
-            tail = threading.Thread(target=lambda: got.append(stream.pread(1000, len(data) - 1000)))
-            tail.start()
-            tail.join(30)
-            held = tail.is_alive()
-            proxy.release.set()
-            tail.join()
+            held, got = _pread_while_held(stream, proxy, 1000, len(data) - 1000)
             assert not held, "the end of the object waited for the rest of its range"
-            assert got == [data[-1000:]]
+            assert got == data[-1000:]
             stream.verify()
             assert stream.pread(len(data), 0) == data
 
