@@ -16,7 +16,7 @@ import sys
 import textwrap
 import threading
 from collections import OrderedDict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 import pytest
@@ -30,7 +30,7 @@ from dataflux_ckpt.errors import InvalidCheckpointError
 from tests.fastpersist.test_crafted_archives import STATE as CRAFTED_STATE
 from tests.fastpersist.test_crafted_archives import _apply, mutations
 from tests.support.fp_compare import assert_same
-from tests.support.gcs import client_for
+from tests.support.gcs import LoopbackServer, client_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
 
@@ -182,7 +182,7 @@ def test_a_load_holds_about_one_checkpoint_of_extra_memory(gcs_emulator, ckpt_io
     assert measured["extra"] <= 1.2 * measured["bytes"], measured
 
 
-class _HoldingProxy:
+class _HoldingProxy(LoopbackServer):
     """A proxy to the emulator that sends the first ``hold_after`` bytes of every object download,
     then holds the rest until :attr:`release` is set."""
 
@@ -222,19 +222,11 @@ class _HoldingProxy:
                 finally:
                     conn.close()
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> _HoldingProxy:
-        self._thread.start()
-        return self
+        super().__init__(Handler)
 
     def __exit__(self, *exc: object) -> None:
-        self.release.set()
-        self._server.shutdown()
-        self._server.server_close()
+        self.release.set()  # a held response ends before the server stops
+        super().__exit__(*exc)
 
 
 def _pread_while_held(stream, proxy: _HoldingProxy, size: int, offset: int) -> tuple[bool, bytes]:

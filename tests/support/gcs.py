@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from google.auth.credentials import AnonymousCredentials
@@ -46,7 +47,29 @@ def client_for(url: str) -> storage.Client:
                           client_options={"api_endpoint": url})
 
 
-class FaultProxy:
+_Served = TypeVar("_Served", bound="LoopbackServer")
+
+
+class LoopbackServer:
+    """An HTTP server on a free loopback port (:attr:`url`), serving ``handler`` from a daemon thread
+    while the context is open."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self: _Served) -> _Served:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class FaultProxy(LoopbackServer):
     """A threaded HTTP proxy to ``upstream`` that injects faults chosen by :attr:`fault`."""
 
     def __init__(self, upstream: str) -> None:
@@ -58,18 +81,7 @@ class FaultProxy:
         self.requests: list[Request] = []
         self._seen: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> FaultProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(self._handler_class())
 
     def client(self) -> storage.Client:
         """A storage client whose every request goes through this proxy."""
