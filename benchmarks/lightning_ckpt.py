@@ -163,13 +163,17 @@ class Subject:
 
 
 def _timed(fn: Callable[[], Any], meter: CpuMeter) -> Op:
+    """``fn`` timed once. What it returns (a load's result) is freed after the clock stops: a load
+    ends when the caller has the checkpoint, and freeing it is the caller's later cost."""
     gc.collect()
     cpu = meter.snapshot()
     with PeakRSS() as rss:
         start = time.perf_counter()
-        fn()
+        result = fn()
         seconds = time.perf_counter() - start
-    return Op(seconds, rss.peak_mb - rss.start_mb, cpu_s=meter.since(cpu))
+        cpu_s = meter.since(cpu)
+        del result
+    return Op(seconds, rss.peak_mb - rss.start_mb, cpu_s=cpu_s)
 
 
 class PluginRow(Subject):
@@ -319,12 +323,13 @@ class DownloadCeiling(Subject):
         raw.single_upload(bucket, self.name_, data)
 
     def load(self, step: int) -> Op:
-        def run() -> None:
+        def run() -> Any:
             buffer = self.raw.download(self.bucket, self.name_, self.size_bytes, crc32c=self.crc32c)
+            if self.mode != "load":
+                return buffer  # unmapped once the clock has stopped, as a load's result is freed
             try:
-                if self.mode == "load":
-                    with MemoryReader(buffer) as reader:
-                        torch.load(reader)
+                with MemoryReader(buffer) as reader:
+                    return torch.load(reader)
             finally:
                 buffer.close()
 
