@@ -45,6 +45,7 @@ from fastpersist.engines import (
     reserve,
 )
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, round_up
+from lightning_storage_plugins.collector import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ def save_file(
                         f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'"
                     )
                     io_engine = ctx.python_engine()
-                size, num_storages, num_writes = _write(content, io_engine, file, buffer)
+                with collector_paused():
+                    size, num_storages, num_writes = _write(content, io_engine, file, buffer)
                 os.fsync(file.fd)
                 # Renamed while the lock is held: unlocked, the finished temporary would look like a
                 # dead writer's to a clean-up in another process (another rank saving beside us).

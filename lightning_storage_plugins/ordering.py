@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
+from lightning_storage_plugins.collector import collector_paused
 from lightning_storage_plugins.messages import plain_text
 
 __all__ = ["CheckpointDir", "OrderedCheckpointIO", "SaveOrder", "WeightsOnlyError", "check_weights_only",
@@ -269,7 +270,8 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
             log.debug("not saving %s: it was removed before its save ran", target)
             return
         try:
-            self._write(checkpoint, target)
+            with collector_paused():
+                self._write(checkpoint, target)
         finally:
             remove = self._order.end_save(target)
         if remove:

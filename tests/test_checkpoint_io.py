@@ -4,11 +4,13 @@ Each plugin is a drop-in for Lightning's ``TorchCheckpointIO``: the same signatu
 ``@override``), ``weights_only`` following torch's default unless the caller chooses, missing
 checkpoints reported as ``FileNotFoundError`` naming the path, paths of another storage refused,
 copies made by pickling (as spawn-based strategies do) that work, and real ``Trainer`` runs whose
-top-k removal leaves only the newest checkpoints, also behind ``AsyncCheckpointIO``.
+top-k removal leaves only the newest checkpoints, also behind ``AsyncCheckpointIO``. A save pauses
+Python's cyclic garbage collector while it pickles, and leaves it as it found it.
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import pickle
@@ -112,6 +114,42 @@ class _RunsCode:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (open, (self.marker, "w"))
+
+
+class _CollectorProbe:
+    """Pickles as ``0``; records whether Python's cyclic garbage collector ran its passes meanwhile."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.seen: list[bool] = []
+        self.fail = fail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self.seen.append(gc.isenabled())
+        if self.fail:
+            raise RuntimeError("this object refuses to be pickled")
+        return (int, (0,))
+
+
+@pytest.mark.parametrize("enabled_before", [True, False], ids=["collector-on", "collector-off"])
+def test_a_save_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(
+    storage: Storage, enabled_before: bool
+) -> None:
+    plugin = storage.make()
+    probe = _CollectorProbe()
+    was = gc.isenabled()
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        plugin.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "probe": probe}, storage.path("gc.ckpt"))
+        assert probe.seen == [False]
+        assert gc.isenabled() is enabled_before
+        failing = _CollectorProbe(fail=True)
+        with pytest.raises(Exception, match="refuses to be pickled"):
+            plugin.save_checkpoint({"state_dict": {}, "probe": failing}, storage.path("gc-failed.ckpt"))
+        assert failing.seen == [False]
+        assert gc.isenabled() is enabled_before
+    finally:
+        (gc.enable if was else gc.disable)()
+        plugin.teardown()
 
 
 @pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint", "remove_checkpoint"])
