@@ -49,6 +49,17 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
+def keys_under(db: Database, prefix: str) -> list[str]:
+    """Every key that starts with ``prefix``, sorted (on every primary of a cluster)."""
+    match = _glob_escape(prefix) + "*"
+    client = db.redis
+    if isinstance(client, RedisCluster):
+        found = client.scan_iter(match=match, count=SCAN_COUNT, target_nodes=RedisCluster.PRIMARIES)
+    else:
+        found = client.scan_iter(match=match, count=SCAN_COUNT)
+    return sorted({k.decode() if isinstance(k, bytes) else k for k in found})
+
+
 class RedisFileSystem(AbstractFileSystem):
     """Keys of a Redis database (standalone or cluster) seen as files.
 
@@ -99,13 +110,7 @@ class RedisFileSystem(AbstractFileSystem):
         return f"{PROTOCOL}://{self._strip_protocol(name)}"
 
     def _keys_under(self, prefix: str) -> list[str]:
-        match = _glob_escape(prefix) + "*"
-        client = self.db.redis
-        if isinstance(client, RedisCluster):
-            found = client.scan_iter(match=match, count=SCAN_COUNT, target_nodes=RedisCluster.PRIMARIES)
-        else:
-            found = client.scan_iter(match=match, count=SCAN_COUNT)
-        return sorted({k.decode() if isinstance(k, bytes) else k for k in found})
+        return keys_under(self.db, prefix)
 
     def _file_info(self, key: str, header: wire.Header | None = None) -> dict[str, Any] | None:
         header = header or wire.read_header(self.db, key)

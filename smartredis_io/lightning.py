@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO
+from lightning_storage_plugins.preflight import storage_plugin
 from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
@@ -297,6 +299,38 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
         with self._operation("connect", self.address):
             pass
 
+    def stored_checkpoint_urls(self, dirpath: str | os.PathLike[str], wanted: Callable[[str], bool]) -> set[str]:
+        """``redis://`` URLs of the checkpoints stored under the local directory ``dirpath`` whose file
+        names ``wanted`` accepts, and of those its links by such names lead to (``save_last="link"``).
+
+        Lightning finds and checks checkpoints through fsspec, and keys of local paths are no local
+        files: their URLs are what it can find. A key outside ``root_dir`` (an absolute path) has no
+        URL and is left out, with a warning.
+        """
+        directory = self._target(os.path.join(dirpath, "x"))
+        if directory.local is None:
+            raise ValueError(f"{dirpath} is not a local directory")
+        prefix = self.key(dirpath).rstrip("/") + "/"
+        keys: set[str] = set()
+        with self._operation("list_checkpoints", prefix):
+            for key in filesystem.keys_under(self.db, prefix):
+                name = key[len(prefix):]
+                if "/" not in name and wanted(name) and wire.read_header(self.db, key) is not None:
+                    keys.add(key)
+        local = os.path.dirname(directory.local)
+        names = os.listdir(local) if os.path.isdir(local) else []
+        for name in names:
+            path = os.path.join(local, name)
+            if wanted(name) and os.path.islink(path):
+                target = self._target(_link_target(path))
+                if target.link() is None and self._stored(target):
+                    keys.add(target.key)
+        outside = sorted(key for key in keys if key.startswith("/"))
+        if outside:
+            log.warning("ckpt_path='last' cannot name %s: keys outside root_dir %s have no redis:// URL; "
+                        "pass the checkpoint's path as ckpt_path", ", ".join(outside), self.root_dir)
+        return {f"{filesystem.PROTOCOL}://{key}" for key in keys if not key.startswith("/")}
+
     def checkpoint_size(self, path: str | os.PathLike[str]) -> int:
         """Bytes of the stored checkpoint at ``path``.
 
@@ -319,13 +353,18 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
 
 
 class SmartRedisModelCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that also finds the last checkpoint of a ``redis://`` directory.
+    """``ModelCheckpoint`` that also finds the last checkpoint that ``SmartRedisCheckpointIO`` keeps,
+    in a ``redis://`` directory or keyed by a local one.
 
-    Stock ``ModelCheckpoint`` saves, lists and removes ``redis://`` checkpoints through
-    :mod:`smartredis_io.filesystem`, but for ``ckpt_path="last"`` it passes the URLs it lists
+    For ``ckpt_path="last"``, stock ``ModelCheckpoint`` lists its directory through fsspec. A
+    ``redis://`` listing goes through :mod:`smartredis_io.filesystem`, but Lightning passes the URLs
     through ``os.path.normpath``, which turns ``redis://run1/last.ckpt`` into a local path
-    (``redis:/run1/last.ckpt``), so Lightning finds nothing and trains from scratch. This keeps
-    the URLs whole; it takes ``ModelCheckpoint``'s arguments.
+    (``redis:/run1/last.ckpt``). A local directory whose checkpoints are keyed in the database holds
+    no files (with ``save_last="link"``, only links to checkpoints that are not local files). Either
+    way Lightning finds nothing and trains from scratch. This keeps the URLs whole, and for a local
+    directory lists the keys the trainer's ``SmartRedisCheckpointIO`` stored there, as ``redis://``
+    URLs (Lightning checks them through the ``redis`` filesystem, which connects with ``SSDB``, as
+    for ``redis://`` directories). It takes ``ModelCheckpoint``'s arguments.
     """
 
     @override
@@ -333,7 +372,11 @@ class SmartRedisModelCheckpoint(ModelCheckpoint):
         found = super()._find_last_checkpoints(trainer)
         if isinstance(self._fs, filesystem.RedisFileSystem):
             return {self._fs.unstrip_protocol(path) for path in found}
-        return found
+        plugin = storage_plugin(trainer.strategy.checkpoint_io)
+        if not isinstance(plugin, SmartRedisCheckpointIO) or self.dirpath is None:
+            return found
+        last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        return found | plugin.stored_checkpoint_urls(self.dirpath, lambda name: bool(last.match(name)))
 
 
 EXPORT_MAX_BATCH = 1 << 16  # the largest batch a published torch.export program takes

@@ -267,6 +267,31 @@ def test_local_paths_are_keyed_relative_to_the_root_dir(redis_server, tmp_path, 
     assert step == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_ckpt_path_last_finds_the_checkpoints_keyed_by_a_local_directory(
+    redis_server, tmp_path, uid: str, monkeypatch, save_last: bool | str
+) -> None:
+    """The checkpoints of a local ``dirpath`` are keys, not files (with ``"link"``, the links lead to
+    no file): Lightning alone finds no last checkpoint there and trains from scratch."""
+    monkeypatch.setenv("SSDB", redis_server.address)  # how Lightning's check of the found URL connects
+    monkeypatch.chdir(tmp_path)
+    started: list[int] = []
+
+    class Started(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            started.append(trainer.global_step)
+
+    for max_steps in (4, 6):
+        checkpoint = SmartRedisModelCheckpoint(dirpath=f"runs/{uid}", save_last=save_last, every_n_train_steps=2)
+        trainer = _trainer(tmp_path, [SmartRedisCheckpointIO()], [Started(), checkpoint], max_steps=max_steps,
+                           limit_val_batches=0)
+        trainer.fit(TinyRegressor.make(), ckpt_path="last")
+    assert started == [0, 4]
+    assert trainer.ckpt_path.startswith("redis://runs/")
+    assert not any(path.is_file() for path in (tmp_path / "runs").rglob("*")), "nothing but links on the filesystem"
+
+
 def test_lightning_lists_redis_urls_as_local_paths_without_the_subclass(redis_server, uid: str, monkeypatch) -> None:
     """Why SmartRedisModelCheckpoint exists; fails loudly when Lightning stops mangling remote URLs."""
     monkeypatch.setenv("SSDB", redis_server.address)
