@@ -15,6 +15,7 @@ _EXPORTS = {
     "MAX_WORKERS": "dataflux_ckpt.checkpoint_io",
     "STREAM_CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
     "DatafluxCheckpointIO": "dataflux_ckpt.checkpoint_io",
+    "DatafluxModelCheckpoint": "dataflux_ckpt.checkpoint_io",
     "reader": "dataflux_ckpt.checkpoint_io",
     "writer": "dataflux_ckpt.checkpoint_io",
     "DatafluxFSDPStrategy": "dataflux_ckpt.strategies",
@@ -55,6 +56,7 @@ __all__ = [
     "DataCorruptionError",
     "DatafluxCheckpointIO",
     "DatafluxFSDPStrategy",
+    "DatafluxModelCheckpoint",
     "DatafluxModelParallelStrategy",
     "DatafluxStorageReader",
     "DatafluxStorageWriter",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
         MAX_WORKERS,
         STREAM_CHUNK_SIZE_BYTES,
         DatafluxCheckpointIO,
+        DatafluxModelCheckpoint,
         reader,
         writer,
     )

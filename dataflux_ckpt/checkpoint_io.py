@@ -32,6 +32,7 @@ from dataflux_ckpt.retry import Deadline, RetryPolicy
 from dataflux_ckpt.upload import PARTS_SUFFIX, ObjectWriter, StreamingWriter, sweep_stale_parts
 from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
+from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.ziparchive import read_directory
@@ -44,6 +45,7 @@ __all__ = [
     "RESUMABLE_CHUNK_MULTIPLE_BYTES",
     "STREAM_CHUNK_SIZE_BYTES",
     "DatafluxCheckpointIO",
+    "DatafluxModelCheckpoint",
     "reader",
     "writer",
 ]
@@ -129,6 +131,17 @@ def _load_object(stream: ObjectReader, map_location: Any = None, weights_only: b
     _load_compat.check_records(sorted((offset, size, name) for name, (offset, size) in located.items()),
                                stream.size)
     return loaded
+
+
+class DatafluxModelCheckpoint(RemoteModelCheckpoint):
+    """``ModelCheckpoint`` with which ``trainer.fit(model, ckpt_path="last")`` resumes from a
+    ``gs://`` directory.
+
+    Stock ``ModelCheckpoint`` saves, lists and removes ``gs://`` checkpoints through gcsfs, but the
+    last checkpoints it finds for ``ckpt_path="last"`` lose their ``gs://`` (Lightning reads
+    ``bucket/run1/last.ckpt`` as a local path), so the run trains from scratch with only a warning.
+    This keeps the URLs. It takes ``ModelCheckpoint``'s arguments.
+    """
 
 
 class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):

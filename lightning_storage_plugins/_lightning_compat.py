@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "LAUNCHER_HANDBACK_NAME",
+    "checkpoint_filesystem",
     "fsdp_state_dict_type",
     "is_launcher_handback_path",
     "saves_distributed_checkpoint",
@@ -67,3 +68,8 @@ def fsdp_state_dict_type(strategy: Any) -> str:
 def saves_distributed_checkpoint(strategy: Any) -> bool:
     """Whether a ``ModelParallelStrategy`` was made with ``save_distributed_checkpoint=True``."""
     return bool(_private(strategy, "_save_distributed_checkpoint"))
+
+
+def checkpoint_filesystem(callback: Any) -> Any:
+    """The fsspec filesystem a ``ModelCheckpoint`` lists, checks and removes its checkpoints through."""
+    return _private(callback, "_fs")

@@ -15,9 +15,10 @@ import lightning.pytorch as pl
 import numpy as np
 import redis
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
+from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO
 from lightning_storage_plugins.preflight import storage_plugin
 from smartredis_io import filesystem, wire
@@ -352,7 +353,7 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
             self._db = None
 
 
-class SmartRedisModelCheckpoint(ModelCheckpoint):
+class SmartRedisModelCheckpoint(RemoteModelCheckpoint):
     """``ModelCheckpoint`` that also finds the last checkpoint that ``SmartRedisCheckpointIO`` keeps,
     in a ``redis://`` directory or keyed by a local one.
 
@@ -370,8 +371,8 @@ class SmartRedisModelCheckpoint(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         found = super()._find_last_checkpoints(trainer)
-        if isinstance(self._fs, filesystem.RedisFileSystem):
-            return {self._fs.unstrip_protocol(path) for path in found}
+        if isinstance(checkpoint_filesystem(self), filesystem.RedisFileSystem):
+            return found
         plugin = storage_plugin(trainer.strategy.checkpoint_io)
         if not isinstance(plugin, SmartRedisCheckpointIO) or self.dirpath is None:
             return found

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     ("script", "expected"),
     [
-        ("gcs_checkpoints.py", "resumed from step 6, now at step 10"),
+        ("gcs_checkpoints.py", "resumed from gs://example-ckpts/run1/last.ckpt, now at step 10"),
         ("nvme_checkpoints.py", "last.ckpt read by stock torch.load at step 6"),
         ("redis_online_inference.py", "model served from Redis"),
     ],

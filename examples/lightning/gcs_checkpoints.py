@@ -11,18 +11,18 @@ from dataflux_ckpt.emulator import configure_gcsfs_for_emulator
 configure_gcsfs_for_emulator()  # before Lightning's ModelCheckpoint imports gcsfs
 
 from lightning.pytorch import Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
-from dataflux_ckpt import DatafluxCheckpointIO  # noqa: E402
+from dataflux_ckpt import DatafluxCheckpointIO, DatafluxModelCheckpoint  # noqa: E402
 from dataflux_ckpt.testing import FakeGcsServer  # noqa: E402
 
 
 def train(dirpath: str, max_steps: int, ckpt_path: str | None = None) -> Trainer:
     trainer = Trainer(
         plugins=[DatafluxCheckpointIO()],
-        callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=2, monitor="step", mode="max",
-                                   every_n_train_steps=2, save_last=True)],
+        # DatafluxModelCheckpoint: ModelCheckpoint whose ckpt_path="last" finds gs:// checkpoints
+        callbacks=[DatafluxModelCheckpoint(dirpath=dirpath, save_top_k=2, monitor="step", mode="max",
+                                           every_n_train_steps=2, save_last=True)],
         max_steps=max_steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
     )
     trainer.fit(BoringModel(), ckpt_path=ckpt_path)
@@ -44,8 +44,8 @@ def main() -> None:
 def run(dirpath: str) -> None:
     first = train(dirpath, max_steps=6)
     print("saved:", first.checkpoint_callback.best_model_path)
-    resumed = train(dirpath, max_steps=10, ckpt_path=f"{dirpath}/last.ckpt")
-    print("resumed from step 6, now at step", resumed.global_step)
+    resumed = train(dirpath, max_steps=10, ckpt_path="last")
+    print(f"resumed from {resumed.ckpt_path}, now at step {resumed.global_step}")
 
 
 if __name__ == "__main__":

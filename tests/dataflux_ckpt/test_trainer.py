@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from dataflux_ckpt import DatafluxCheckpointIO
+from dataflux_ckpt import DatafluxCheckpointIO, DatafluxModelCheckpoint
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
 
 
@@ -81,6 +81,38 @@ def test_fit_top_k_and_resume_with_identical_state(gcs_emulator, gcs_bucket, wra
     for index, state in expected_opt["state"].items():
         for name, tensor in state.items():
             assert torch.equal(capture.optimizer["state"][index][name], tensor)
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_resumes_from_a_gs_directory(gcs_emulator, gcs_bucket):
+    """Stock ModelCheckpoint hands Lightning ``bucket/run/last.ckpt`` (no ``gs://``) and the run
+    trains from scratch; DatafluxModelCheckpoint keeps the URL."""
+    dirpath = f"gs://{gcs_bucket}/last-run"
+    started = []
+
+    class Started(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    for max_steps in (4, 6):
+        trainer = Trainer(max_steps=max_steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, accelerator="cpu", devices=1,
+                          plugins=[DatafluxCheckpointIO(chunk_size=C, max_workers=2)],
+                          callbacks=[Started(), DatafluxModelCheckpoint(dirpath=dirpath, every_n_train_steps=2,
+                                                                        save_last=True)])
+        trainer.fit(ScoredModel(), ckpt_path="last")
+    assert started == [0, 4]
+    assert trainer.ckpt_path == f"{dirpath}/last.ckpt"
+
+
+def test_lightning_lists_gs_urls_as_local_paths_without_the_subclass(gcs_emulator, gcs_bucket):
+    """Why DatafluxModelCheckpoint exists; fails loudly when Lightning stops dropping the protocol."""
+    dirpath = f"gs://{gcs_bucket}/listed"
+    DatafluxCheckpointIO().save_checkpoint({"w": torch.ones(1)}, f"{dirpath}/last.ckpt")
+    trainer = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    stock, ours = ModelCheckpoint(dirpath=dirpath), DatafluxModelCheckpoint(dirpath=dirpath)
+    assert ours._find_last_checkpoints(trainer) == {f"{dirpath}/last.ckpt"}
+    assert stock._find_last_checkpoints(trainer) == {f"{gcs_bucket}/listed/last.ckpt"}, "Lightning changed"
 
 
 def test_plugin_pickles_without_its_client(make_plugin, ckpt_path):

@@ -92,3 +92,13 @@ def test_a_missing_private_name_is_an_error_naming_lightning_and_the_name() -> N
         _lightning_compat._private(strategy, "_no_such")
     with pytest.raises(RuntimeError, match=r"lightning\.fabric\.strategies\.fsdp\._no_such"):
         _lightning_compat._private(fabric_fsdp, "_no_such")
+
+
+def test_model_checkpoint_keeps_its_filesystem_and_finds_last_checkpoints_by_trainer() -> None:
+    from fsspec.implementations.memory import MemoryFileSystem
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
+
+    assert isinstance(checkpoint_filesystem(ModelCheckpoint(dirpath="memory://run")), MemoryFileSystem)
+    assert list(inspect.signature(ModelCheckpoint._find_last_checkpoints).parameters) == ["self", "trainer"]
