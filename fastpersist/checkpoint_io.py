@@ -93,9 +93,16 @@ class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
 
     @override
     def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
-        """Refuse, before the first step, a ``ModelCheckpoint`` directory of another storage."""
+        """Before the first step: refuse a ``ModelCheckpoint`` directory of another storage, and
+        create those in which ``save_last="link"`` makes its links.
+
+        Lightning makes a ``last`` link as soon as it has asked for a save; behind
+        ``AsyncCheckpointIO`` that save, which creates the directory, may not have run yet.
+        """
         for checkpoint_dir in checkpoint_dirs:
-            _local_path(checkpoint_dir.dirpath)
+            directory = _local_path(checkpoint_dir.dirpath)
+            if checkpoint_dir.links:
+                os.makedirs(directory, exist_ok=True)
 
     @override
     def _close(self) -> None:

@@ -151,3 +151,15 @@ def test_load_follows_torchs_weights_only_default_and_passes_an_explicit_choice(
     with pytest.raises(pickle.UnpicklingError, match="weights-only load"):
         plugin.load_checkpoint(path)
     assert isinstance(plugin.load_checkpoint(path, weights_only=False)["layer"], torch.nn.ReLU)
+
+
+def test_async_saves_with_last_links_into_a_directory_that_does_not_exist_yet(ckpt_dir: Path) -> None:
+    """Lightning links ``last.ckpt`` as soon as it has asked for a save; behind AsyncCheckpointIO the
+    save that would create the directory may not have run (stock TorchCheckpointIO fails here)."""
+    root = ckpt_dir / "new" / "run"
+    plugin = AsyncCheckpointIO(FastPersistCheckpointIO(io_buffer_mb=BUFFER_MB))
+    trainer = make_trainer(root, plugin, max_steps=4, save_top_k=2, monitor="step", mode="max", save_last="link")
+    trainer.fit(BoringModel())
+    assert checkpoint_files(root) == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.path.islink(root / "last.ckpt")
+    assert torch.load(root / "last.ckpt", weights_only=False)["global_step"] == 4
