@@ -7,7 +7,6 @@ import numpy as np
 from smartredis_io import wire
 from smartredis_io._helpers import typecheck
 from smartredis_io.client_base import ClientBase, command, poll
-from smartredis_io.error import RedisKeyError
 
 __all__ = ["TensorCommands"]
 
@@ -78,15 +77,15 @@ class TensorCommands(ClientBase):
         The key may be formed by applying a prefix to the supplied name; see
         ``set_data_source()`` and ``use_tensor_ensemble_prefix()``.
 
+        Deleting a name that holds no tensor does nothing, as in SmartRedis (whose clients send
+        ``UNLINK``).
+
         :param name: name the tensor is stored at
         :type name: str
-        :raises RedisKeyError: if there is no tensor at that name
         :raises RedisReplyError: if the deletion fails
         """
         typecheck(name, "name", str)
-        key = self._get_key("tensor", name)
-        if not wire.delete_value(self._db, key):
-            raise RedisKeyError(f"The tensor {key!r} does not exist")
+        wire.delete_value(self._db, self._get_key("tensor", name))
 
     @command
     def copy_tensor(self, src_name: str, dest_name: str) -> None:

@@ -78,6 +78,8 @@ def test_tensor_copy_rename_delete_across(clients, uid: str) -> None:
     assert not ours.tensor_exists(uid + "c")
     published.delete_tensor(uid + "r")
     assert not ours.tensor_exists(uid + "r")
+    for client in (published, ours):  # a name with no tensor: both delete nothing, without an error
+        client.delete_tensor(uid + "r")
     ours.copy_tensor(uid, uid + "c2")
     np.testing.assert_array_equal(published.get_tensor(uid + "c2"), array)
 
