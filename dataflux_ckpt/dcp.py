@@ -53,7 +53,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dataflux_ckpt._gcs_compat import raw_body_reader
 from dataflux_ckpt.checksums import crc32c_extend
-from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError, HttpStatusError, TransferError
+from dataflux_ckpt.errors import (
+    BucketNotFoundError,
+    ConcurrentWriteError,
+    DataCorruptionError,
+    HttpStatusError,
+    TransferError,
+)
 from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, Gcs, make_client
 from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions, option_property, resolve_options
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
@@ -401,14 +407,21 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
 
 
 def _read_small(gcs: Gcs, path: GcsPath, deadline: Deadline) -> bytes | None:
-    """One small object whole, or ``None`` when it does not exist."""
+    """One small object whole, or ``None`` when it does not exist.
+
+    Raises:
+        BucketNotFoundError: the bucket does not exist.
+    """
     what = f"download of {path.uri}"
 
     def get() -> bytes | None:
         response = gcs.request("GET", gcs.media_url(*path), what, deadline, ok=(200, 404))
         return None if response.status_code == 404 else response.content
 
-    return gcs.retry.call(get, what, deadline)
+    data = gcs.retry.call(get, what, deadline)
+    if data is None and gcs.bucket_exists(path.bucket, deadline) is False:
+        raise BucketNotFoundError(f"bucket {path.bucket!r} of {path.uri} does not exist")
+    return data
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

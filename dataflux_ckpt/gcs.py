@@ -293,6 +293,7 @@ class Gcs:
         """Upload ``data`` as one object in one request; the server checks its crc32c.
 
         Raises:
+            BucketNotFoundError: the bucket does not exist.
             ConcurrentWriteError: ``if_generation_match`` did not hold.
             DataCorruptionError: the server stored other bytes than were sent.
         """
@@ -308,10 +309,12 @@ class Gcs:
             nonlocal attempts
             attempts += 1
             response = self.request(
-                "POST", url, what, deadline, ok=(200, 412),
+                "POST", url, what, deadline, ok=(200, 404, 412),
                 params=params, data=data,
                 headers={"Content-Type": OCTET_STREAM, "X-Goog-Hash": f"crc32c={expected}"},
             )
+            if response.status_code == 404:  # an upload finds no object to miss: the bucket is missing
+                raise BucketNotFoundError(f"bucket {path.bucket!r} of {path.uri} does not exist")
             info = self._published(path, what, response, attempts > 1, expected, deadline)
             if info.crc32c != expected:
                 raise DataCorruptionError(f"{what}: server crc32c {info.crc32c} != sent {expected}")

@@ -291,6 +291,14 @@ def test_bad_paths_are_refused_with_the_path_named(gs_root: str, nvme_root: Path
         dcp.load({"w": torch.zeros(1)}, storage_reader=FastPersistStorageReader(nvme_root / "nothing-here"))
 
 
+def test_a_missing_bucket_is_named_by_saves_and_loads(gs_root: str) -> None:
+    root = "gs://no-such-bucket-for-dcp/run"
+    with pytest.raises(CheckpointException, match="bucket 'no-such-bucket-for-dcp' of .* does not exist"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=DatafluxStorageWriter(root, **GS))
+    with pytest.raises(CheckpointException, match="bucket 'no-such-bucket-for-dcp' of .* does not exist"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=DatafluxStorageReader(root, **GS_READ))
+
+
 # Memory -------------------------------------------------------------------------------------------------
 def test_gs_save_memory_is_bounded_by_the_part_buffers(gs_root: str) -> None:
     """A 192 MiB shard with 4 MiB parts on 2 workers adds far less than the shard to resident memory."""
