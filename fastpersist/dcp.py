@@ -50,6 +50,7 @@ from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
 from fastpersist.memory import aligned_empty, round_down, round_up
 from fastpersist.writer import fsync_dir, save_file, write_archive
+from lightning_storage_plugins import release
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
@@ -349,10 +350,14 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
 
     def _delete(self, names: Sequence[str]) -> None:
         for name in names:
+            path = self._file(name)
+            held = release.hold(path)  # the replaced shards' blocks are freed after the save returns
             try:
-                os.unlink(self._file(name))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
+            finally:
+                release.release_later(held)
 
     def remove(self) -> None:
         """Delete the checkpoint directory: ``.metadata`` first, then the rest. When the path is a

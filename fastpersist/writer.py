@@ -45,6 +45,7 @@ from fastpersist.engines import (
     reserve,
 )
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, round_up
+from lightning_storage_plugins import release
 from lightning_storage_plugins.collector import collector_paused
 
 log = logging.getLogger(__name__)
@@ -156,9 +157,13 @@ def save_file(
                 with collector_paused():
                     size, num_storages, num_writes = _write(content, io_engine, file, buffer)
                 os.fsync(file.fd)
-                # Renamed while the lock is held: unlocked, the finished temporary would look like a
-                # dead writer's to a clean-up in another process (another rank saving beside us).
-                os.replace(temp, path)
+                replaced = release.hold(path)  # its blocks are freed after this save returns
+                try:
+                    # Renamed while the lock is held: unlocked, the finished temporary would look like a
+                    # dead writer's to a clean-up in another process (another rank saving beside us).
+                    os.replace(temp, path)
+                finally:
+                    release.release_later(replaced)
             except BaseException:
                 io_engine.abandon()
                 _unlink_quietly(temp)

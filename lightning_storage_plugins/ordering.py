@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
+from lightning_storage_plugins import release
 from lightning_storage_plugins.collector import collector_paused
 from lightning_storage_plugins.messages import plain_text
 
@@ -138,7 +139,11 @@ def remove_local(path: str) -> bool:
     elif os.path.isdir(path):
         shutil.rmtree(path)  # does not follow links inside the directory either
     elif os.path.lexists(path):
-        os.remove(path)
+        held = release.hold(path)  # its blocks are freed after this call returns
+        try:
+            os.remove(path)
+        finally:
+            release.release_later(held)
     else:
         return False
     return True

@@ -16,6 +16,7 @@ import torch
 
 from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save, remove_stale_temporaries
 from fastpersist.writer import TEMP_SUFFIX
+from tests.support.descriptors import wait_until_released
 from tests.support.fp_compare import assert_same
 
 DEADLINE_S = 30
@@ -106,6 +107,21 @@ def test_a_replaced_file_keeps_its_permission_bits(ckpt_dir: Path, mode: int) ->
     os.chmod(path, mode)
     fastpersist_save({"new": torch.ones(2)}, path, engine="python")
     assert path.stat().st_mode & 0o7777 == mode
+
+
+def test_a_save_over_a_checkpoint_replaces_it_and_lets_the_old_file_go(
+    ckpt_dir: Path, small_context: FastPersistContext
+) -> None:
+    """The replaced checkpoint is held open across the rename, so freeing its blocks (0.19 s per GiB
+    on ext4) happens after the save returns; it must not stay held."""
+    path = ckpt_dir / "last.ckpt"
+    fastpersist_save({"w": torch.zeros(300_000)}, path, context=small_context)
+    old = (path.stat().st_dev, path.stat().st_ino)
+    fastpersist_save({"w": torch.ones(300_000)}, path, context=small_context)
+    assert (path.stat().st_dev, path.stat().st_ino) != old
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(300_000))
+    wait_until_released(old)
+    assert sorted(os.listdir(ckpt_dir)) == ["last.ckpt"]
 
 
 def test_a_new_file_follows_the_umask(ckpt_dir: Path) -> None:
