@@ -351,13 +351,11 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
     def _delete(self, names: Sequence[str]) -> None:
         for name in names:
             path = self._file(name)
-            held = release.hold(path)  # the replaced shards' blocks are freed after the save returns
             try:
-                os.unlink(path)
+                with release.freed_later(path):  # the replaced shards' blocks are freed after we return
+                    os.unlink(path)
             except FileNotFoundError:
                 pass
-            finally:
-                release.release_later(held)
 
     def remove(self) -> None:
         """Delete the checkpoint directory: ``.metadata`` first, then the rest. When the path is a

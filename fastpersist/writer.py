@@ -157,13 +157,10 @@ def save_file(
                 with collector_paused():
                     size, num_storages, num_writes = _write(content, io_engine, file, buffer)
                 os.fsync(file.fd)
-                replaced = release.hold(path)  # its blocks are freed after this save returns
-                try:
-                    # Renamed while the lock is held: unlocked, the finished temporary would look like a
-                    # dead writer's to a clean-up in another process (another rank saving beside us).
+                # Renamed while the lock is held: unlocked, the finished temporary would look like a
+                # dead writer's to a clean-up in another process (another rank saving beside us).
+                with release.freed_later(path):  # the replaced file's blocks are freed after we return
                     os.replace(temp, path)
-                finally:
-                    release.release_later(replaced)
             except BaseException:
                 io_engine.abandon()
                 _unlink_quietly(temp)

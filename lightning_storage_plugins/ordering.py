@@ -139,11 +139,8 @@ def remove_local(path: str) -> bool:
     elif os.path.isdir(path):
         shutil.rmtree(path)  # does not follow links inside the directory either
     elif os.path.lexists(path):
-        held = release.hold(path)  # its blocks are freed after this call returns
-        try:
+        with release.freed_later(path):  # its blocks are freed after this call returns
             os.remove(path)
-        finally:
-            release.release_later(held)
     else:
         return False
     return True

@@ -9,11 +9,24 @@ returned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
+from collections.abc import Iterator
 
-__all__ = ["hold", "release_later"]
+__all__ = ["freed_later", "hold"]
+
+
+@contextlib.contextmanager
+def freed_later(path: str) -> Iterator[None]:
+    """Hold the regular file at ``path`` (if any) through the block, which renames over it or
+    unlinks it, and let it go on a thread of its own after."""
+    fd = hold(path)
+    try:
+        yield
+    finally:
+        _release_later(fd)
 
 
 def hold(path: str) -> int | None:
@@ -29,7 +42,7 @@ def hold(path: str) -> int | None:
     return fd
 
 
-def release_later(fd: int | None) -> None:
+def _release_later(fd: int | None) -> None:
     """Close ``fd`` (of a file unlinked by now) on a thread of its own."""
     if fd is not None:
         threading.Thread(target=os.close, args=(fd,), name="free-unlinked-file", daemon=True).start()
