@@ -85,7 +85,11 @@ def build(out: Path | None = None, *, force: bool = False) -> Path:
     cc = shlex.split(os.environ.get("CC", "cc"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    command = [*cc, *CFLAGS, *shlex.split(os.environ.get("CFLAGS", "")), "-I", str(header.parent),
+    # Debug information names sources relative to these directories, so a module built in a checkout
+    # or a build directory carries no path of that machine into a wheel.
+    prefix_maps = [f"-ffile-prefix-map={where}={name}"
+                   for where, name in ((ROOT, "."), (header.parent, "include"), (Path.cwd(), "."))]
+    command = [*cc, *CFLAGS, *prefix_maps, *shlex.split(os.environ.get("CFLAGS", "")), "-I", str(header.parent),
                *map(str, sources()), *LDFLAGS, "-o", str(tmp)]
     print(">> " + " ".join(command), file=sys.stderr)
     try:

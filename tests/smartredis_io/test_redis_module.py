@@ -113,6 +113,9 @@ def test_the_header_fetch_is_cached(tmp_path, monkeypatch) -> None:
     assert build.fetch_header() == tmp_path / "include" / "redismodule.h"
     out = build.build(tmp_path / "srio.so")
     assert out.is_file() and build.build(out) == out  # built once, then up to date
+    binary = out.read_bytes()  # what a wheel ships: no path of the machine it was built on
+    for where in (build.ROOT, tmp_path, Path.cwd()):
+        assert str(where).encode() not in binary, where
 
 
 # ---- tensors -------------------------------------------------------------------------------------
