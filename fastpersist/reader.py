@@ -34,6 +34,7 @@ from fastpersist.buffers import split_halves
 from fastpersist.context import FastPersistContext
 from fastpersist.engines import IOEngine, OpenFile, PythonEngine, Transfer, io_error, open_file
 from fastpersist.memory import aligned_empty, round_down, round_up
+from lightning_storage_plugins.collector import collector_paused
 from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,19 @@ def fastpersist_load(
         OSError: a read failed (path and offset in the message).
         pickle.UnpicklingError: ``weights_only`` refused something in the file.
     """
+    with collector_paused():
+        return _load(file_path, map_location, weights_only, aio_handle, pinned_buffer, engine, context)
+
+
+def _load(
+    file_path: str | os.PathLike[str],
+    map_location: Any,
+    weights_only: bool | None,
+    aio_handle: Any,
+    pinned_buffer: torch.Tensor | None,
+    engine: str | None,
+    context: FastPersistContext | None,
+) -> Any:
     path = os.fspath(file_path)
     _require_regular_file(os.stat(path).st_mode, path)
     weights_only = _torch_compat.resolve_weights_only(weights_only)

@@ -1,4 +1,4 @@
-"""Python's cyclic garbage collector, paused while a save pickles a checkpoint."""
+"""Python's cyclic garbage collector, paused while a checkpoint is pickled or unpickled."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def collector_paused() -> Iterator[None]:
     collection, which walks every object of the process (0.1 s and more in a training process, in
     about every save of 10,000 tensors). Paused, they are freed by reference counting when the pickle
     is done, never examined, and leave nothing for the collector to do afterwards.
+    Loads are the mirror image: the unpickler's memo, the archive's directory and the located
+    records are temporaries that live exactly as long as the load, so they would be promoted the same
+    way. Paused, only the loaded object's own containers are left, and the collector meets them once
+    when it runs again: over 20 loads of 10,000 tensors, each followed by some work of the caller's,
+    the process spent 0.9 s in the collector (2 full passes) instead of 4.2-4.5 s (13).
     ``torch.distributed.checkpoint``'s ``get_state_dict`` and ``set_state_dict`` pause it the same way.
 
     Reference counting goes on freeing everything that is not in a cycle; cycles any thread makes

@@ -303,7 +303,8 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         if weights_only is None:
             weights_only = self.weights_only
         try:
-            return self._read(target, map_location, weights_only)
+            with collector_paused():
+                return self._read(target, map_location, weights_only)
         except pickle.UnpicklingError as exc:
             if weights_only is False or not _is_weights_only_refusal(exc):
                 raise

@@ -152,6 +152,36 @@ def test_a_save_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(
         plugin.teardown()
 
 
+def test_a_load_of_many_tensors_leaves_the_collector_one_young_pass(storage: Storage) -> None:
+    """Unpickling 10,000 tensors keeps tens of thousands of containers alive in the unpickler's memo
+    until it ends: with the collector on, they set off dozens of its passes in every load and are
+    promoted, so full passes over the whole process follow. Paused, they are freed by reference
+    counting, and the collector meets only the loaded object's containers, once."""
+    plugin = storage.make()
+    path = storage.path("many.ckpt")
+    try:
+        state = {f"layer{i}.weight": torch.full((4,), float(i)) for i in range(10_000)}
+        plugin.save_checkpoint({"state_dict": state}, path)
+        passes: list[int] = []
+
+        def count(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                passes.append(info["generation"])
+
+        gc.collect()  # every generation's count starts at zero
+        gc.callbacks.append(count)
+        try:
+            loaded = plugin.load_checkpoint(path)
+            young_pass = [0]  # the first allocation after the load sets it off
+        finally:
+            gc.callbacks.remove(count)
+        assert passes in ([], young_pass)
+        assert gc.isenabled()
+        assert torch.equal(loaded["state_dict"]["layer9999.weight"], state["layer9999.weight"])
+    finally:
+        plugin.teardown()
+
+
 @pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint", "remove_checkpoint"])
 def test_signatures_are_lightnings_with_override(storage: Storage, method: str) -> None:
     plugin = storage.make()

@@ -195,6 +195,32 @@ def test_a_save_of_many_tensors_runs_no_garbage_collection(ckpt_dir: Path, small
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("engine", ["python", "aio"])
+def test_a_load_of_many_tensors_leaves_the_collector_one_young_pass(
+    ckpt_dir: Path, small_context: FastPersistContext, engine: str
+) -> None:
+    """The zip directory, the located records and the unpickler's memo of 10,000 tensors are all
+    temporaries: none of them is left for the collector, only the loaded object's own containers."""
+    state = {f"layer{i}.weight": torch.full((50,), float(i)) for i in range(10_000)}
+    fastpersist_save(state, ckpt_dir / "many.pt", context=small_context)
+    passes: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        loaded = fastpersist_load(ckpt_dir / "many.pt", context=small_context, engine=engine)
+        young_pass = [0]
+    finally:
+        gc.callbacks.remove(count)
+    assert passes in ([], young_pass)
+    assert gc.isenabled()
+    assert_same(loaded, state)
+
+
 def test_load_maps_location_and_honours_weights_only(
     ckpt_dir: Path, small_context: FastPersistContext
 ) -> None:
