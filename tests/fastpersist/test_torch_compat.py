@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastpersist import (
     CheckpointFormatError,
@@ -355,3 +357,86 @@ def test_the_ds_config_dict_is_read_back_from_deepspeeds_config_object() -> None
     assert _deepspeed_compat.config_params_dict(DeepSpeedConfig(ds_config)) == ds_config
     assert _deepspeed_compat.config_params_dict(ds_config) is ds_config
     assert _deepspeed_compat.config_params_dict(None) is None
+
+
+def _torch_save_pickle(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+
+
+def _our_pickle(obj: Any) -> bytes:
+    return _torch_compat.dump_pickle(obj, _torch_compat.DEFAULT_PROTOCOL, lambda key, storage: None)
+
+
+# Every dtype torch.save writes, those it writes with ``_rebuild_tensor_v3`` (no TypedStorage) included.
+_SAVE_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+    torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+]  # fmt: skip
+
+
+@st.composite
+def _saved_tensors(draw: st.DrawFn) -> torch.Tensor:
+    """A tensor at each edge of the plain-tensor reduction: dtypes of both rebuild functions, views at
+    an offset or with strides, autograd flags, conjugate and negative bits, Python attributes, Parameters."""
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    dtype = draw(st.sampled_from(_SAVE_DTYPES))
+    tensor = torch.arange(int(torch.Size(shape).numel()) + 3, dtype=torch.float64)[3:].reshape(shape)
+    tensor = tensor.to(dtype) if dtype != torch.bool else tensor > 1
+    if tensor.dim() >= 2 and draw(st.booleans()):
+        tensor = tensor.transpose(0, tensor.dim() - 1)
+    if dtype.is_complex and draw(st.booleans()):
+        tensor = tensor.conj() if draw(st.booleans()) else tensor.conj().imag  # conjugate / negative bit
+    kind = draw(st.sampled_from(["plain", "requires_grad", "attribute", "parameter"]))
+    if kind == "requires_grad" and (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize > 1:
+        tensor = tensor.detach().requires_grad_(True)
+    elif kind == "attribute":
+        tensor.note = draw(st.integers(0, 9))  # kept through torch's _rebuild_from_type_v2
+    elif kind == "parameter" and (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize > 1:
+        tensor = torch.nn.Parameter(tensor.detach().contiguous())
+    return tensor
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.text(max_size=3), _saved_tensors(), min_size=1, max_size=6))
+def test_tensors_are_pickled_byte_for_byte_as_torch_save_pickles_them(state: dict[str, torch.Tensor]) -> None:
+    assert _our_pickle(state) == _torch_save_pickle(state)
+
+
+def test_a_tensor_with_a_backward_hook_warns_as_torch_save_does() -> None:
+    tensor = torch.ones(2, requires_grad=True)
+    tensor.register_hook(lambda grad: grad)
+    with pytest.warns(UserWarning, match="backward hook") as theirs:
+        expected = _torch_save_pickle({"t": tensor})
+    with pytest.warns(UserWarning, match="backward hook") as ours:
+        assert _our_pickle({"t": tensor}) == expected
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+
+
+@pytest.mark.skipif(not hasattr(torch.Tensor, "has_names"), reason="this torch has no named tensors")
+def test_a_named_tensor_is_pickled_or_refused_as_torch_save_does() -> None:
+    named = {"t": torch.zeros(2, 3, names=("rows", "columns"))}
+    try:
+        expected: bytes | str = _torch_save_pickle(named)
+    except RuntimeError as err:
+        expected = str(err)
+    try:
+        got: bytes | str = _our_pickle(named)
+    except RuntimeError as err:
+        got = str(err)
+    assert got == expected
+
+
+def test_the_torch_functions_the_tensor_reduction_mirrors_are_the_ones_it_was_written_against() -> None:
+    changed = {
+        name: _torch_compat.source_digest(function)
+        for name, function in _torch_compat._MIRRORED_SAVE_FUNCTIONS.items()
+        if name in _torch_compat.unmirrored_save_functions()
+    }
+    assert not changed, (
+        f"torch {torch.__version__} changed {changed}: read the new source, mirror it in "
+        "fastpersist/_torch_compat.py (reduce_plain_tensor) and add its digest to MIRRORED_SAVE_SOURCES"
+    )
