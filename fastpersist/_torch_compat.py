@@ -34,6 +34,7 @@ from lightning_storage_plugins._torch_compat import LOAD_TAKES_WEIGHTS_ONLY as L
 from lightning_storage_plugins._torch_compat import LOCAL_HEADER_BYTES as LOCAL_HEADER_BYTES
 from lightning_storage_plugins._torch_compat import RecordSizeError as RecordSizeError
 from lightning_storage_plugins._torch_compat import StorageTable as StorageTable
+from lightning_storage_plugins._torch_compat import changed_sources
 from lightning_storage_plugins._torch_compat import check_records as check_records
 from lightning_storage_plugins._torch_compat import data_entries as data_entries
 from lightning_storage_plugins._torch_compat import data_offset as data_offset
@@ -41,7 +42,7 @@ from lightning_storage_plugins._torch_compat import describe_reader_error as des
 from lightning_storage_plugins._torch_compat import is_torchscript as is_torchscript
 from lightning_storage_plugins._torch_compat import open_reader as open_reader
 from lightning_storage_plugins._torch_compat import resolve_weights_only as resolve_weights_only
-from lightning_storage_plugins._torch_compat import source_digest
+from lightning_storage_plugins._torch_compat import source_digest as source_digest
 from lightning_storage_plugins._torch_compat import unpickle as unpickle
 from lightning_storage_plugins.ziparchive import read_directory
 
@@ -85,11 +86,7 @@ _MIRRORED_SAVE_FUNCTIONS = {
 @functools.cache
 def unmirrored_save_functions() -> tuple[str, ...]:
     """The torch functions in :data:`MIRRORED_SAVE_SOURCES` whose installed source was not mirrored."""
-    return tuple(
-        name
-        for name, function in _MIRRORED_SAVE_FUNCTIONS.items()
-        if source_digest(function) not in MIRRORED_SAVE_SOURCES[name]
-    )
+    return changed_sources(_MIRRORED_SAVE_FUNCTIONS, MIRRORED_SAVE_SOURCES)
 
 
 _NAMED_TENSORS = hasattr(torch.Tensor, "has_names")  # gone from newer torch

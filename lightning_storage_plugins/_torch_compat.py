@@ -99,14 +99,17 @@ def source_digest(function: Callable[..., Any]) -> str | None:
         return None
 
 
+def changed_sources(
+    functions: dict[str, Callable[..., Any]], mirrored: dict[str, frozenset[str]]
+) -> tuple[str, ...]:
+    """The names in ``functions`` whose installed source's digest is not among ``mirrored[name]``."""
+    return tuple(name for name, function in functions.items() if source_digest(function) not in mirrored[name])
+
+
 @functools.cache
 def unmirrored_functions() -> tuple[str, ...]:
     """The torch functions in :data:`MIRRORED_SOURCES` whose installed source was not mirrored."""
-    return tuple(
-        name
-        for name, function in _MIRRORED_FUNCTIONS.items()
-        if source_digest(function) not in MIRRORED_SOURCES[name]
-    )
+    return changed_sources(_MIRRORED_FUNCTIONS, MIRRORED_SOURCES)
 
 # torch.load gained ``_load(..., weights_only=...)`` in 2.7; 2.6 passes no such argument.
 LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(_serialization._load).parameters

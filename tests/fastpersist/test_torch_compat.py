@@ -29,6 +29,7 @@ from fastpersist import (
 )
 from fastpersist.archive import ArchiveWriter
 from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty
+from lightning_storage_plugins import _torch_compat as load_compat
 from lightning_storage_plugins.memoryfile import MemoryFile
 from tests.support.fp_compare import assert_same
 
@@ -430,13 +431,24 @@ def test_a_named_tensor_is_pickled_or_refused_as_torch_save_does() -> None:
     assert got == expected
 
 
-def test_the_torch_functions_the_tensor_reduction_mirrors_are_the_ones_it_was_written_against() -> None:
+@pytest.mark.parametrize(
+    ("functions", "mirrored", "where"),
+    [
+        (load_compat._MIRRORED_FUNCTIONS, load_compat.MIRRORED_SOURCES,
+         "lightning_storage_plugins/_torch_compat.py (the plain-tensor loop), MIRRORED_SOURCES"),
+        (_torch_compat._MIRRORED_SAVE_FUNCTIONS, _torch_compat.MIRRORED_SAVE_SOURCES,
+         "fastpersist/_torch_compat.py (reduce_plain_tensor), MIRRORED_SAVE_SOURCES"),
+    ],
+    ids=["load", "save"],
+)
+def test_the_torch_functions_mirrored_are_the_ones_they_were_written_against(
+    functions: dict[str, Any], mirrored: dict[str, frozenset[str]], where: str
+) -> None:
     changed = {
-        name: _torch_compat.source_digest(function)
-        for name, function in _torch_compat._MIRRORED_SAVE_FUNCTIONS.items()
-        if name in _torch_compat.unmirrored_save_functions()
+        name: _torch_compat.source_digest(functions[name])
+        for name in load_compat.changed_sources(functions, mirrored)
     }
     assert not changed, (
-        f"torch {torch.__version__} changed {changed}: read the new source, mirror it in "
-        "fastpersist/_torch_compat.py (reduce_plain_tensor) and add its digest to MIRRORED_SAVE_SOURCES"
+        f"torch {torch.__version__} changed {changed}: read the new source, mirror it in {where}, "
+        "and add its digest there"
     )
