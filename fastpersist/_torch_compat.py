@@ -98,7 +98,8 @@ def _v3_dtypes() -> frozenset[torch.dtype]:
 
 
 def reduce_plain_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
-    """``tensor.__reduce_ex__(protocol)``, for an exact ``torch.Tensor``, in a fifth of the time.
+    """``tensor.__reduce_ex__(protocol)``, for an exact ``torch.Tensor``, without its per-call checks
+    for every other kind of tensor.
 
     Mirrors the branch of ``Tensor.__reduce_ex__`` that every dense CPU or CUDA tensor without Python
     attributes or hooks takes (the ``else`` of ``_reduce_ex_internal``): the same rebuild function and
@@ -107,7 +108,7 @@ def reduce_plain_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
     where torch's source is not the one mirrored.
     """
     if (
-        tensor.__dict__
+        _utils._get_obj_state(tensor)  # as torch asks (reading ``__dict__`` would give each tensor one)
         or tensor._backward_hooks
         or tensor.device.type not in ("cpu", "cuda")
         or tensor.layout is not torch.strided
