@@ -53,6 +53,12 @@ PRIVATE_APIS: tuple[tuple[Any, str], ...] = (
     (_serialization, "DEFAULT_PROTOCOL"),
     (torch.storage.TypedStorage, "_pickle_storage_type"),
     (torch.storage.TypedStorage, "_size"),
+    (torch.storage, "_new_dtypes"),
+    (torch.Tensor, "_reduce_ex_internal"),
+    (_serialization, "_serialization_tls"),
+    (_utils, "_get_obj_state"),
+    (_utils, "_rebuild_tensor_v2"),
+    (_utils, "_rebuild_tensor_v3"),
 )
 
 DEFAULT_PROTOCOL: int = _serialization.DEFAULT_PROTOCOL
