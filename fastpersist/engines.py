@@ -76,14 +76,58 @@ def open_file(path: str, write: bool, mode: int = FILE_MODE) -> OpenFile:
     A file opened for writing is created exclusively: it is always a fresh temporary name.
     """
     flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL) if write else os.O_RDONLY
-    flags |= getattr(os, "O_CLOEXEC", 0)
+    return _open(path, flags | getattr(os, "O_CLOEXEC", 0), mode)
+
+
+def open_unnamed(directory: str, mode: int = FILE_MODE) -> OpenFile | None:
+    """A new file in ``directory`` that has no name yet (``O_TMPFILE``), open for writing as
+    :func:`open_file` opens one; ``None`` where the kernel or the filesystem cannot make one.
+
+    Give it a name with :func:`link_unnamed`. Until then no other process can see it, and if this
+    process dies, the kernel frees it.
+    """
+    if not hasattr(os, "O_TMPFILE"):
+        return None
+    try:
+        return _open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, mode)
+    except OSError as err:
+        # EOPNOTSUPP: this filesystem has no unnamed files (NFS, many parallel filesystems); EISDIR
+        # or EINVAL: a kernel without O_TMPFILE.
+        if err.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return None
+        raise
+
+
+def link_unnamed(file: OpenFile, path: str) -> bool:
+    """Give a file from :func:`open_unnamed` the name ``path`` (which must not exist); ``False``
+    where that cannot be done here (no ``/proc``), and the file is left as it was.
+
+    Raises:
+        OSError: ``path`` exists, or the directory refuses the new name.
+    """
+    try:
+        descriptors = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        # linkat(AT_SYMLINK_FOLLOW) through /proc/self/fd: the unprivileged way to name an O_TMPFILE
+        # file (os.link calls linkat, not link, only when given a directory descriptor)
+        os.link(str(file.fd), path, src_dir_fd=descriptors, follow_symlinks=True)
+    finally:
+        os.close(descriptors)
+    file.path = file.label = file.target = path
+    return True
+
+
+def _open(path: str, flags: int, mode: int) -> OpenFile:
     try:
         return OpenFile(path, os.open(path, flags | os.O_DIRECT, mode), True)
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
+    fd = os.open(path, flags, mode)  # where the EINVAL was not O_DIRECT's, this raises it again
     log.warning("%s: filesystem refuses O_DIRECT; using buffered I/O", path)
-    return OpenFile(path, os.open(path, flags, mode), False)
+    return OpenFile(path, fd, False)
 
 
 def io_error(code: int, what: str, file: OpenFile, offset: int, detail: str) -> OSError:

@@ -41,7 +41,9 @@ from fastpersist.engines import (
     PythonEngine,
     Transfer,
     io_error,
+    link_unnamed,
     open_file,
+    open_unnamed,
     reserve,
 )
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, round_up
@@ -297,34 +299,73 @@ def _temp_name(path: str) -> str:
 
 
 def _create_temporary(path: str) -> tuple[str, OpenFile]:
-    """A new, locked temporary file next to ``path`` with the mode ``path`` will have."""
+    """A new, locked temporary file next to ``path`` with the mode ``path`` will have.
+
+    Where the filesystem has unnamed files (``O_TMPFILE``: ext4, xfs, btrfs, tmpfs), the file is
+    locked before it gets its name, so a clean-up in another process (another rank saving into the
+    same directory) never meets it unlocked, and a writer killed before naming it leaves nothing.
+    Elsewhere it is created under its name and locked at once; a clean-up that takes it in between
+    removes it, and a new one is made.
+    """
     directory = os.path.dirname(path)
     mode = _mode_to_keep(path)
     for _ in range(_CREATE_ATTEMPTS):
         temp = _temp_name(path)
         try:
-            file = open_file(temp, write=True, mode=FILE_MODE if mode is None else mode)
+            file = _named_after_locking(temp, directory, FILE_MODE if mode is None else mode)
+            named_first = file is None
+            if named_first:
+                file = open_file(temp, write=True, mode=FILE_MODE if mode is None else mode)
         except OSError as err:
             raise type(err)(
                 err.errno, f"cannot create a file in {directory} to save {path}: {err.strerror}", directory
             ) from err
         file.label, file.target = f"{path} (temporary {os.path.basename(temp)})", path
-        try:
-            fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a concurrent clean-up took it for a dead writer's: it removes it
-            file.close()
-            continue
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+        if named_first:
+            try:
+                locked = _lock(file)
+            except BaseException:
                 file.close()
+                _unlink_quietly(temp)
                 raise
-        if os.fstat(file.fd).st_nlink == 0:  # removed by a clean-up before we locked it
-            file.close()
-            continue
+            # Not locked, or unlinked before we locked it: a concurrent clean-up took it for a dead
+            # writer's, and removes it (or has).
+            if not locked or os.fstat(file.fd).st_nlink == 0:
+                file.close()
+                continue
         if mode is not None:
             os.fchmod(file.fd, mode)  # exactly the old file's bits, whatever the umask
         return temp, file
     raise OSError(errno.EAGAIN, f"could not create a temporary file in {directory} to save {path}", directory)
+
+
+def _named_after_locking(temp: str, directory: str, mode: int) -> OpenFile | None:
+    """An unnamed file, locked, then linked in as ``temp``; ``None`` where that cannot be done."""
+    file = open_unnamed(directory, mode)
+    if file is None:
+        return None
+    try:
+        _lock(file)
+        if link_unnamed(file, temp):
+            return file
+    except BaseException:
+        file.close()
+        raise
+    file.close()
+    return None
+
+
+def _lock(file: OpenFile) -> bool:
+    """Take the writer's exclusive lock on ``file``: ``False`` where another process holds it;
+    ``True`` too on filesystems without ``flock`` (their temporaries are never cleaned up)."""
+    try:
+        fcntl.flock(file.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+    return True
 
 
 def _mode_to_keep(path: str) -> int | None:

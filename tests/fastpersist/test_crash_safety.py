@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import signal
 import subprocess
@@ -98,6 +100,27 @@ def test_a_clean_up_at_the_moment_of_publishing_leaves_the_save_alone(
     fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
     assert removed == [[]]
     assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
+
+
+def test_a_clean_up_at_the_moment_a_temporary_is_created_leaves_it_alone(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another rank's clean-up runs just before the writer locks its new temporary (the writer's first
+    # flock): the temporary is not in the directory yet, so nothing is taken for a dead writer's.
+    flock = fcntl.flock
+    removed: list[list[str]] = []
+
+    def clean_up_then_lock(fd: int, operation: int) -> None:
+        if not removed:
+            removed.append(remove_stale_temporaries(str(ckpt_dir)))
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", clean_up_then_lock)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
+    assert removed == [[]] and not caplog.records
+    assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
+    assert sorted(os.listdir(ckpt_dir)) == ["ckpt.pt"]
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o640, 0o604])
