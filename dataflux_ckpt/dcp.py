@@ -65,6 +65,7 @@ from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions, option_prope
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline, RetryPolicy
 from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, ObjectWriter
+from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
@@ -746,7 +747,8 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
             if isinstance(info, GcsItemInfo) and info.dtype is not None:
                 stored = _sub_block(info, item, data, request.start - info.offset, where)
             else:  # a torch.save item (FsspecWriter / FileSystemWriter layout)
-                loaded = torch.load(io.BytesIO(memoryview(data.numpy())), map_location="cpu", weights_only=True)
+                whole = data.untyped_storage()[data.storage_offset() : data.storage_offset() + data.numel()]
+                loaded = _load_compat.load_tensor_item(memoryview(data.numpy()), whole, where)
                 stored = narrow(loaded, item.storage_offsets, item.lengths)
             if stored.size() != target.size():
                 raise ValueError(f"{where}: stored block {tuple(stored.size())} does not fit the target "

@@ -40,6 +40,7 @@ from lightning_storage_plugins._torch_compat import data_entries as data_entries
 from lightning_storage_plugins._torch_compat import data_offset as data_offset
 from lightning_storage_plugins._torch_compat import describe_reader_error as describe_reader_error
 from lightning_storage_plugins._torch_compat import is_torchscript as is_torchscript
+from lightning_storage_plugins._torch_compat import load_tensor_item as load_tensor_item
 from lightning_storage_plugins._torch_compat import open_reader as open_reader
 from lightning_storage_plugins._torch_compat import resolve_weights_only as resolve_weights_only
 from lightning_storage_plugins._torch_compat import source_digest as source_digest

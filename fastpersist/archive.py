@@ -85,8 +85,11 @@ class ArchiveWriter:
 
     Args:
         put: appends a piece to the file.
-        position: the file offset the next ``put`` writes at.
+        position: the offset the next ``put`` writes at, relative to the archive's first byte.
         zip64_limit: sizes and offsets at or above this get zip64 fields (lowered only by tests).
+        alignment: storage payloads start on multiples of this many bytes of the file.
+        base: where in the file the archive starts (non-zero for an archive inside a larger file, as
+            each tensor item of a DCP checkpoint is).
     """
 
     def __init__(
@@ -94,15 +97,19 @@ class ArchiveWriter:
         put: Callable[[bytes | torch.Tensor], None],
         position: Callable[[], int],
         zip64_limit: int = U32_MAX,
+        alignment: int = ALIGNMENT_BYTES,
+        base: int = 0,
     ) -> None:
         self._put = put
         self._position = position
         self._zip64_limit = zip64_limit
+        self._alignment = alignment
+        self._base = base
         self._entries: list[_Entry] = []
         self.num_storages = 0
 
     def add_storage(self, key: str, storage: torch.UntypedStorage) -> None:
-        """Write ``data/<key>`` with the storage's bytes starting on an ``ALIGNMENT_BYTES`` boundary."""
+        """Write ``data/<key>`` with the storage's bytes starting on an ``alignment`` boundary of the file."""
         size = storage.nbytes()
         self._header(f"data/{key}", size, crc=0, align=True)
         if size:
@@ -159,10 +166,10 @@ class ArchiveWriter:
         zip64 = size >= self._zip64_limit
         extra = struct.pack("<HHQQ", _ZIP64_EXTRA_ID, 16, size, size) if zip64 else b""
         if align:
-            data_start = offset + _LOCAL.size + len(full_name) + len(extra)
-            pad = -data_start % ALIGNMENT_BYTES
-            if pad and pad < 4:  # an extra field needs 4 bytes of its own header
-                pad += ALIGNMENT_BYTES
+            data_start = self._base + offset + _LOCAL.size + len(full_name) + len(extra)
+            pad = -data_start % self._alignment
+            while pad and pad < 4:  # an extra field needs 4 bytes of its own header
+                pad += self._alignment
             if pad:
                 extra += struct.pack("<HH", _PADDING_EXTRA_ID, pad - 4) + b"Z" * (pad - 4)
         size_field = U32_MAX if zip64 else size
@@ -177,4 +184,4 @@ class ArchiveWriter:
 
 def new_serialization_id() -> bytes:
     """A fresh 40-digit id, the form torch.save gives ``.data/serialization_id``."""
-    return "".join(str(secrets.randbelow(10)) for _ in range(40)).encode()
+    return f"{secrets.randbelow(10**40):040d}".encode()

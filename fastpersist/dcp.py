@@ -61,13 +61,16 @@ from lightning_storage_plugins.dcp import (
     narrow,
 )
 from lightning_storage_plugins.errors import CheckpointMetadataError, ConcurrentWriteError
-from lightning_storage_plugins.memoryfile import MemoryFile
 
 log = logging.getLogger(__name__)
 
 __all__ = ["FastPersistStorageReader", "FastPersistStorageWriter"]
 
 READ_WINDOW_BYTES = 64 * 2**20
+# Where a tensor item's bytes start in the file, as torch.save aligns storages: each item is its own
+# archive and is read at its own offset, so page alignment (what a whole-file fastpersist_save keeps,
+# for reading straight into place) would only pad every small item out to 4 KiB.
+ITEM_STORAGE_ALIGNMENT = 64
 # Attempts at locking when a removal replaces the lock file between our open and our flock.
 _LOCK_ATTEMPTS = 5
 _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
@@ -306,7 +309,8 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
                     stage.put(bytes(data.getbuffer()))
                 else:  # the archive torch.save would write for the tensor, offsets relative to its start
                     storages += write_archive(_tensor_to_save(data), stage.put,
-                                              lambda base=start: stage.position - base)
+                                              lambda base=start: stage.position - base,
+                                              alignment=ITEM_STORAGE_ALIGNMENT, base=start)
                 length = stage.position - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=StorageInfo(name, start, length)))
@@ -474,8 +478,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
 def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) -> torch.Tensor:
     """The tensor ``torch.save`` wrote into ``data``, its storage a view of ``storage`` (the same bytes):
     no copy. Unpickled with ``weights_only=True``, as torch's FileSystemReader does."""
-    reader = _torch_compat.open_reader(MemoryFile(data))
-    tensor = _torch_compat.unpickle(reader, "cpu", True, where, overall_storage=storage)
+    tensor = _torch_compat.load_tensor_item(data, storage, where)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: a tensor item holds a {type(tensor).__name__}")
     return tensor

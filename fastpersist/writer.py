@@ -207,10 +207,12 @@ def _engine_and_buffer(
 
 
 def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], position: Callable[[], int],
-                  protocol: int = _torch_compat.DEFAULT_PROTOCOL) -> int:
+                  protocol: int = _torch_compat.DEFAULT_PROTOCOL, *, alignment: int = ALIGNMENT_BYTES,
+                  base: int = 0) -> int:
     """Put ``obj``'s torch.save archive, as fastpersist writes it, through ``put`` (``position``: the
-    offset of the next byte put, relative to the archive's start); returns the number of storages."""
-    archive = ArchiveWriter(put, position)
+    offset of the next byte put, relative to the archive's start, which is at ``base`` in the file;
+    storages start on ``alignment`` boundaries of the file); returns the number of storages."""
+    archive = ArchiveWriter(put, position, alignment=alignment, base=base)
     pickled = _torch_compat.dump_pickle(obj, protocol, archive.add_storage)
     archive.add_bytes("data.pkl", pickled)
     for name, data in _torch_compat.archive_records():

@@ -37,6 +37,9 @@ import torch
 import torch._utils as _utils
 import torch.serialization as _serialization
 
+from lightning_storage_plugins.memoryfile import MemoryFile
+from lightning_storage_plugins.ziparchive import read_directory
+
 # (object, attribute) pairs of torch.load's internals this module touches; ``PRIVATE_APIS`` adds DCP's.
 _LOAD_PRIVATE_APIS: tuple[tuple[Any, str], ...] = (
     (_serialization, "_load"),
@@ -527,6 +530,85 @@ def unpickle(
             f"weights-only load of {path} refused: {err}\nLoad with weights_only=False only if you trust "
             "the file's source, or allow the global with torch.serialization.add_safe_globals()."
         ) from None
+
+
+def load_tensor_item(data: memoryview, storage: torch.UntypedStorage, where: str) -> Any:
+    """``torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)`` for one ``torch.save``
+    archive in memory (a DCP tensor item), its storages views of ``storage`` (the same bytes: no copy).
+
+    A DCP checkpoint holds one such archive per tensor item, so what torch's reader and ``_load``
+    cost per archive is paid per item. A well-formed archive of plain CPU tensors that this torch can
+    read is read here, from its zip directory, by the plain-tensor loop (:func:`_load_plain_tensors`);
+    anything else goes to torch's reader and :func:`unpickle`, so what loads and what is refused stays
+    torch's decision.
+
+    Raises:
+        RecordSizeError: a record does not hold the bytes its storage needs (the message names
+            ``where``).
+        WeightsOnlyError: weights-only loading refused the item.
+    """
+    table = _memory_table(data, storage)
+    if table is not None and _plain_tensor_loop_applies(table, "cpu"):
+        try:
+            return _load_plain_tensors(table, "cpu")
+        except (_OutsideFastPath, _NotMirrored):
+            pass
+        except RecordSizeError as err:
+            raise RecordSizeError(f"{where}: {err}") from None
+    return unpickle(open_reader(MemoryFile(data)), "cpu", True, where, overall_storage=storage)
+
+
+class _MemoryArchive:
+    """The records of a zip archive in memory, answering what the plain-tensor loop asks torch's
+    reader for (``data.pkl``, ``byteorder``)."""
+
+    def __init__(self, data: memoryview, records: dict[str, tuple[int, int]]) -> None:
+        self._data = data
+        self._records = records
+
+    def has_record(self, name: str) -> bool:
+        return name in self._records
+
+    def get_record(self, name: str) -> bytes:
+        offset, size = self._records[name]
+        return bytes(self._data[offset : offset + size])
+
+
+def _memory_table(data: memoryview, storage: torch.UntypedStorage) -> StorageTable | None:
+    """A :class:`StorageTable` over the archive in ``data`` (records at their offsets in ``storage``);
+    ``None`` where torch's own reader must decide: a damaged or compressed archive, no ``data.pkl``,
+    or an archive format version newer than this torch writes."""
+    size = len(data)
+    try:
+        records = {}
+        for entry in read_directory(lambda length, offset: bytes(data[offset : offset + length]), size):
+            if entry.method != zipfile.ZIP_STORED or entry.compressed_size != entry.size:
+                return None
+            records[entry.name] = (data_offset(data, entry.header_offset, entry.header_offset, entry.name), entry.size)
+        check_records(sorted((offset, length, name) for name, (offset, length) in records.items()), size)
+    except zipfile.BadZipFile:
+        return None
+    if "data.pkl" not in records:
+        return None
+    archive = _MemoryArchive(data, records)
+    for name in ("version", ".data/version"):
+        if name in records:
+            version = archive.get_record(name).strip()
+            if not version.isdigit() or not 0 < int(version) <= _written_archive_version():
+                return None
+    if "version" not in records and ".data/version" not in records:
+        return None
+    return StorageTable(archive, records.get, whole=storage)
+
+
+@functools.cache
+def _written_archive_version() -> int:
+    """The archive format version this torch's ``torch.save`` writes (every older one it reads)."""
+    buffer = io.BytesIO()
+    torch.save({}, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        name = next(info.filename for info in archive.infolist() if info.filename.split("/", 1)[-1] == "version")
+        return int(archive.read(name))
 
 
 _NEWER_VERSION = re.compile(r"version (\d+), but the maximum supported version for reading is (\d+)")

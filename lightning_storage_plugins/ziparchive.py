@@ -58,11 +58,17 @@ def read_directory(source: int | Callable[[int, int], bytes], file_size: int) ->
         zipfile.BadZipFile: no end record, or the directory is cut short or malformed.
     """
     pread = source if callable(source) else functools.partial(_pread_fd, source)
-    tail_size = min(file_size, _END_SEARCH_BYTES)
+    # Archives without a comment (torch's) end with the end record: read only it when it is there
+    # (the search below reads the last 64 KiB, a cost per archive when each item is its own archive).
+    tail_size = min(file_size, END.size)
     tail = pread(tail_size, file_size - tail_size)
-    at = tail.rfind(struct.pack("<I", END_SIG))
-    while at >= 0 and at + END.size > len(tail):
-        at = tail.rfind(struct.pack("<I", END_SIG), 0, at)
+    at = 0
+    if len(tail) < END.size or END.unpack_from(tail)[0] != END_SIG or END.unpack_from(tail)[7] != 0:
+        tail_size = min(file_size, _END_SEARCH_BYTES)
+        tail = pread(tail_size, file_size - tail_size)
+        at = tail.rfind(struct.pack("<I", END_SIG))
+        while at >= 0 and at + END.size > len(tail):
+            at = tail.rfind(struct.pack("<I", END_SIG), 0, at)
     if at < 0:
         raise zipfile.BadZipFile("no end of central directory record")
     _, _, _, _, count, size, start, _ = END.unpack_from(tail, at)

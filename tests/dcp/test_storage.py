@@ -100,6 +100,22 @@ def test_torch_reads_fastpersist_and_fastpersist_reads_torch(nvme_root: Path) ->
     assert_same(loaded, state)
 
 
+def test_many_small_tensors_take_no_more_room_than_torchs_writer_gives_them(nvme_root: Path) -> None:
+    # Each tensor item is its own archive at its own offset: its bytes are aligned as torch.save
+    # aligns them, not padded out to a page.
+    state = {f"layer{i}.bias": torch.randn(64) for i in range(500)}
+    dcp.save(state, storage_writer=FastPersistStorageWriter(nvme_root / "ours", io_buffer_mb=1))
+    dcp.save(state, storage_writer=FileSystemWriter(nvme_root / "torch"))
+
+    def data_bytes(directory: Path) -> int:
+        return sum(path.stat().st_size for path in directory.glob("*.distcp"))
+
+    assert data_bytes(nvme_root / "ours") <= data_bytes(nvme_root / "torch")
+    loaded = {key: torch.zeros(64) for key in state}
+    dcp.load(loaded, storage_reader=FileSystemReader(nvme_root / "ours"))
+    assert all(torch.equal(loaded[key], state[key]) for key in state)
+
+
 def test_dataflux_reads_fsspec_checkpoints(gs_root: str) -> None:
     try:
         from torch.distributed.checkpoint import FsspecWriter
