@@ -45,10 +45,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from fastpersist import _torch_compat
-from fastpersist.buffers import DoubleBuffer
+from fastpersist.buffers import DoubleBuffer, split_halves
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
-from fastpersist.memory import aligned_empty, round_down, round_up
+from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty, round_down, round_up
 from fastpersist.writer import fsync_dir, save_file, write_archive
 from lightning_storage_plugins import release
 from lightning_storage_plugins.dcp import (
@@ -422,14 +422,17 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
         context = self.context or FastPersistContext()
         try:
             for name, items in per_file.items():
-                self._read_file(name, items, context, planner)
+                self._read_file(name, items, context, planner, staging=self.context is not None)
         finally:
             if self.context is None:
                 context.close()
 
-    def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner) -> None:
+    def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner,
+                   staging: bool) -> None:
         """Read the items of one file in windows of about ``READ_WINDOW_BYTES``: the next window's reads
-        are in flight while the items of this one are copied into their targets."""
+        are in flight while the items of this one are copied into their targets. Windows are read
+        into two buffers in turn: the halves of the context's staging buffer where ``staging`` (a
+        context the caller keeps), else two allocated for this file."""
         pairs = sorted(((item, self.storage_data[item.storage_index]) for item in items), key=lambda p: p[1].offset)
         windows: list[list[tuple[ReadItem, Any]]] = [[]]
         for pair in pairs:
@@ -439,13 +442,14 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
             windows[-1].append(pair)
         path = self._file(name)
         with context.lock:
+            halves = _window_buffers(context, windows, staging)
             file, buffered = _open_for_reading(path, self.checkpoint_id)
             try:
-                reads = [_RangeRead(file, buffered, windows[0], context)]
+                reads = [_RangeRead(file, buffered, windows[0], context, halves[0])]
                 for index, window in enumerate(windows):
                     read = reads.pop()
                     if index + 1 < len(windows):
-                        reads.append(_RangeRead(file, buffered, windows[index + 1], context))
+                        reads.append(_RangeRead(file, buffered, windows[index + 1], context, halves[(index + 1) % 2]))
                     data = read.result()
                     view = memoryview(data.numpy())
                     for item, info in window:
@@ -484,13 +488,39 @@ def _load_tensor(data: memoryview, storage: torch.UntypedStorage, where: str) ->
     return tensor
 
 
+def _window_buffers(context: FastPersistContext, windows: list[list[tuple[ReadItem, Any]]],
+                    staging: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Two page-aligned buffers for ``windows`` to be read into in turn: the halves of the context's
+    host staging buffer where ``staging`` (and it has one), else two as large as the largest window;
+    ``(None, None)`` for a single window (a window too large for its buffer gets its own allocation).
+
+    Why: a window's tensors are views of its bytes only until they are copied into their targets, so
+    two buffers serve every window. Memory already faulted in (the staging buffer, kept across
+    loads) is read into at the disk's speed; a fresh allocation per window is faulted in page by page
+    by the reads, which on a small virtual machine took as long as the reads themselves (a 512 MiB
+    load of 16 tensors: 0.8 s, against 0.3 s into the staging buffer and 0.3 s for the raw read).
+    """
+    if staging:
+        buffer = context.staging_buffer("cpu")
+        if buffer.device.type == "cpu":
+            try:
+                return split_halves(buffer)
+            except ValueError:
+                pass
+    if len(windows) < 2:
+        return None, None
+    largest = max(max(info.offset + info.length for _, info in window) - window[0][1].offset for window in windows)
+    size = largest + 2 * ALIGNMENT_BYTES  # the window's first and last blocks, read whole
+    return aligned_empty(size), aligned_empty(size)
+
+
 class _RangeRead:
-    """Bytes ``[start, end)`` of a file (the span of ``window``'s items) on their way into one page-aligned
-    allocation: the aligned part with parallel O_DIRECT reads (started here), the unaligned end with a
-    buffered read (in :meth:`result`)."""
+    """Bytes ``[start, end)`` of a file (the span of ``window``'s items) on their way into page-aligned
+    memory (``into`` where it is large enough, else a new allocation): the aligned part with parallel
+    O_DIRECT reads (started here), the unaligned end with a buffered read (in :meth:`result`)."""
 
     def __init__(self, file: OpenFile, buffered: int, window: list[tuple[ReadItem, Any]],
-                 context: FastPersistContext) -> None:
+                 context: FastPersistContext, into: torch.Tensor | None = None) -> None:
         self.file, self.buffered = file, buffered
         self.start = window[0][1].offset
         self.end = max(info.offset + info.length for _, info in window)
@@ -500,7 +530,8 @@ class _RangeRead:
         self.first = round_down(self.start)
         aligned_size = round_down(size)
         self.direct_end = max(self.first, min(round_up(self.end), aligned_size)) if file.direct else self.first
-        self.whole = aligned_empty(max(self.end, self.direct_end) - self.first)
+        size = max(self.end, self.direct_end) - self.first
+        self.whole = into.narrow(0, 0, size) if into is not None and into.numel() >= size else aligned_empty(size)
         self.engine = None
         if self.direct_end > self.first:
             self.engine = context.python_engine()

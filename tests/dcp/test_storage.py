@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import (
 )
 
 from dataflux_ckpt import DataCorruptionError, DatafluxStorageReader, DatafluxStorageWriter, parse_gcs_path
-from fastpersist import FastPersistStorageReader, FastPersistStorageWriter
+from fastpersist import FastPersistContext, FastPersistStorageReader, FastPersistStorageWriter
 from lightning_storage_plugins.dcp import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group exists
@@ -114,6 +114,30 @@ def test_many_small_tensors_take_no_more_room_than_torchs_writer_gives_them(nvme
     loaded = {key: torch.zeros(64) for key in state}
     dcp.load(loaded, storage_reader=FileSystemReader(nvme_root / "ours"))
     assert all(torch.equal(loaded[key], state[key]) for key in state)
+
+
+@pytest.mark.parametrize("context", ["kept by the caller", "tiny staging buffer", "none"])
+def test_loads_read_window_after_window_into_two_buffers_and_keep_nothing_of_them(
+    nvme_root: Path, monkeypatch: pytest.MonkeyPatch, context: str
+) -> None:
+    import fastpersist.dcp
+
+    monkeypatch.setattr(fastpersist.dcp, "READ_WINDOW_BYTES", 64 * 1024)  # many windows from a small checkpoint
+    first, second = sample_state(), {key: value * 2 if isinstance(value, torch.Tensor) and value.dtype != torch.bool
+                                     else value for key, value in sample_state().items()}
+    dcp.save(first, storage_writer=FastPersistStorageWriter(nvme_root / "first", io_buffer_mb=1))
+    dcp.save(second, storage_writer=FastPersistStorageWriter(nvme_root / "second", io_buffer_mb=1))
+    kept = FastPersistContext(io_buffer_mb={"kept by the caller": 1, "tiny staging buffer": 0.05}.get(context, 1))
+    try:
+        reader_context = None if context == "none" else kept
+        loaded_first = zeros_like_state(first)
+        dcp.load(loaded_first, storage_reader=FastPersistStorageReader(nvme_root / "first", context=reader_context))
+        loaded_second = zeros_like_state(second)
+        dcp.load(loaded_second, storage_reader=FastPersistStorageReader(nvme_root / "second", context=reader_context))
+    finally:
+        kept.close()
+    assert_same(loaded_first, first)  # nothing of the first load was left in a buffer the second reused
+    assert_same(loaded_second, second)
 
 
 def test_dataflux_reads_fsspec_checkpoints(gs_root: str) -> None:
