@@ -112,13 +112,36 @@ def test_a_clean_up_at_the_moment_a_temporary_is_created_leaves_it_alone(
 
     def clean_up_then_lock(fd: int, operation: int) -> None:
         if not removed:
-            removed.append(remove_stale_temporaries(str(ckpt_dir)))
+            removed.append([])  # the clean-up's own flock calls go straight through
+            removed[0] = remove_stale_temporaries(str(ckpt_dir))
         flock(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", clean_up_then_lock)
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
     assert removed == [[]] and not caplog.records
+    assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
+    assert sorted(os.listdir(ckpt_dir)) == ["ckpt.pt"]
+
+
+def test_without_unnamed_files_a_temporary_taken_by_a_clean_up_is_made_again(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A filesystem without O_TMPFILE (NFS, many parallel filesystems): the temporary has its name
+    # before it is locked, and a clean-up in that moment takes it for a dead writer's and removes it.
+    monkeypatch.delattr(os, "O_TMPFILE")
+    flock = fcntl.flock
+    removed: list[list[str]] = []
+
+    def clean_up_then_lock(fd: int, operation: int) -> None:
+        if not removed:
+            removed.append([])  # the clean-up's own flock calls go straight through
+            removed[0] = remove_stale_temporaries(str(ckpt_dir))
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", clean_up_then_lock)
+    fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
+    assert len(removed[0]) == 1 and removed[0][0].endswith(TEMP_SUFFIX)
     assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
     assert sorted(os.listdir(ckpt_dir)) == ["ckpt.pt"]
 
