@@ -102,21 +102,28 @@ def test_a_clean_up_at_the_moment_of_publishing_leaves_the_save_alone(
     assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
 
 
-def test_a_clean_up_at_the_moment_a_temporary_is_created_leaves_it_alone(
-    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Another rank's clean-up runs just before the writer locks its new temporary (the writer's first
-    # flock): the temporary is not in the directory yet, so nothing is taken for a dead writer's.
+def clean_up_at_the_first_lock(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Run another writer's clean-up of ``directory`` just before the first ``flock`` of this process
+    (a writer locking its new temporary); the returned list gets what it removed."""
     flock = fcntl.flock
     removed: list[list[str]] = []
 
     def clean_up_then_lock(fd: int, operation: int) -> None:
         if not removed:
             removed.append([])  # the clean-up's own flock calls go straight through
-            removed[0] = remove_stale_temporaries(str(ckpt_dir))
+            removed[0] = remove_stale_temporaries(str(directory))
         flock(fd, operation)
 
     monkeypatch.setattr(fcntl, "flock", clean_up_then_lock)
+    return removed
+
+
+def test_a_clean_up_at_the_moment_a_temporary_is_created_leaves_it_alone(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another rank's clean-up runs just before the writer locks its new temporary (the writer's first
+    # flock): the temporary is not in the directory yet, so nothing is taken for a dead writer's.
+    removed = clean_up_at_the_first_lock(ckpt_dir, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
     assert removed == [[]] and not caplog.records
@@ -130,16 +137,7 @@ def test_without_unnamed_files_a_temporary_taken_by_a_clean_up_is_made_again(
     # A filesystem without O_TMPFILE (NFS, many parallel filesystems): the temporary has its name
     # before it is locked, and a clean-up in that moment takes it for a dead writer's and removes it.
     monkeypatch.delattr(os, "O_TMPFILE")
-    flock = fcntl.flock
-    removed: list[list[str]] = []
-
-    def clean_up_then_lock(fd: int, operation: int) -> None:
-        if not removed:
-            removed.append([])  # the clean-up's own flock calls go straight through
-            removed[0] = remove_stale_temporaries(str(ckpt_dir))
-        flock(fd, operation)
-
-    monkeypatch.setattr(fcntl, "flock", clean_up_then_lock)
+    removed = clean_up_at_the_first_lock(ckpt_dir, monkeypatch)
     fastpersist_save({"w": torch.arange(10)}, ckpt_dir / "ckpt.pt", engine="python")
     assert len(removed[0]) == 1 and removed[0][0].endswith(TEMP_SUFFIX)
     assert torch.equal(torch.load(ckpt_dir / "ckpt.pt", weights_only=True)["w"], torch.arange(10))
