@@ -530,8 +530,8 @@ class _RangeRead:
         self.first = round_down(self.start)
         aligned_size = round_down(size)
         self.direct_end = max(self.first, min(round_up(self.end), aligned_size)) if file.direct else self.first
-        size = max(self.end, self.direct_end) - self.first
-        self.whole = into.narrow(0, 0, size) if into is not None and into.numel() >= size else aligned_empty(size)
+        needed = max(self.end, self.direct_end) - self.first
+        self.whole = into.narrow(0, 0, needed) if into is not None and into.numel() >= needed else aligned_empty(needed)
         self.engine = None
         if self.direct_end > self.first:
             self.engine = context.python_engine()
