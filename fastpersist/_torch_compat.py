@@ -22,7 +22,6 @@ import io
 import os
 import pickle
 import types
-import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ from lightning_storage_plugins._torch_compat import LOAD_TAKES_WEIGHTS_ONLY as L
 from lightning_storage_plugins._torch_compat import LOCAL_HEADER_BYTES as LOCAL_HEADER_BYTES
 from lightning_storage_plugins._torch_compat import RecordSizeError as RecordSizeError
 from lightning_storage_plugins._torch_compat import StorageTable as StorageTable
-from lightning_storage_plugins._torch_compat import changed_sources
+from lightning_storage_plugins._torch_compat import changed_sources, saved_records
 from lightning_storage_plugins._torch_compat import check_records as check_records
 from lightning_storage_plugins._torch_compat import data_entries as data_entries
 from lightning_storage_plugins._torch_compat import data_offset as data_offset
@@ -216,10 +215,7 @@ def archive_records() -> tuple[tuple[str, bytes], ...]:
     purpose: they promise torch's own record layout, which fastpersist does not follow, and without
     them every torch finds storages through the zip directory.)
     """
-    buffer = io.BytesIO()
-    torch.save({}, buffer)
-    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
-        by_name = {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
+    by_name = saved_records()
     return tuple((name, by_name[name]) for name in ("byteorder", "version") if name in by_name)
 
 

@@ -591,24 +591,22 @@ def _memory_table(data: memoryview, storage: torch.UntypedStorage) -> StorageTab
     if "data.pkl" not in records:
         return None
     archive = _MemoryArchive(data, records)
-    for name in ("version", ".data/version"):
-        if name in records:
-            version = archive.get_record(name).strip()
-            if not version.isdigit() or not 0 < int(version) <= _written_archive_version():
-                return None
-    if "version" not in records and ".data/version" not in records:
+    # This torch reads every archive format version up to the one it writes.
+    written = int(saved_records()["version"])
+    versions = [archive.get_record(name).strip() for name in ("version", ".data/version") if name in records]
+    if not versions or not all(version.isdigit() and 0 < int(version) <= written for version in versions):
         return None
     return StorageTable(archive, records.get, whole=storage)
 
 
 @functools.cache
-def _written_archive_version() -> int:
-    """The archive format version this torch's ``torch.save`` writes (every older one it reads)."""
+def saved_records() -> dict[str, bytes]:
+    """The records of a real ``torch.save`` of an empty dict (``version``, ``byteorder``, ...), by
+    name without the archive folder: what this torch writes around a pickle."""
     buffer = io.BytesIO()
     torch.save({}, buffer)
     with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
-        name = next(info.filename for info in archive.infolist() if info.filename.split("/", 1)[-1] == "version")
-        return int(archive.read(name))
+        return {info.filename.split("/", 1)[1]: archive.read(info) for info in archive.infolist()}
 
 
 _NEWER_VERSION = re.compile(r"version (\d+), but the maximum supported version for reading is (\d+)")

@@ -63,7 +63,8 @@ def read_directory(source: int | Callable[[int, int], bytes], file_size: int) ->
     tail_size = min(file_size, END.size)
     tail = pread(tail_size, file_size - tail_size)
     at = 0
-    if len(tail) < END.size or END.unpack_from(tail)[0] != END_SIG or END.unpack_from(tail)[7] != 0:
+    end = END.unpack(tail) if len(tail) == END.size else None
+    if end is None or end[0] != END_SIG or end[7] != 0:  # no end record there, or one with a comment
         tail_size = min(file_size, _END_SEARCH_BYTES)
         tail = pread(tail_size, file_size - tail_size)
         at = tail.rfind(struct.pack("<I", END_SIG))
