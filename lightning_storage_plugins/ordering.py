@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import threading
 import weakref
 from abc import abstractmethod
@@ -131,19 +132,39 @@ def _refused_object(exc: BaseException) -> str:
 def remove_local(path: str) -> bool:
     """Remove the local file or directory at ``path``; a link is removed itself, never what it points to.
 
+    Removals of one path may race (behind ``AsyncCheckpointIO`` the training thread removes a
+    checkpoint while the save thread removes the save it overtook): whatever another removal took
+    first is not an error.
+
     Returns:
-        Whether anything was there.
+        Whether this call found something there and removed it.
     """
-    if os.path.islink(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)  # does not follow links inside the directory either
-    elif os.path.lexists(path):
-        with release.freed_later(path):  # its blocks are freed after this call returns
-            os.remove(path)
-    else:
+    try:
+        if os.path.islink(path):
+            os.unlink(path)
+        elif os.path.isdir(path):
+            _remove_tree(path)
+        elif os.path.lexists(path):
+            with release.freed_later(path):  # its blocks are freed after this call returns
+                os.remove(path)
+        else:
+            return False
+    except FileNotFoundError:
         return False
     return True
+
+
+def _remove_tree(path: str) -> None:
+    """``shutil.rmtree`` (which does not follow links inside the directory), passing over entries
+    another removal took first."""
+    def gone_already(function: Callable[..., Any], entry: str, exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            raise exc
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=gone_already)
+    else:  # ``onerror`` is deprecated from 3.12; before it there is no ``onexc``
+        shutil.rmtree(path, onerror=lambda function, entry, info: gone_already(function, entry, info[1]))
 
 
 _live: weakref.WeakSet[OrderedCheckpointIO[Any]] = weakref.WeakSet()

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
-from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO
+from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.preflight import storage_plugin
 from smartredis_io import filesystem, wire
 from smartredis_io.client import Client
@@ -236,7 +236,7 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
     def _write(self, checkpoint: dict[str, Any], target: _Checkpoint) -> None:
         link = target.link()
         if link is not None:
-            os.unlink(link)  # a link left by save_last="link" would lead loads of this path elsewhere
+            remove_local(link)  # a link left by save_last="link" would lead loads of this path elsewhere
         key = target.key
         with self._operation("save_checkpoint", key), wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
             try:
@@ -263,8 +263,8 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
     def _delete(self, target: _Checkpoint) -> None:
         link = target.link()
         if link is not None:
-            os.unlink(link)  # the link only; the checkpoint it points to stays
-            log.debug("removed link %s", link)
+            if remove_local(link):  # the link only; the checkpoint it points to stays
+                log.debug("removed link %s", link)
             return
         with self._operation("remove_checkpoint", target.key):
             if wire.delete_value(self.db, target.key):

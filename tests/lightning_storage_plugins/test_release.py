@@ -4,6 +4,7 @@ file is ever held (never through a link, never blocking on a FIFO)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,42 @@ def test_a_removed_file_is_gone_at_once_and_let_go_of_after(tmp_path: Path, size
     assert remove_local(str(path))
     assert not os.path.lexists(path)
     wait_until_released(identity)
+
+
+def _remove_at_once(barrier: threading.Barrier, path: Path, results: list[bool], errors: list[BaseException]) -> None:
+    barrier.wait()
+    try:
+        results.append(remove_local(str(path)))
+    except BaseException as exc:  # noqa: BLE001 - the test reports every racer's failure
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("kind", ["file", "link", "directory"])
+def test_removals_racing_on_one_path_all_succeed_and_leave_nothing(tmp_path: Path, kind: str) -> None:
+    """Behind ``AsyncCheckpointIO`` the training thread's removal and the save thread's removal of a
+    save it overtook can meet on one path: neither may fail because the other got there first."""
+    racers = 4
+    barrier = threading.Barrier(racers)
+    for round_ in range(150):
+        path = tmp_path / f"ckpt-{round_}"
+        if kind == "file":
+            path.write_bytes(b"x" * 4096)
+        elif kind == "link":
+            path.symlink_to(tmp_path / "elsewhere")
+        else:
+            for sub in range(8):
+                (path / f"shard-{sub}").mkdir(parents=True)
+                (path / f"shard-{sub}" / "data").write_bytes(b"x")
+        results: list[bool] = []
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_remove_at_once, args=(barrier, path, results, errors))
+                   for _ in range(racers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, f"round {round_}: {errors!r}"
+        assert not os.path.lexists(path)
+        assert any(results)
+        if kind != "directory":
+            assert results.count(True) == 1, results  # one removal found it; the others found nothing
