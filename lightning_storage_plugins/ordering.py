@@ -137,7 +137,8 @@ def remove_local(path: str) -> bool:
     first is not an error.
 
     Returns:
-        Whether this call found something there and removed it.
+        Whether there was something to remove (``False`` when nothing was there, or another removal
+        took it first).
     """
     try:
         if os.path.islink(path):
