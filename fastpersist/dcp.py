@@ -422,17 +422,16 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
         context = self.context or FastPersistContext()
         try:
             for name, items in per_file.items():
-                self._read_file(name, items, context, planner, staging=self.context is not None)
+                self._read_file(name, items, context, planner)
         finally:
             if self.context is None:
                 context.close()
 
-    def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner,
-                   staging: bool) -> None:
+    def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner) -> None:
         """Read the items of one file in windows of about ``READ_WINDOW_BYTES``: the next window's reads
         are in flight while the items of this one are copied into their targets. Windows are read
-        into two buffers in turn: the halves of the context's staging buffer where ``staging`` (a
-        context the caller keeps), else two allocated for this file."""
+        into two buffers in turn: the halves of the context's staging buffer where the caller keeps
+        that context (this reader was given it), else two allocated for this file."""
         pairs = sorted(((item, self.storage_data[item.storage_index]) for item in items), key=lambda p: p[1].offset)
         windows: list[list[tuple[ReadItem, Any]]] = [[]]
         for pair in pairs:
@@ -442,7 +441,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
             windows[-1].append(pair)
         path = self._file(name)
         with context.lock:
-            halves = _window_buffers(context, windows, staging)
+            halves = _window_buffers(context, windows, staging=self.context is not None)
             file, buffered = _open_for_reading(path, self.checkpoint_id)
             try:
                 reads = [_RangeRead(file, buffered, windows[0], context, halves[0])]
