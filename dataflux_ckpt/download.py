@@ -1,7 +1,8 @@
 """Parallel ranged downloads into one preallocated buffer, readable while it fills.
 
-:class:`ObjectReader` starts ``chunk_size`` ranged GETs on ``max_workers`` threads (the object's
-last MiB first, as a range of its own: a torch zip archive is read from its end) and serves reads as
+:class:`ObjectReader` runs ``chunk_size`` ranged GETs, ``max_workers`` at a time on the GCS helper's
+transfer threads (the object's last MiB first, as a range of its own: a torch zip archive is read
+from its end) and serves reads as
 soon as the bytes they touch have arrived, so loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a
 checkpoint while it arrives, with its tensors as views of the buffer). The whole object's crc32c, combined
 from the crc32c each download thread takes of its range, is checked against the server's metadata
@@ -15,7 +16,7 @@ import io
 import logging
 import mmap
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
 
 from dataflux_ckpt import _gcs_compat
@@ -42,7 +43,8 @@ class ObjectReader(io.RawIOBase):
         gcs: the GCS helper to talk through.
         path: the object to read.
         chunk_size: bytes per ranged GET.
-        max_workers: concurrent ranged GETs; ``parallel=False`` fetches the object with one GET.
+        max_workers: concurrent ranged GETs (at most ``gcs.connections``: they run on
+            :meth:`Gcs.transfer_threads`); ``parallel=False`` fetches the object with one GET.
         deadline_s: waiting for the bytes (the whole download) ends by this many seconds from now.
 
     Raises:
@@ -87,15 +89,27 @@ class ObjectReader(io.RawIOBase):
         self._error: BaseException | None = None
         self._read_error: BaseException | None = None
         self._verified = False
-        self._executor = ThreadPoolExecutor(max_workers if parallel else 1, thread_name_prefix="dataflux-download")
         order = list(range(len(self._ranges)))
         if len(order) > 1:
             order = order[-1:] + order[:-1]
         self._abandoned = False
-        for index in order:
-            self._executor.submit(self._fetch, index)
+        # Each lane fetches the next range not yet taken until none is left: ``max_workers`` GETs at a
+        # time on the helper's long-lived threads, however many ranges there are.
+        self._queue = iter(order)
+        self._queue_lock = threading.Lock()
+        threads = gcs.transfer_threads()
+        lanes = min(max_workers if parallel else 1, len(order))
+        self._lanes: list[Future[None]] = [threads.submit(self._lane) for _ in range(lanes)]
 
     # Download --------------------------------------------------------------------------------
+    def _lane(self) -> None:
+        while True:
+            with self._queue_lock:
+                index = next(self._queue, None)
+            if index is None:
+                return
+            self._fetch(index)
+
     def _fetch(self, index: int) -> None:
         start, end = self._ranges[index]
         what = f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
@@ -270,14 +284,16 @@ class ObjectReader(io.RawIOBase):
             if not self._abandoned and self._error is None:  # a failed download was reported already
                 self.verify()
         finally:
-            self._abandoned = True
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._abandoned = True  # running lanes fetch nothing more; queued ones need not start
+            # A cancelled lane counts as done only once a thread dequeues it: wait for the others only.
+            started = [lane for lane in self._lanes if not lane.cancel()]
+            wait(started)  # a request in flight ends by the deadline on its own
             super().close()
             self._view.release()
             self._buffer = bytearray()  # the mmap is unmapped once no view (or tensor) of it is left
 
     def __del__(self) -> None:
-        if "_executor" in self.__dict__ and not self.closed:  # not when __init__ failed
+        if "_lanes" in self.__dict__ and not self.closed:  # not when __init__ failed
             self._abandoned = True
             self.close()
 

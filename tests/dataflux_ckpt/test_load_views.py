@@ -7,6 +7,7 @@ archives or loads them as ``torch.load`` does, and holds about one checkpoint of
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
@@ -290,3 +292,83 @@ def test_any_span_reads_back_whatever_the_ranges(gcs_emulator, gcs_bucket, make_
         for offset, size in spans:
             assert stream.pread(size, offset) == _SPANS_OBJECT[offset : offset + size]
         stream.verify()
+
+
+@contextlib.contextmanager
+def _threads_started() -> Iterator[set[int]]:
+    """The idents of the threads that ``threading`` starts inside the block."""
+    started: set[int] = set()
+
+    def first_event(frame: object, event: str, arg: object) -> None:
+        started.add(threading.get_ident())
+        sys.setprofile(None)  # once is enough: the thread has started
+
+    threading.setprofile(first_event)
+    try:
+        yield started
+    finally:
+        threading.setprofile(None)
+
+
+def test_loads_after_the_first_start_no_threads(ckpt_io, ckpt_path):
+    # Starting a thread waits for the scheduler; on a busy machine that delayed every load's last ranges.
+    state = {f"t{index}": torch.randn(100_000) for index in range(8)}  # 3.2 MB: many 256 KiB ranges
+    ckpt_io.save_checkpoint(state, ckpt_path)
+    assert_same(ckpt_io.load_checkpoint(ckpt_path), state)
+    with _threads_started() as started:
+        for _ in range(3):
+            assert_same(ckpt_io.load_checkpoint(ckpt_path), state)
+    assert not started
+
+
+def test_concurrent_loads_share_the_transfer_threads_and_all_complete(ckpt_io, ckpt_path):
+    state = {f"t{index}": torch.randn(50_000) for index in range(6)}
+    ckpt_io.save_checkpoint(state, ckpt_path)
+    results: list[object] = [None] * 6
+    barrier = threading.Barrier(len(results))
+
+    def load(index: int) -> None:
+        barrier.wait(30)
+        results[index] = ckpt_io.load_checkpoint(ckpt_path)
+
+    loaders = [threading.Thread(target=load, args=(index,)) for index in range(len(results))]
+    for thread in loaders:
+        thread.start()
+    for thread in loaders:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in loaders)
+    for loaded in results:
+        assert_same(loaded, state)
+
+
+class _Abandon(Exception):
+    pass
+
+
+def test_a_reader_abandoned_behind_another_readers_held_ranges_returns_at_once(gcs_emulator, gcs_bucket,
+                                                                                 make_plugin):
+    first_path, second_path = f"gs://{gcs_bucket}/views/first.bin", f"gs://{gcs_bucket}/views/second.bin"
+    data = os.urandom(3 * READ_BLOCK_BYTES)
+    _put(make_plugin(), first_path, data)
+    _put(make_plugin(), second_path, data[::-1])
+    with _HoldingProxy(gcs_emulator.url, hold_after=READ_BLOCK_BYTES) as proxy:
+        # One transfer thread: the first reader's held range occupies it, the second reader's wait behind.
+        plugin = make_plugin(client=client_for(proxy.url), chunk_size=len(data), max_workers=1)
+        first = plugin.reader(first_path)
+        assert proxy.holding.wait(30)
+        closed = threading.Event()
+
+        def abandon_second() -> None:
+            with pytest.raises(_Abandon), plugin.reader(second_path):
+                raise _Abandon
+            closed.set()
+
+        closer = threading.Thread(target=abandon_second)
+        closer.start()
+        assert closed.wait(30), "closing a reader waited for ranges it no longer needs"
+        closer.join()
+        proxy.release.set()
+        with first:
+            assert first.pread(len(data), 0) == data
+        with plugin.reader(second_path) as again:  # the threads still serve new readers
+            assert again.pread(len(data), 0) == data[::-1]
