@@ -1,4 +1,4 @@
-"""Host memory for FastPersist: O_DIRECT alignment, page-locked staging buffers, huge-page load buffers."""
+"""Host memory for FastPersist: O_DIRECT alignment, page-locked staging buffers, page-aligned load buffers."""
 
 from __future__ import annotations
 
