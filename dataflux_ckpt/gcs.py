@@ -140,6 +140,7 @@ class Gcs:
         self._transfers: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._pending_lock = threading.Lock()
+        self._threads_pid = os.getpid()
 
     def _ensure_pool(self, size: int) -> None:
         for prefix in ("https://", "http://"):
@@ -173,9 +174,18 @@ class Gcs:
         here never wait on one another, so readers sharing the threads only queue behind each other.
         """
         with self._pending_lock:
+            self._forget_threads_after_fork()
             if self._transfers is None:
                 self._transfers = ThreadPoolExecutor(self.connections, thread_name_prefix="dataflux-transfer")
             return self._transfers
+
+    def _forget_threads_after_fork(self) -> None:
+        """In a forked child (``ddp_fork``, ``ddp_notebook``), drop the parent's pools and pending work:
+        their threads did not survive the fork, so work queued to them would never run."""
+        if self._threads_pid != os.getpid():
+            self._threads_pid = os.getpid()
+            self._transfers = self._background = None
+            self._pending = set()
 
     # Background housekeeping -----------------------------------------------------------------
     def in_background(self, fn: Callable[[], Any], what: str) -> None:
@@ -183,6 +193,7 @@ class Gcs:
         of a completed upload) on a background thread; a failure is logged as a warning.
         :meth:`wait_background` waits for everything submitted so far."""
         with self._pending_lock:
+            self._forget_threads_after_fork()
             if self._background is None:
                 self._background = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="dataflux-background")
             future = self._background.submit(fn)
@@ -200,6 +211,7 @@ class Gcs:
         """Wait for the background housekeeping submitted so far; ``False`` if some is still running
         after ``timeout_s``."""
         with self._pending_lock:
+            self._forget_threads_after_fork()
             pending = list(self._pending)
         return not wait(pending, timeout=timeout_s).not_done
 

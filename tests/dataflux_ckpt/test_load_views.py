@@ -372,3 +372,25 @@ def test_a_reader_abandoned_behind_another_readers_held_ranges_returns_at_once(g
             assert first.pread(len(data), 0) == data
         with plugin.reader(second_path) as again:  # the threads still serve new readers
             assert again.pread(len(data), 0) == data[::-1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_loads_on_threads_of_its_own(make_plugin, ckpt_path):
+    # ddp_fork and ddp_notebook fork processes that keep the plugin: the parent's transfer threads did
+    # not survive the fork, and ranges queued to them would wait out the deadline.
+    plugin = make_plugin(deadline_s=20)
+    state = {f"t{index}": torch.randn(100_000) for index in range(4)}
+    plugin.save_checkpoint(state, ckpt_path)
+    assert_same(plugin.load_checkpoint(ckpt_path), state)  # the parent's threads exist now
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        code = 1
+        try:
+            loaded = plugin.load_checkpoint(ckpt_path)
+            # numpy compares: torch's OpenMP pool, used by the parent, does not work in a forked child.
+            same = all(loaded[name].numpy().tobytes() == tensor.numpy().tobytes() for name, tensor in state.items())
+            code = 0 if same else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
