@@ -65,7 +65,8 @@ class FastPersistContext:
             with one warning naming the reason.
         io_buffer_mb: size of the staging buffer (split in two halves: one fills while the other writes).
         aio: handle tuning (block size, queue depth, threads), as in the ds_config ``"aio"`` block.
-        aio_handle: an existing DeepSpeed aio handle to use instead of creating one.
+        aio_handle: an existing DeepSpeed aio handle to use instead of creating one (it stays the
+            caller's: a forked child needs one of its own, where a created one is re-created there).
         pinned_buffer: existing staging memory (page-locked host memory; GPU memory for ``"gds"``).
 
     Raises:
@@ -91,6 +92,7 @@ class FastPersistContext:
         self._reset()
 
     def _reset(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.RLock()
         self._aio_handle: Any = None
         self._gds_handle: Any = None
@@ -100,9 +102,17 @@ class FastPersistContext:
         self._warned: set[str] = set()
         self._gds_probes: dict[int, str | None] = {}  # st_dev -> why cuFile cannot write there
 
+    def _in_this_process(self) -> None:
+        """Start over in a forked child (``ddp_fork``, ``ddp_notebook``): the parent's aio handle and
+        I/O threads did not survive the fork, and one of its threads may have held the lock. What
+        the parent allocated stays the parent's (the child's copy is left to the child's exit)."""
+        if self._pid != os.getpid():
+            self._reset()
+
     @property
     def lock(self) -> threading.RLock:
         """Held for a whole save or load: the handle and buffer serve one operation at a time."""
+        self._in_this_process()
         return self._lock
 
     def aio_handle(self) -> Any:
@@ -111,7 +121,7 @@ class FastPersistContext:
         Raises:
             RuntimeError: DeepSpeed's ``async_io`` op cannot be loaded.
         """
-        with self._lock:
+        with self.lock:
             if self._given_handle is not None:
                 return self._given_handle
             if self._aio_handle is None:
@@ -134,7 +144,7 @@ class FastPersistContext:
         page-locked when ``pinned`` (with the aio handle where CUDA is absent; the python engine needs
         no locking), and GPU memory is plain device memory.
         """
-        with self._lock:
+        with self.lock:
             if self._given_buffer is not None:
                 return self._given_buffer
             key = device if device != "cpu" else ("cpu-pinned" if pinned else "cpu")
@@ -162,6 +172,7 @@ class FastPersistContext:
         Raises:
             ValueError: unknown engine name.
         """
+        self._in_this_process()
         current = check_engine_name(name) or self.engine or DEFAULT_ENGINE
         while (reason := self._unavailable(current, directory)) is not None:
             fallback = FALLBACK[current]
@@ -236,7 +247,7 @@ class FastPersistContext:
             os.unlink(probe)
 
     def _python_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
+        with self.lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     max_workers=PY_IO_THREADS, thread_name_prefix="fastpersist-io"
@@ -245,7 +256,7 @@ class FastPersistContext:
 
     def close(self) -> None:
         """Free the staging buffers and threads this context created (a later use creates new ones)."""
-        with self._lock:
+        with self.lock:
             for key, buffer in self._buffers.items():
                 if key == "cpu-pinned":
                     release_pinned_buffer(buffer, self._aio_handle)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +154,32 @@ def test_the_default_aio_handle_reaps_requests_in_batches_not_one_by_one() -> No
     assert AioConfig.from_ds_config({"queue_depth": 8}).overlap_events is False
     with FastPersistContext(engine="aio", io_buffer_mb=2, aio=AioConfig(overlap_events=True)) as context:
         assert context.aio_handle().get_overlap_events() is True
+
+
+_ENGINES_HERE = ["python"] + (["aio"] if aio_unavailable_reason() is None else [])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("engine", _ENGINES_HERE)
+def test_a_forked_child_saves_and_loads_through_its_parents_context(ckpt_dir: Path, engine: str) -> None:
+    # ddp_fork and ddp_notebook fork processes that keep the plugin and its context: the parent's aio
+    # handle and I/O threads did not survive the fork, so work handed to them would never finish.
+    state = {f"t{index}": torch.randn(300_000) for index in range(4)}
+    with FastPersistContext(engine=engine, io_buffer_mb=2) as context:
+        fastpersist_save(state, ckpt_dir / "parent.pt", context=context)
+        fastpersist_load(ckpt_dir / "parent.pt", context=context, weights_only=True)  # threads and handle exist
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit status
+            faulthandler.dump_traceback_later(120, exit=True)  # a hang becomes a failure, not a stuck suite
+            code = 1
+            try:
+                # torch's OpenMP threads did not survive the fork either; as in DataLoader workers:
+                torch.set_num_threads(1)
+                fastpersist_save(state, ckpt_dir / "child.pt", context=context)
+                loaded = fastpersist_load(ckpt_dir / "child.pt", context=context, weights_only=True)
+                code = 0 if all(torch.equal(loaded[name], tensor) for name, tensor in state.items()) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(torch.load(ckpt_dir / "child.pt", weights_only=True)["t0"], state["t0"])
