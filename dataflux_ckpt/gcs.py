@@ -140,7 +140,7 @@ class Gcs:
         self._transfers: ThreadPoolExecutor | None = None
         self._pending: set[Future[None]] = set()
         self._pending_lock = threading.Lock()
-        self._threads_pid = os.getpid()
+        self._pid = os.getpid()
 
     def _ensure_pool(self, size: int) -> None:
         for prefix in ("https://", "http://"):
@@ -173,27 +173,32 @@ class Gcs:
         cores beside a running download), which would delay the last ranges of every load. Tasks run
         here never wait on one another, so readers sharing the threads only queue behind each other.
         """
+        self._in_this_process()
         with self._pending_lock:
-            self._forget_threads_after_fork()
             if self._transfers is None:
                 self._transfers = ThreadPoolExecutor(self.connections, thread_name_prefix="dataflux-transfer")
             return self._transfers
 
-    def _forget_threads_after_fork(self) -> None:
-        """In a forked child (``ddp_fork``, ``ddp_notebook``), drop the parent's pools and pending work:
-        their threads did not survive the fork, so work queued to them would never run."""
-        if self._threads_pid != os.getpid():
-            self._threads_pid = os.getpid()
-            self._transfers = self._background = None
-            self._pending = set()
+    def _in_this_process(self) -> None:
+        """Start over in a forked child (``ddp_fork``, ``ddp_notebook``): the parent's threads did not
+        survive the fork (work queued to them would never run, and one may have held the lock), and its
+        pooled connections are still the parent's, and every other child's."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._pending_lock = threading.Lock()
+        self._transfers = self._background = None
+        self._pending = set()
+        for adapter in self.session.adapters.values():
+            adapter.close()  # this process' copies of the sockets; the next request connects anew
 
     # Background housekeeping -----------------------------------------------------------------
     def in_background(self, fn: Callable[[], Any], what: str) -> None:
         """Run ``fn`` (housekeeping no caller needs to wait for, such as deleting the part objects
         of a completed upload) on a background thread; a failure is logged as a warning.
         :meth:`wait_background` waits for everything submitted so far."""
+        self._in_this_process()
         with self._pending_lock:
-            self._forget_threads_after_fork()
             if self._background is None:
                 self._background = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="dataflux-background")
             future = self._background.submit(fn)
@@ -210,8 +215,8 @@ class Gcs:
     def wait_background(self, timeout_s: float | None = None) -> bool:
         """Wait for the background housekeeping submitted so far; ``False`` if some is still running
         after ``timeout_s``."""
+        self._in_this_process()
         with self._pending_lock:
-            self._forget_threads_after_fork()
             pending = list(self._pending)
         return not wait(pending, timeout=timeout_s).not_done
 
@@ -253,6 +258,7 @@ class Gcs:
                 **kwargs: Any) -> requests.Response:
         """One HTTP request that ends by ``deadline``; an unexpected status raises :class:`HttpStatusError`."""
         kwargs["timeout"] = deadline.timeout(self.connect_timeout_s, self.request_timeout_s)
+        self._in_this_process()
         response = self.session.request(method, url, **kwargs)
         if response.status_code not in ok:
             body = response.text if not kwargs.get("stream") else ""

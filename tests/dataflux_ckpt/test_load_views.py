@@ -375,13 +375,17 @@ def test_a_reader_abandoned_behind_another_readers_held_ranges_returns_at_once(g
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_loads_on_threads_of_its_own(make_plugin, ckpt_path):
+def test_a_forked_child_loads_on_threads_and_connections_of_its_own(make_plugin, gcs_proxy, ckpt_path):
     # ddp_fork and ddp_notebook fork processes that keep the plugin: the parent's transfer threads did
-    # not survive the fork, and ranges queued to them would wait out the deadline.
-    plugin = make_plugin(deadline_s=20)
+    # not survive the fork (ranges queued to them would wait out the deadline), and its pooled
+    # connections would be shared by every child.
+    plugin = make_plugin(client=client_for(gcs_proxy.url), deadline_s=20)
     state = {f"t{index}": torch.randn(100_000) for index in range(4)}
-    plugin.save_checkpoint(state, ckpt_path)
-    assert_same(plugin.load_checkpoint(ckpt_path), state)  # the parent's threads exist now
+    plugin.save_checkpoint(state, ckpt_path)  # its part uploads leave connections in the pool
+    assert_same(plugin.load_checkpoint(ckpt_path), state)  # and its ranged reads start the transfer threads
+    assert plugin.gcs.wait_background(30)  # the save's clean-up is over: the parent sends nothing more
+    parents = {request.client_port for request in gcs_proxy.requests}
+    before = len(gcs_proxy.requests)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit status
         code = 1
@@ -393,3 +397,5 @@ def test_a_forked_child_loads_on_threads_of_its_own(make_plugin, ckpt_path):
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    childs = {request.client_port for request in gcs_proxy.requests[before:]}
+    assert childs and not childs & parents, "the child sent requests on the parent's connections"

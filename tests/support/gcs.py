@@ -34,6 +34,7 @@ class Request:
     path: str
     body_size: int
     headers: dict[str, str] = field(default_factory=dict)
+    client_port: int = 0  # the connection it came on
 
 
 # A fault rule sees each request (and how often that method+path was seen) and answers
@@ -102,7 +103,7 @@ class FaultProxy(LoopbackServer):
 
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                request = Request(self.command, self.path, len(body), dict(self.headers))
+                request = Request(self.command, self.path, len(body), dict(self.headers), self.client_address[1])
                 with proxy._lock:
                     proxy.requests.append(request)
                     key = (self.command, self.path)
