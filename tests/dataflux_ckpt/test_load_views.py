@@ -31,6 +31,7 @@ from dataflux_ckpt.download import READ_BLOCK_BYTES
 from dataflux_ckpt.errors import InvalidCheckpointError
 from tests.fastpersist.test_crafted_archives import STATE as CRAFTED_STATE
 from tests.fastpersist.test_crafted_archives import _apply, mutations
+from tests.support.fork import exit_code_in_fork
 from tests.support.fp_compare import assert_same
 from tests.support.gcs import LoopbackServer, client_for
 
@@ -384,18 +385,13 @@ def test_a_forked_child_loads_on_threads_and_connections_of_its_own(make_plugin,
     plugin.save_checkpoint(state, ckpt_path)  # its part uploads leave connections in the pool
     assert_same(plugin.load_checkpoint(ckpt_path), state)  # and its ranged reads start the transfer threads
     assert plugin.gcs.wait_background(30)  # the save's clean-up is over: the parent sends nothing more
-    parents = {request.client_port for request in gcs_proxy.requests}
+    parent_ports = {request.client_port for request in gcs_proxy.requests}
     before = len(gcs_proxy.requests)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit status
-        code = 1
-        try:
-            torch.set_num_threads(1)  # torch's OpenMP threads did not survive the fork; as in DataLoader workers
-            loaded = plugin.load_checkpoint(ckpt_path)
-            code = 0 if all(torch.equal(loaded[name], tensor) for name, tensor in state.items()) else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    childs = {request.client_port for request in gcs_proxy.requests[before:]}
-    assert childs and not childs & parents, "the child sent requests on the parent's connections"
+
+    def child() -> bool:
+        loaded = plugin.load_checkpoint(ckpt_path)
+        return all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+    assert exit_code_in_fork(child) == 0
+    child_ports = {request.client_port for request in gcs_proxy.requests[before:]}
+    assert child_ports and not child_ports & parent_ports, "the child sent requests on the parent's connections"

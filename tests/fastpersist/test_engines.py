@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import subprocess
@@ -15,6 +14,7 @@ import torch
 from fastpersist import FastPersistContext, fastpersist_load, fastpersist_save
 from fastpersist.aio import aio_unavailable_reason
 from fastpersist.memory import PAGE_BYTES, aligned_empty
+from tests.support.fork import exit_code_in_fork
 
 
 def test_unknown_engine_is_refused_by_name(ckpt_dir: Path) -> None:
@@ -168,18 +168,11 @@ def test_a_forked_child_saves_and_loads_through_its_parents_context(ckpt_dir: Pa
     with FastPersistContext(engine=engine, io_buffer_mb=2) as context:
         fastpersist_save(state, ckpt_dir / "parent.pt", context=context)
         fastpersist_load(ckpt_dir / "parent.pt", context=context, weights_only=True)  # threads and handle exist
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through its exit status
-            faulthandler.dump_traceback_later(120, exit=True)  # a hang becomes a failure, not a stuck suite
-            code = 1
-            try:
-                # torch's OpenMP threads did not survive the fork either; as in DataLoader workers:
-                torch.set_num_threads(1)
-                fastpersist_save(state, ckpt_dir / "child.pt", context=context)
-                loaded = fastpersist_load(ckpt_dir / "child.pt", context=context, weights_only=True)
-                code = 0 if all(torch.equal(loaded[name], tensor) for name, tensor in state.items()) else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+        def child() -> bool:
+            fastpersist_save(state, ckpt_dir / "child.pt", context=context)
+            loaded = fastpersist_load(ckpt_dir / "child.pt", context=context, weights_only=True)
+            return all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+        assert exit_code_in_fork(child) == 0
     assert torch.equal(torch.load(ckpt_dir / "child.pt", weights_only=True)["t0"], state["t0"])
