@@ -9,6 +9,7 @@ passes it to every :func:`~fastpersist.fastpersist_save` / :func:`~fastpersist.f
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import tempfile
@@ -107,6 +108,9 @@ class FastPersistContext:
         I/O threads did not survive the fork, and one of its threads may have held the lock. What
         the parent allocated stays the parent's (the child's copy is left to the child's exit)."""
         if self._pid != os.getpid():
+            for handle in (self._aio_handle, self._gds_handle):
+                if handle is not None:
+                    _keep_for_life(handle)
             self._reset()
 
     @property
@@ -292,6 +296,13 @@ class FastPersistContext:
 
     def __repr__(self) -> str:
         return f"FastPersistContext(engine={self.engine!r}, io_buffer_mb={self.io_buffer_mb}, aio={self.aio})"
+
+
+def _keep_for_life(handle: Any) -> None:
+    """Never destroy ``handle`` in this process: it was made before a fork, and destroying a DeepSpeed
+    I/O handle joins its threads, which do not exist in the child (the process aborts; seen with
+    DeepSpeed 0.16). A reference the interpreter never gives back outlives even its shutdown."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(handle))
 
 
 _warned_in_process: set[str] = set()
