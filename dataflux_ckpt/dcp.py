@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dataflux_ckpt._gcs_compat import raw_body_reader
+from dataflux_ckpt._gcs_compat import raw_body_reader, release_read_connection
 from dataflux_ckpt.checksums import crc32c_extend
 from dataflux_ckpt.errors import (
     BucketNotFoundError,
@@ -717,6 +717,7 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
                     dest = memoryview(request.dest.numpy())[offset - request.start : offset - request.start + length]
                     _read_exactly(source, dest, length, scratch, what)
                     position = offset + length
+                release_read_connection(response, source)
 
         try:
             gcs.retry.call(once, what, deadline)

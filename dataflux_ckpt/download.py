@@ -151,6 +151,7 @@ class ObjectReader(io.RawIOBase):
                     with self._progress:
                         self._got[index] = got
                         self._progress.notify_all()
+            _gcs_compat.release_read_connection(response, source)
         self._range_crcs[index] = crc
 
     def _wait(self, start: int, end: int) -> None:

@@ -45,10 +45,14 @@ def test_pool_size_is_readable():
 
 
 class _Body(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keeps connections open between requests
+    client_ports: list[int] = []
+
     def log_message(self, *args: object) -> None:
         pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.client_ports.append(self.client_address[1])
         payload = b"0123456789" * 1000
         gzipped = self.path == "/gzip"
         body = gzip.compress(payload) if gzipped else payload
@@ -92,6 +96,20 @@ def test_raw_body_reader_decodes_encoded_bodies(body_server):
         reader = _gcs_compat.raw_body_reader(response)
         assert not isinstance(reader, http.client.HTTPResponse)
         assert _read_all(reader, 10_000) == b"0123456789" * 1000
+
+
+def test_release_read_connection_pools_only_connections_whose_body_was_read(body_server):
+    session = requests.Session()
+    _Body.client_ports.clear()
+    for read in (10_000, 10_000, 4_000, 10_000):
+        with session.get(f"{body_server}/plain", stream=True, timeout=10,
+                         headers={"Accept-Encoding": "identity"}) as response:
+            reader = _gcs_compat.raw_body_reader(response)
+            assert len(_read_all(reader, read)) == read
+            _gcs_compat.release_read_connection(response, reader)
+    first, second, partial, after = _Body.client_ports
+    assert first == second == partial  # read to the end: reused
+    assert after != partial  # bytes left unread: that connection was closed, not reused
 
 
 def test_a_dependency_without_the_internals_fails_loudly():

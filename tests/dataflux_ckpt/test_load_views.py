@@ -395,3 +395,17 @@ def test_a_forked_child_loads_on_threads_and_connections_of_its_own(make_plugin,
     assert exit_code_in_fork(child) == 0
     child_ports = {request.client_port for request in gcs_proxy.requests[before:]}
     assert child_ports and not child_ports & parent_ports, "the child sent requests on the parent's connections"
+
+
+def test_ranged_reads_hand_their_connections_back(make_plugin, gcs_proxy, ckpt_path):
+    # Each range's connection goes back to the pool once its body is read: on GCS a connection per
+    # range would cost a TLS handshake per range.
+    plugin = make_plugin(client=client_for(gcs_proxy.url), max_workers=1)
+    state = {f"t{index}": torch.randn(200_000) for index in range(4)}  # 3.2 MB: a dozen ranges
+    plugin.save_checkpoint(state, ckpt_path)
+    assert plugin.gcs.wait_background(30)
+    before = len(gcs_proxy.requests)
+    assert_same(plugin.load_checkpoint(ckpt_path), state)
+    ranged = [request for request in gcs_proxy.requests[before:] if "Range" in request.headers]
+    assert len(ranged) >= 10
+    assert len({request.client_port for request in ranged}) == 1, "a ranged read did not reuse the connection"

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import (
 from dataflux_ckpt import DataCorruptionError, DatafluxStorageReader, DatafluxStorageWriter, parse_gcs_path
 from fastpersist import FastPersistContext, FastPersistStorageReader, FastPersistStorageWriter
 from lightning_storage_plugins.dcp import load_metadata
+from tests.support.gcs import FaultProxy, client_for
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group exists
 
@@ -165,6 +166,21 @@ def test_gs_chunk_block_and_gap_boundaries(gs_root: str, sizes: list[int], chunk
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, storage_reader=DatafluxStorageReader(path, chunk_size=chunk, coalesce_gap=gap, max_workers=workers))
     assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
+def test_gs_ranged_reads_hand_their_connections_back(gcs_emulator: Any, gs_root: str) -> None:
+    # On GCS a connection per range would cost a TLS handshake per range.
+    state = {f"t{i}": torch.randn(50_000) for i in range(4)}  # 800 KB: a dozen 64 KiB ranges
+    dcp.save(state, storage_writer=DatafluxStorageWriter(gs_root, **GS))
+    loaded = zeros_like_state(state)
+    with FaultProxy(gcs_emulator.url) as proxy:
+        reader = DatafluxStorageReader(gs_root, storage_client=client_for(proxy.url),
+                                       **{**GS_READ, "max_workers": 1})
+        dcp.load(loaded, storage_reader=reader)
+    assert_same(loaded, state)
+    ranged = [request for request in proxy.requests if "Range" in request.headers]
+    assert len(ranged) >= 10
+    assert len({request.client_port for request in ranged}) == 1, "a ranged read did not reuse the connection"
 
 
 # Integrity and safety -----------------------------------------------------------------------------------
