@@ -2,11 +2,11 @@
 
 :class:`ObjectReader` runs ``chunk_size`` ranged GETs, ``max_workers`` at a time on the GCS helper's
 transfer threads (the object's last MiB first, as a range of its own: a torch zip archive is read
-from its end) and serves reads as
-soon as the bytes they touch have arrived, so loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a
-checkpoint while it arrives, with its tensors as views of the buffer). The whole object's crc32c, combined
-from the crc32c each download thread takes of its range, is checked against the server's metadata
-by :meth:`ObjectReader.verify` (called on close).
+from its end), and serves reads as soon as the bytes they touch have arrived, so loading overlaps
+with the download (``DatafluxCheckpointIO`` unpickles a checkpoint while it arrives, with its tensors
+as views of the buffer). The whole object's crc32c, combined from the crc32c each download thread
+takes of its range, is checked against the server's metadata by :meth:`ObjectReader.verify` (called
+on close).
 """
 
 from __future__ import annotations
