@@ -37,6 +37,11 @@ class Request:
     client_port: int = 0  # the connection it came on
 
 
+def ranged_read_ports(requests: list[Request]) -> list[int]:
+    """The client port of each ranged GET among ``requests``, in order (one port: one connection reused)."""
+    return [request.client_port for request in requests if "Range" in request.headers]
+
+
 # A fault rule sees each request (and how often that method+path was seen) and answers
 # None (forward), an int (answer that status), "reset" (drop the connection) or "corrupt".
 FaultRule = Callable[[Request, int], "int | str | None"]
