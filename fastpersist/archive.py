@@ -5,9 +5,10 @@ torch.load reads any zip archive whose records sit under one folder (``<folder>/
 ``<folder>/data/<key>``, ``<folder>/version``, ...), in any order, found through the central
 directory. fastpersist writes the storage records *first*, each as soon as the pickler meets its
 storage, and ``data.pkl`` after them, so the tensor bytes are on their way to disk while the rest of
-the object is still being pickled. Every storage payload starts on a 4 KiB boundary (padding goes in
-a local-header extra field, as torch's own writer does), records are stored uncompressed, and zip64
-fields are used where sizes or offsets pass 4 GiB.
+the object is still being pickled. Every storage payload starts on a 4 KiB boundary, or, for a large
+host storage written in place, at its address modulo 4 KiB (a multiple of 64, as torch.save aligns
+storages); padding goes in a local-header extra field, as torch's own writer does. Records are stored
+uncompressed, and zip64 fields are used where sizes or offsets pass 4 GiB.
 
 Storage records carry a CRC-32 of 0, as torch.save writes them under
 ``torch.serialization.set_crc32_options(False)``; torch.load does not check them.
@@ -66,6 +67,7 @@ from lightning_storage_plugins.ziparchive import (
 )
 
 ARCHIVE_FOLDER = "archive"
+TORCH_STORAGE_ALIGNMENT = 64  # torch.save starts every storage payload on a multiple of this
 _PADDING_EXTRA_ID = 0x4246  # "FB": the id torch's writer gives its alignment padding
 _VERSION_ZIP64 = 45
 _VERSION_PLAIN = 20
@@ -90,6 +92,10 @@ class ArchiveWriter:
         alignment: storage payloads start on multiples of this many bytes of the file.
         base: where in the file the archive starts (non-zero for an archive inside a larger file, as
             each tensor item of a DCP checkpoint is).
+        in_place_from: host storages of at least this many bytes (0: none) whose address is a multiple
+            of ``TORCH_STORAGE_ALIGNMENT`` start instead at a file offset equal to their address modulo
+            ``ALIGNMENT_BYTES``, so the page-aligned middle of their bytes can go to an O_DIRECT file
+            straight from their memory (see :class:`fastpersist.buffers.DoubleBuffer`).
     """
 
     def __init__(
@@ -99,19 +105,28 @@ class ArchiveWriter:
         zip64_limit: int = U32_MAX,
         alignment: int = ALIGNMENT_BYTES,
         base: int = 0,
+        in_place_from: int = 0,
     ) -> None:
         self._put = put
         self._position = position
         self._zip64_limit = zip64_limit
         self._alignment = alignment
         self._base = base
+        self._in_place_from = in_place_from
         self._entries: list[_Entry] = []
         self.num_storages = 0
 
     def add_storage(self, key: str, storage: torch.UntypedStorage) -> None:
         """Write ``data/<key>`` with the storage's bytes starting on an ``alignment`` boundary of the file."""
         size = storage.nbytes()
-        self._header(f"data/{key}", size, crc=0, align=True)
+        address = storage.data_ptr()
+        in_place = (
+            0 < self._in_place_from <= size
+            and storage.device.type == "cpu"
+            and address % TORCH_STORAGE_ALIGNMENT == 0  # the payload stays as aligned as torch.save's
+        )
+        self._header(f"data/{key}", size, crc=0, align=True,
+                     residue=address % ALIGNMENT_BYTES if in_place else None)
         if size:
             self._put(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
         self.num_storages += 1
@@ -160,16 +175,20 @@ class ArchiveWriter:
         else:
             self._put(_END.pack(_END_SIG, 0, 0, count, count, size, start, 0))
 
-    def _header(self, name: str, size: int, crc: int, align: bool) -> None:
+    def _header(self, name: str, size: int, crc: int, align: bool, residue: int | None = None) -> None:
+        """Write a local header; with ``align``, padded so the payload starts on an ``alignment``
+        boundary of the file, or, given ``residue``, at a file offset of that residue modulo
+        ``ALIGNMENT_BYTES``."""
         full_name = f"{ARCHIVE_FOLDER}/{name}".encode()
         offset = self._position()
         zip64 = size >= self._zip64_limit
         extra = struct.pack("<HHQQ", _ZIP64_EXTRA_ID, 16, size, size) if zip64 else b""
         if align:
             data_start = self._base + offset + _LOCAL.size + len(full_name) + len(extra)
-            pad = -data_start % self._alignment
+            step = self._alignment if residue is None else ALIGNMENT_BYTES
+            pad = ((residue or 0) - data_start) % step
             while pad and pad < 4:  # an extra field needs 4 bytes of its own header
-                pad += self._alignment
+                pad += step
             if pad:
                 extra += struct.pack("<HH", _PADDING_EXTRA_ID, pad - 4) + b"Z" * (pad - 4)
         size_field = U32_MAX if zip64 else size

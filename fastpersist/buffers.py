@@ -14,6 +14,10 @@ SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy
 # A half goes to the disk in this many slices, each as soon as it is filled: the first write starts
 # after a quarter of a half is staged, not a whole one, and the last one to wait for is a quarter.
 SLICES_PER_HALF = 4
+# Host tensors of at least this size skip the staging copy for the page-aligned middle of their bytes,
+# written straight from their memory (see ``DoubleBuffer``): below it the extra write per tensor
+# costs more than the copy it saves.
+IN_PLACE_MIN_BYTES = 4 * 2**20
 
 
 def flat_bytes(buffer: torch.Tensor) -> torch.Tensor:
@@ -58,9 +62,21 @@ class DoubleBuffer:
     ``ends_half=True``, and then ``drain`` must return only once the *other* half may be overwritten
     (every write started before this one has completed). ``position`` is the file offset of the next
     byte put.
+
+    Given ``write_in_place(view, file_offset)``, a host tensor of ``IN_PLACE_MIN_BYTES`` or more put at a
+    file offset equal to its address modulo ``ALIGNMENT_BYTES`` is not copied whole: its first and
+    last partial pages are staged, and the aligned pages between go to ``write_in_place`` as a view of
+    its own memory (the staged bytes before them are handed to ``drain`` first). Such a write may
+    still be in flight when ``put`` returns, so the tensor must not change until the file is complete,
+    as for any write of the file. :attr:`in_place_from` is the size from which this is done (0: never).
     """
 
-    def __init__(self, buffer: torch.Tensor, drain: Callable[[torch.Tensor, int, bool], None]) -> None:
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        drain: Callable[[torch.Tensor, int, bool], None],
+        write_in_place: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> None:
         self.halves = split_halves(buffer)
         self.capacity = self.halves[0].numel()
         on_cpu = self.halves[0].device.type == "cpu"
@@ -73,6 +89,8 @@ class DoubleBuffer:
         self._file_offset = 0
         self.has_device_copies = False  # non-blocking copies to or from a GPU are pending
         self._views = [memoryview(half.numpy()) if on_cpu else None for half in self.halves]
+        self._write_in_place = write_in_place if on_cpu else None
+        self.in_place_from = IN_PLACE_MIN_BYTES if self._write_in_place is not None else 0
 
     @property
     def position(self) -> int:
@@ -81,7 +99,30 @@ class DoubleBuffer:
     def put(self, piece: Piece) -> None:
         """Append ``piece`` (bytes, or a flat uint8 tensor on any device)."""
         length = piece_length(piece)
-        done = 0
+        if (
+            self.in_place_from
+            and length >= self.in_place_from
+            and isinstance(piece, torch.Tensor)
+            and piece.device.type == "cpu"
+            and (self.position - piece.data_ptr()) % ALIGNMENT_BYTES == 0
+        ):
+            self._put_in_place(piece, length)
+        else:
+            self._stage(piece, 0, length)
+
+    def _put_in_place(self, piece: torch.Tensor, length: int) -> None:
+        """Stage the partial pages at both ends of ``piece``; write the aligned pages between from its memory."""
+        head = -piece.data_ptr() % ALIGNMENT_BYTES
+        middle = round_down(length - head)
+        self._stage(piece, 0, head)
+        if middle:
+            self._send(self._filled, ends_half=False)  # the staged bytes before it, now ending aligned
+            self._write_in_place(piece.narrow(0, head, middle), self.position)
+            self._file_offset += middle  # the rest of this half lands after the middle
+        self._stage(piece, head + middle, length)
+
+    def _stage(self, piece: Piece, done: int, length: int) -> None:
+        """Copy bytes ``[done, length)`` of ``piece`` into the halves, handing each filled slice to ``drain``."""
         while done < length:
             count = min(self.capacity - self._filled, length - done)
             self._copy(piece, done, count)

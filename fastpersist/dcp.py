@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from fastpersist import _torch_compat
+from fastpersist.archive import TORCH_STORAGE_ALIGNMENT
 from fastpersist.buffers import DoubleBuffer, split_halves
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
@@ -70,7 +71,7 @@ READ_WINDOW_BYTES = 64 * 2**20
 # Where a tensor item's bytes start in the file, as torch.save aligns storages: each item is its own
 # archive and is read at its own offset, so page alignment (what a whole-file fastpersist_save keeps,
 # for reading straight into place) would only pad every small item out to 4 KiB.
-ITEM_STORAGE_ALIGNMENT = 64
+ITEM_STORAGE_ALIGNMENT = TORCH_STORAGE_ALIGNMENT
 # Attempts at locking when a removal replaces the lock file between our open and our flock.
 _LOCK_ATTEMPTS = 5
 _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
@@ -310,7 +311,8 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
                 else:  # the archive torch.save would write for the tensor, offsets relative to its start
                     storages += write_archive(_tensor_to_save(data), stage.put,
                                               lambda base=start: stage.position - base,
-                                              alignment=ITEM_STORAGE_ALIGNMENT, base=start)
+                                              alignment=ITEM_STORAGE_ALIGNMENT, base=start,
+                                              in_place_from=stage.in_place_from)
                 length = stage.position - start
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=StorageInfo(name, start, length)))

@@ -6,7 +6,8 @@ The bytes go through the two halves of the staging buffer, and each quarter of a
 large aligned write at the next sequential offset as soon as it is filled (so the disk starts after a
 quarter of a half, not a whole one, and the last write waited for is a quarter): small tensors are
 batched for free (10,000 tensors are still ``4 * size / half`` writes), every write is aligned, and
-only the final tail is padded (then truncated off).
+only the final tail is padded (then truncated off). Large host tensors skip the copy: the whole pages
+of their bytes are written from their own memory (see :class:`~fastpersist.buffers.DoubleBuffer`).
 
 Crash safety: the file is written under a temporary name in the target directory, fsynced and
 renamed into place, so ``file_path`` only ever holds a complete checkpoint. Temporaries are locked
@@ -117,7 +118,8 @@ def fastpersist_save(
     """
     return save_file(
         file_path,
-        lambda stage: write_archive(obj, stage.put, lambda: stage.position, pickle_protocol),
+        lambda stage: write_archive(obj, stage.put, lambda: stage.position, pickle_protocol,
+                                    in_place_from=stage.in_place_from),
         aio_handle,
         pinned_buffer,
         engine=engine,
@@ -156,8 +158,11 @@ def save_file(
                         f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'"
                     )
                     io_engine = ctx.python_engine()
+                # Tensor bytes written straight from their memory go through the python engine's
+                # threads: DeepSpeed's aio copies memory it did not page-lock into a bounce buffer.
+                in_place = ctx.python_engine() if file.direct and buffer.device.type == "cpu" else None
                 with collector_paused():
-                    size, num_storages, num_writes = _write(content, io_engine, file, buffer)
+                    size, num_storages, num_writes = _write(content, io_engine, file, buffer, in_place)
                 os.fsync(file.fd)
                 # Renamed while the lock is held: unlocked, the finished temporary would look like a
                 # dead writer's to a clean-up in another process (another rank saving beside us).
@@ -165,6 +170,8 @@ def save_file(
                     os.replace(temp, path)
             except BaseException:
                 io_engine.abandon()
+                if in_place is not None:
+                    in_place.abandon()  # its threads write from the caller's tensors into this file
                 _unlink_quietly(temp)
                 raise
             finally:
@@ -208,11 +215,13 @@ def _engine_and_buffer(
 
 def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], position: Callable[[], int],
                   protocol: int = _torch_compat.DEFAULT_PROTOCOL, *, alignment: int = ALIGNMENT_BYTES,
-                  base: int = 0) -> int:
+                  base: int = 0, in_place_from: int = 0) -> int:
     """Put ``obj``'s torch.save archive, as fastpersist writes it, through ``put`` (``position``: the
     offset of the next byte put, relative to the archive's start, which is at ``base`` in the file;
-    storages start on ``alignment`` boundaries of the file); returns the number of storages."""
-    archive = ArchiveWriter(put, position, alignment=alignment, base=base)
+    storages start on ``alignment`` boundaries of the file, or, from ``in_place_from`` bytes, where
+    their memory can be written from in place: see :class:`ArchiveWriter`); returns the number of
+    storages."""
+    archive = ArchiveWriter(put, position, alignment=alignment, base=base, in_place_from=in_place_from)
     pickled = _torch_compat.dump_pickle(obj, protocol, archive.add_storage)
     archive.add_bytes("data.pkl", pickled)
     for name, data in _torch_compat.archive_records():
@@ -223,32 +232,44 @@ def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], positio
 
 
 def _write(
-    content: Callable[[DoubleBuffer], int], io_engine: IOEngine, file: OpenFile, buffer: torch.Tensor
+    content: Callable[[DoubleBuffer], int],
+    io_engine: IOEngine,
+    file: OpenFile,
+    buffer: torch.Tensor,
+    in_place: PythonEngine | None = None,
 ) -> tuple[int, int, int]:
-    """Stream what ``content`` puts through the double buffer; returns (size, storages, writes)."""
+    """Stream what ``content`` puts through the double buffer; returns (size, storages, writes).
+
+    With ``in_place``, large host tensors' aligned pages are written by it straight from their memory.
+    """
     writes = 0
 
-    def drain(chunk: torch.Tensor, offset: int, ends_half: bool) -> None:
+    def submit(engine: IOEngine, chunk: torch.Tensor, offset: int) -> None:
         nonlocal writes
+        nbytes = chunk.numel()
+        _reserve_ahead(file, offset + nbytes)
+        if offset + nbytes > file.reserved and isinstance(engine, AioEngine):
+            _check_free_space(file, offset, nbytes)
+        engine.submit(Transfer(file, chunk, offset, write=True))
+        writes += 1
+
+    def drain(chunk: torch.Tensor, offset: int, ends_half: bool) -> None:
         if stage.has_device_copies:
             torch.cuda.synchronize()  # non-blocking device-to-host copies must land before the write
             stage.has_device_copies = False
         if ends_half:
             io_engine.wait()  # the other half's writes are done: it may be refilled after this submit
-        if not chunk.numel():
-            return
-        nbytes = chunk.numel()
-        _reserve_ahead(file, offset + nbytes)
-        if offset + nbytes > file.reserved and isinstance(io_engine, AioEngine):
-            _check_free_space(file, offset, nbytes)
-        io_engine.submit(Transfer(file, chunk, offset, write=True))
-        writes += 1
+        if chunk.numel():
+            submit(io_engine, chunk, offset)
 
-    stage = DoubleBuffer(buffer, drain)
+    write_in_place = None if in_place is None else lambda view, offset: submit(in_place, view, offset)
+    stage = DoubleBuffer(buffer, drain, write_in_place)
     num_storages = content(stage)
     size = stage.position
     stage.flush(ALIGNMENT_BYTES if file.direct else 1)
     io_engine.wait()
+    if in_place is not None:
+        in_place.wait()
     if file.size() != size:
         os.ftruncate(file.fd, size)  # drop the tail's alignment padding and unused reserved space
     if file.size() != size:
