@@ -8,7 +8,8 @@ table with ratios to the baseline (torch.save / torch.load, durable with durable
 (raw sequential O_DIRECT transfers of the same byte count, through the same aio handle, in the same
 run). Loads are also compared with a raw O_DIRECT read into memory allocated for it, as a load's
 result must be (``x ceiling (new memory)``): the first ceiling reuses one buffer and never pays for
-faulting in fresh pages. With ``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned
+faulting in fresh pages. ``CPU s`` is the process's CPU time (every thread, user and system) during
+a row's round, median: what a save or load takes from the training beside it. With ``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned
 device-to-host / host-to-device copy rates are measured as further ceilings.
 
 - ``tensor``: a state dict of ``--num_tensors`` float32 tensors totalling ``--size_mb`` MiB.
@@ -62,6 +63,7 @@ class Row:
     engine: str
     rss_extra_mb: float | None = None
     note: str = ""
+    cpu_times: list[float] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -90,6 +92,7 @@ class Case:
     before: Callable[[], None] = lambda: None
     note: str = ""
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
     rss_extra_mb: float = 0.0
 
 
@@ -99,12 +102,13 @@ def run_rounds(cases: list[Case], rounds: int) -> list[Row]:
         for case in cases:
             case.before()
             with PeakRSS() as rss:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 result = case.run()
                 case.times.append(time.perf_counter() - start)
+                case.cpu_times.append(time.process_time() - cpu_start)
                 del result
             case.rss_extra_mb = max(case.rss_extra_mb, rss.peak_mb - rss.start_mb)
-    return [Row(c.name, c.size(), c.times, c.engine, c.rss_extra_mb, c.note) for c in cases]
+    return [Row(c.name, c.size(), c.times, c.engine, c.rss_extra_mb, c.note, c.cpu_times) for c in cases]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -490,6 +494,7 @@ def summarize(rows: list[Row]) -> list[dict[str, Any]]:
                 "seconds": row.seconds,
                 "seconds_min": min(row.times),
                 "seconds_max": max(row.times),
+                "cpu_seconds": statistics.median(row.cpu_times) if row.cpu_times else None,
                 "gbps": row.gbps,
                 "engine": row.engine,
                 "vs_baseline": None if is_ceiling else ratio(row.gbps, baseline),
@@ -530,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     print()
     columns = {"name": "row", "gbps": "GB/s", "seconds": "s (median)", "seconds_min": "min", "seconds_max": "max",
+               "cpu_seconds": "CPU s",
                "vs_baseline": "x baseline", "vs_ceiling": "x ceiling",
                "vs_ceiling_new_memory": "x ceiling (new memory)", "rss_extra_mb": "extra RSS MB", "note": "note"}  # fmt: skip
     print(format_table(summary, columns))

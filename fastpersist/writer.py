@@ -151,16 +151,18 @@ def save_file(
             io_engine, buffer = _engine_and_buffer(ctx, engine, os.path.dirname(path))
             remove_stale_temporaries(os.path.dirname(path))
             temp, file = _create_temporary(path)
+            in_place: PythonEngine | None = None
             try:
+                # Tensor bytes written straight from their memory go through the python engine's
+                # threads: DeepSpeed's aio copies memory it did not page-lock into a bounce buffer.
+                if file.direct and buffer.device.type == "cpu":
+                    in_place = ctx.python_engine()
                 reason = io_engine.accepts(buffer, file)
                 if reason is not None:
                     ctx.warn_once(
                         f"fastpersist engine {io_engine.name!r} cannot be used ({reason}); using 'python'"
                     )
                     io_engine = ctx.python_engine()
-                # Tensor bytes written straight from their memory go through the python engine's
-                # threads: DeepSpeed's aio copies memory it did not page-lock into a bounce buffer.
-                in_place = ctx.python_engine() if file.direct and buffer.device.type == "cpu" else None
                 with collector_paused():
                     size, num_storages, num_writes = _write(content, io_engine, file, buffer, in_place)
                 os.fsync(file.fd)

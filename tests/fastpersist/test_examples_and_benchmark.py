@@ -101,6 +101,7 @@ def test_benchmark_tensor_workload_on_tiny_sizes(ckpt_dir: Path, aio_engine: str
         for row in rows
     )
     assert all(row["seconds_min"] <= row["seconds"] <= row["seconds_max"] for row in rows)
+    assert all(row["cpu_seconds"] > 0 for row in rows)  # every row costs the process some CPU
     assert {row["engine"] for row in rows if "nopatch" in row["name"]} == {"aio", "python"}
     assert all(row["bytes"] >= 4 * 1024**2 and row["gbps"] > 0 for row in rows)
     import re
