@@ -117,7 +117,8 @@ class ArchiveWriter:
         self.num_storages = 0
 
     def add_storage(self, key: str, storage: torch.UntypedStorage) -> None:
-        """Write ``data/<key>`` with the storage's bytes starting on an ``alignment`` boundary of the file."""
+        """Write ``data/<key>`` with the storage's bytes starting on an ``alignment`` boundary of the file,
+        or, for a storage ``in_place_from`` covers, at its address modulo ``ALIGNMENT_BYTES``."""
         size = storage.nbytes()
         address = storage.data_ptr()
         in_place = (

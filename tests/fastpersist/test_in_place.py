@@ -26,10 +26,8 @@ from fastpersist import (
 from fastpersist.archive import TORCH_STORAGE_ALIGNMENT
 from fastpersist.buffers import IN_PLACE_MIN_BYTES
 from fastpersist.memory import ALIGNMENT_BYTES
-from fastpersist.writer import TEMP_SUFFIX
+from tests.fastpersist.test_bad_input import assert_previous_intact, write_previous
 from tests.fastpersist.test_roundtrip import FIXED, available_engines
-
-PREVIOUS = {"previous": torch.arange(10)}
 
 
 def tensor_at(residue: int, nbytes: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -111,17 +109,6 @@ def test_sharded_checkpoints_with_large_tensors_load_in_torchs_own_reader(ckpt_d
     loaded = {key: torch.zeros_like(value) for key, value in state.items()}
     dcp.load(loaded, storage_reader=FileSystemReader(ckpt_dir / "ckpt"))
     assert_equal_bits(loaded, state)
-
-
-def write_previous(directory: Path) -> Path:
-    path = directory / "ckpt.pt"
-    torch.save(PREVIOUS, path)
-    return path
-
-
-def assert_previous_intact(path: Path) -> None:
-    assert torch.equal(torch.load(path, weights_only=True)["previous"], PREVIOUS["previous"])
-    assert not [name for name in os.listdir(path.parent) if name.endswith(TEMP_SUFFIX)], "temporary file left"
 
 
 @pytest.mark.parametrize("engine", available_engines())
