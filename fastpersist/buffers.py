@@ -15,8 +15,10 @@ SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy
 # after a quarter of a half is staged, not a whole one, and the last one to wait for is a quarter.
 SLICES_PER_HALF = 4
 # Host tensors of at least this size skip the staging copy for the page-aligned middle of their bytes,
-# written straight from their memory (see ``DoubleBuffer``): below it the extra write per tensor
-# costs more than the copy it saves.
+# written straight from their memory (see ``DoubleBuffer``). Below it the extra writes per tensor cost
+# more than the copy saves. Measured on a 2-vCPU VM, 1 GiB saved with aio: 1 MiB tensors in place
+# 0.74 s against 0.62 s staged (0.61 s of CPU against 0.65 s); 4 MiB tensors 0.55 s against 0.57 s
+# (0.17 s of CPU against 0.47 s).
 IN_PLACE_MIN_BYTES = 4 * 2**20
 
 
