@@ -9,8 +9,9 @@ table with ratios to the baseline (torch.save / torch.load, durable with durable
 run). Loads are also compared with a raw O_DIRECT read into memory allocated for it, as a load's
 result must be (``x ceiling (new memory)``): the first ceiling reuses one buffer and never pays for
 faulting in fresh pages. ``CPU s`` is the process's CPU time (every thread, user and system) during
-a row's round, median: what a save or load takes from the training beside it. With ``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned
-device-to-host / host-to-device copy rates are measured as further ceilings.
+a row's round, median: what a save or load takes from the training beside it. With
+``--device cuda`` the state dict lives on the GPU, loads map to it, and the pinned device-to-host /
+host-to-device copy rates are measured as further ceilings.
 
 - ``tensor``: a state dict of ``--num_tensors`` float32 tensors totalling ``--size_mb`` MiB.
 - ``model``: a GPT-style model built in code with random weights, about ``--params`` parameters
