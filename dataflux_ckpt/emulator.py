@@ -4,7 +4,9 @@
         gcs.create_bucket("ckpts")
         trainer = Trainer(plugins=[DatafluxCheckpointIO()], default_root_dir="gs://ckpts/run1")
 
-fake-gcs-server has no XML API multipart uploads, GCS's path for parallel parts; put an
+fake-gcs-server checks generation preconditions on one upload type only; :class:`FakeGcsServer`
+puts a front before it that checks them on every write, as GCS does. fake-gcs-server has no XML API
+multipart uploads, GCS's path for parallel parts; put an
 :class:`dataflux_ckpt.testing.XmlMultipartServer` in front of it to have them:
 
     with FakeGcsServer() as gcs, XmlMultipartServer(gcs) as front, front.activated():
@@ -81,43 +83,47 @@ _Service = TypeVar("_Service", bound="LocalGcsService")
 
 
 class LocalGcsService:
-    """What :class:`FakeGcsServer` and :class:`~dataflux_ckpt.XmlMultipartServer` share: a process on
-    a loopback port that serves the GCS JSON API at :attr:`url`, started and stopped with it.
+    """What :class:`FakeGcsServer` and :class:`~dataflux_ckpt.testing.XmlMultipartServer` share:
+    processes on loopback ports that serve the GCS JSON API at :attr:`url`, started and stopped with it.
 
-    Subclasses set :attr:`host`, :attr:`port`, :attr:`url` and ``_process`` (a ``ManagedProcess``
-    whose readiness check is :meth:`_answers`).
+    Subclasses set :attr:`host`, :attr:`port`, :attr:`url`, :attr:`enforces_preconditions` and
+    ``_processes`` (``ManagedProcess`` es, started in order and stopped in reverse; the last one
+    serves :attr:`url`, and its readiness check is :meth:`_answers`).
     """
 
     host: str
     port: int
     url: str
-    _process: ManagedProcess
+    #: Whether requests to :attr:`url` have their generation preconditions checked, as GCS checks them.
+    enforces_preconditions: bool
+    _processes: list[ManagedProcess]
 
     def _answers(self) -> bool:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
-        try:
-            conn.request("GET", "/storage/v1/b")
-            return conn.getresponse().status == 200
-        finally:
-            conn.close()
+        return _answers(self.host, self.port)
 
     def start(self: _Service) -> _Service:
-        """Start the process and wait until it answers.
+        """Start the processes and wait until each answers.
 
         Raises:
-            ServiceStartError: it did not come up; the message has its log.
+            ServiceStartError: one did not come up; the message has its log.
         """
-        self._process.start()
+        try:
+            for process in self._processes:
+                process.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
-        """Stop the process; what it held in memory is lost. Idempotent."""
-        self._process.stop()
+        """Stop the processes; what they held in memory is lost. Idempotent."""
+        for process in reversed(self._processes):
+            process.stop()
 
     @property
     def pid(self) -> int | None:
-        """The process id while it runs."""
-        return self._process.pid
+        """The id of the process that serves :attr:`url`, while it runs."""
+        return self._processes[-1].pid
 
     def __enter__(self: _Service) -> _Service:
         return self.start()
@@ -144,6 +150,16 @@ class LocalGcsService:
             yield self
 
 
+def _answers(host: str, port: int) -> bool:
+    """Whether the GCS JSON API at ``host:port`` answers a bucket listing."""
+    conn = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        conn.request("GET", "/storage/v1/b")
+        return conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
 def check_bind(host: str, allow_remote: bool, what: str) -> None:
     """Refuse to listen beyond loopback unless the caller opted in.
 
@@ -159,13 +175,24 @@ def check_bind(host: str, allow_remote: bool, what: str) -> None:
 
 
 class FakeGcsServer(LocalGcsService):
-    """fake-gcs-server on loopback over plain HTTP, on a free port.
+    """fake-gcs-server on loopback over plain HTTP, on a free port, behind a front that checks
+    generation preconditions as GCS does.
+
+    fake-gcs-server v1.52.2 checks ``ifGenerationMatch`` on ``uploadType=multipart`` uploads only: two
+    media uploads of one name under ``ifGenerationMatch=0`` both succeed, and compose, delete and
+    resumable uploads ignore it too, so that no compare-and-swap holds (save locks, conditional
+    publishes). Clients therefore reach it through a front (:attr:`url`; a
+    :class:`~dataflux_ckpt.testing.XmlMultipartServer` that passes XML multipart requests on) which
+    checks ``ifGenerationMatch`` on every object write, holding a lock per object from the check until
+    the write is done. ``enforce_preconditions=False`` leaves the front out: :attr:`url` is then
+    fake-gcs-server itself, as fake-gcs-server answers. :attr:`emulator_url` is fake-gcs-server's own
+    address either way.
 
     The default in-memory backend forgets everything on stop; ``root=`` selects the filesystem
     backend under that folder, so a server started again on the same port and root keeps the objects.
     ``binary`` overrides the look-up of :func:`find_fake_gcs_server`. It has no authentication, so
     it listens on loopback only, unless ``allow_remote=True`` accepts that anyone who reaches ``host``
-    may read and change every object.
+    may read and change every object (fake-gcs-server behind the front stays on loopback).
 
     Raises:
         ValueError: a non-loopback ``host`` without ``allow_remote=True``.
@@ -181,28 +208,46 @@ class FakeGcsServer(LocalGcsService):
         root: str | os.PathLike[str] | None = None,
         binary: str | os.PathLike[str] | None = None,
         allow_remote: bool = False,
+        enforce_preconditions: bool = True,
     ) -> None:
         check_bind(host, allow_remote, "fake-gcs-server")
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
+        self.enforces_preconditions = enforce_preconditions
+        emulator_host = "127.0.0.1" if enforce_preconditions and not is_loopback(host) else host
+        emulator_port = free_port(emulator_host) if enforce_preconditions else self.port
+        #: fake-gcs-server's own address, where nothing checks what it ignores.
+        self.emulator_url = f"http://{emulator_host}:{emulator_port}"
         binary = os.fspath(binary) if binary is not None else find_fake_gcs_server()
-        self._process = ManagedProcess(
+        self._processes = [ManagedProcess(
             "fake-gcs-server",
             [
                 binary,
                 "-scheme", "http",
-                "-host", host,
-                "-port", str(self.port),
+                "-host", emulator_host,
+                "-port", str(emulator_port),
                 *(["-backend", "filesystem", "-filesystem-root", os.fspath(root)] if root is not None
                   else ["-backend", "memory"]),
+                # The links it hands out (resumable sessions, media links) lead clients to the front.
                 "-external-url", self.url,
-                "-public-host", f"{host}:{self.port}",
+                "-public-host", f"{emulator_host}:{emulator_port}",
                 "-log-level", "warn",
             ],
-            ready=self._answers,
+            ready=lambda: _answers(emulator_host, emulator_port),
             startup_timeout_s=startup_timeout_s,
-        )
+        )]
+        if enforce_preconditions:
+            from dataflux_ckpt.xml_server import XmlMultipartServer
+
+            front = XmlMultipartServer(self.emulator_url, host, self.port, startup_timeout_s=startup_timeout_s,
+                                       allow_remote=allow_remote, serve_multipart=False, enforce_preconditions=True)
+            self._processes += front._processes
+
+    @property
+    def emulator_pid(self) -> int | None:
+        """fake-gcs-server's process id while it runs (:attr:`pid` is the front's, when there is one)."""
+        return self._processes[0].pid
 
 
 def create_bucket(url: str, name: str) -> None:

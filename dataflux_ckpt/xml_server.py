@@ -30,11 +30,18 @@ A malformed ``Content-Length`` or chunk-size line gets ``400`` and the connectio
 The server has no authentication: it listens on loopback unless started with ``allow_remote``. Redirects of resumable uploads
 (``Location``) are rewritten to point here, so whole sessions pass through this server.
 
-It also enforces the JSON API's ``ifGenerationMatch`` precondition where fake-gcs-server ignores
-it (media uploads, compose, delete, and the last request of a resumable upload): a request whose
-precondition does not hold gets ``412``, as from GCS. Writes to one object are serialized while a
-precondition is checked, so concurrent writers see GCS's compare-and-swap behaviour. A compose onto
-an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
+It also enforces the JSON API's ``ifGenerationMatch`` precondition, which fake-gcs-server v1.52.2
+applies to ``uploadType=multipart`` uploads only and ignores everywhere else: on every object write
+(media, multipart and resumable uploads, compose, copy and rewrite destinations, delete), a request
+whose precondition does not hold gets ``412``, as from GCS (a resumable upload's is checked at its
+last request). Every write to an object, conditional or not, holds that object's lock from the
+check until the write is done, so concurrent writers see GCS's compare-and-swap behaviour. A compose
+onto an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
+
+The same server, with ``serve_multipart=False``, is the front that
+:class:`~dataflux_ckpt.testing.FakeGcsServer` puts before fake-gcs-server: preconditions enforced,
+XML multipart requests passed on. In front of such an upstream, ``enforce_preconditions=False``
+passes JSON API requests on unchecked, since the upstream checks them.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import email.message
 import hashlib
 import http.client
 import json
@@ -259,8 +267,8 @@ class _MultipartState:
         self.min_part_bytes = min_part_bytes
         self.max_part_bytes = max_part_bytes
         self.object_locks = _ObjectLocks()
-        # Resumable sessions opened with a generation precondition: upload_id -> (bucket, name, generation).
-        self.sessions: dict[str, tuple[str, str, int]] = {}
+        # Resumable sessions in progress: upload_id -> (bucket, name, the generation required or None).
+        self.sessions: dict[str, tuple[str, str, int | None]] = {}
         self._uploads: dict[str, _Upload] = {}
         self._lock = threading.Lock()
 
@@ -325,11 +333,13 @@ class _HandlerBase(BaseHTTPRequestHandler):
     # Dispatch ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
         self._body_read = False
+        self._prefetched: bytes | None = None  # a body read before forwarding (to find its object)
         try:
             self._framing()
             split = urlsplit(self.path)
             query = parse_qs(split.query, keep_blank_values=True)
-            multipart = not split.path.startswith(JSON_API_PREFIXES) and ("uploads" in query or "uploadId" in query)
+            multipart = (self.server.serve_multipart and not split.path.startswith(JSON_API_PREFIXES)
+                         and ("uploads" in query or "uploadId" in query))
             if multipart:
                 self._multipart(split.path, query)
             else:
@@ -483,9 +493,10 @@ class _ProxyHandler(_HandlerBase):
     preconditions it ignores checked here."""
 
     def _forward(self) -> None:
-        written = self._written_object()
+        written = self._written_object() if self.server.enforce_preconditions else None
         if written is None:
-            return self._forward_now()
+            self._forward_now()
+            return
         bucket, name, required = written
         compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
         with self._state.object_locks.held(bucket, name):
@@ -495,41 +506,76 @@ class _ProxyHandler(_HandlerBase):
                 return self._precondition_failed(bucket, name, required, current)
             if compose and current:
                 return self._compose_over(bucket, name)
-            self._forward_now()
+            status = self._forward_now()
         session = parse_qs(urlsplit(self.path).query).get("upload_id")
-        if session:
+        if session and 200 <= status < 300:  # the session is over: its object is written
             with self._state._lock:
                 self._state.sessions.pop(session[0], None)
 
     def _written_object(self) -> tuple[str, str, int | None] | None:
         """The object this JSON API request writes or deletes, and the generation it requires.
 
-        fake-gcs-server ignores ``ifGenerationMatch`` on media uploads, compose, delete and
-        resumable uploads; these are checked here, under a lock per object, against what is
-        self._upstream. Every write to an object takes its lock, conditional or not.
+        fake-gcs-server checks ``ifGenerationMatch`` on multipart uploads only; every write is
+        checked here, under a lock per object, against what is upstream. Every write to an object
+        takes its lock, conditional or not, so that a check and the write it guards are one step.
         """
         split = urlsplit(self.path)
         query = parse_qs(split.query)
-        required = query.get("ifGenerationMatch", [None])[0]
+        required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
         segments = [unquote(p) for p in split.path.split("/")]
         method = self.command
         if split.path.startswith("/upload/storage/v1/b/") and len(segments) >= 7:
             bucket = segments[5]
             upload_type = query.get("uploadType", [""])[0]
             if method == "POST" and upload_type == "media" and query.get("name"):
-                return bucket, query["name"][0], _int_or_none(required)
+                return bucket, query["name"][0], required
+            if method == "POST" and upload_type == "multipart":
+                name = query["name"][0] if query.get("name") else self._multipart_name()
+                return (bucket, name, required) if name else None
             if method == "PUT" and query.get("upload_id") and self._finishes_session():
-                session = self._state.sessions.get(query["upload_id"][0])
-                if session is not None:
-                    return session[0], session[1], session[2]
+                with self._state._lock:
+                    return self._state.sessions.get(query["upload_id"][0])
+            if method == "DELETE" and query.get("upload_id"):  # a cancelled session
+                with self._state._lock:
+                    self._state.sessions.pop(query["upload_id"][0], None)
             return None
         if split.path.startswith("/storage/v1/b/") and len(segments) >= 7 and segments[5] == "o":
             bucket, rest = segments[4], segments[6:]
             if method == "POST" and len(rest) >= 2 and rest[-1] == "compose":
-                return bucket, "/".join(rest[:-1]), _int_or_none(required)
+                return bucket, "/".join(rest[:-1]), required
+            if method == "POST":
+                for i in range(1, len(rest) - 4):  # {source}/copyTo|rewriteTo/b/{bucket}/o/{destination}
+                    if rest[i] in ("copyTo", "rewriteTo") and rest[i + 1] == "b" and rest[i + 3] == "o":
+                        return rest[i + 2], "/".join(rest[i + 4:]), required
             if method == "DELETE":
-                return bucket, "/".join(rest), _int_or_none(required)
+                return bucket, "/".join(rest), required
         return None
+
+    def _multipart_name(self) -> str | None:
+        """The object name in a multipart upload's metadata part; the body is read (and kept for
+        forwarding) to find it."""
+        self._prefetched = bytes(self._read_body(self._state.max_part_bytes))
+        message = email.message.Message()
+        message["Content-Type"] = self.headers.get("Content-Type", "")
+        boundary = message.get_param("boundary")
+        if not isinstance(boundary, str) or not boundary:
+            return None
+        delimiter = b"--" + boundary.encode()
+        body = self._prefetched
+        start = body.find(delimiter)
+        end = body.find(delimiter, start + len(delimiter)) if start >= 0 else -1
+        if end < 0:
+            return None
+        part = body[start + len(delimiter) : end]
+        for separator in (b"\r\n\r\n", b"\n\n"):
+            if separator in part:
+                part = part.split(separator, 1)[1]
+                break
+        try:
+            name = json.loads(part).get("name")
+        except (ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) and name else None
 
     def _compose_over(self, bucket: str, name: str) -> None:
         """Compose onto an existing object with a new generation, as GCS does.
@@ -563,16 +609,21 @@ class _ProxyHandler(_HandlerBase):
                                                f"required {required})"}]}}).encode()
         self._send(412, body, {"Content-Type": "application/json; charset=UTF-8"})
 
-    def _forward_now(self) -> None:
+    def _forward_now(self) -> int:
+        """Forward the request, its body streamed (or sent from what was read already), and relay
+        the answer; its status."""
         headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
-        length = self._length()
-        if self._chunked():
+        prefetched = self._prefetched
+        length = len(prefetched) if prefetched is not None else self._length()
+        if prefetched is None and self._chunked():
             headers["Transfer-Encoding"] = "chunked"  # relayed block by block, as it arrives
         elif length is None and self.command in ("POST", "PUT", "PATCH"):
             length = 0
         conn = self._upstream.start(self.command, self.path, headers, length)
         try:
-            if self._chunked():
+            if prefetched is not None:
+                conn.send(prefetched)
+            elif self._chunked():
                 for block in self._chunks():
                     conn.send(b"%x\r\n" % len(block))
                     conn.send(block)
@@ -588,6 +639,7 @@ class _ProxyHandler(_HandlerBase):
             raise
         if response.will_close:
             self._upstream.discard()
+        return response.status
 
     def _pump_request(self, conn: http.client.HTTPConnection, length: int) -> None:
         block = bytearray(min(length, BLOCK_BYTES))
@@ -600,12 +652,17 @@ class _ProxyHandler(_HandlerBase):
             remaining -= n
 
     def _remember_session(self, location: str) -> None:
-        """Keep the generation precondition of a resumable upload for its last request."""
-        query = parse_qs(urlsplit(self.path).query)
+        """Keep the object and the generation precondition of a resumable upload this request
+        started, for its last request (which writes the object)."""
+        split = urlsplit(self.path)
+        query = parse_qs(split.query)
+        if (not self.server.enforce_preconditions or self.command != "POST"
+                or query.get("uploadType", [""])[0] != "resumable" or not split.path.startswith("/upload/")):
+            return
         required = _int_or_none(query.get("ifGenerationMatch", [None])[0])
         session = parse_qs(urlsplit(location).query)
-        if required is not None and session.get("upload_id") and session.get("name"):
-            bucket = unquote(urlsplit(self.path).path.split("/")[5])
+        if session.get("upload_id") and session.get("name"):
+            bucket = unquote(split.path.split("/")[5])
             with self._state._lock:
                 self._state.sessions[session["upload_id"][0]] = (bucket, session["name"][0], required)
 
@@ -617,9 +674,11 @@ class _ProxyHandler(_HandlerBase):
             lowered = name.lower()
             if lowered in HOP_HEADERS or lowered == "date":
                 continue
-            if lowered == "location" and value.startswith(self._upstream.url):
-                value = self.server.public_url + value[len(self._upstream.url):]
-                self._remember_session(value)
+            if lowered in ("location", "x-goog-upload-url"):
+                if value.startswith(self._upstream.url):
+                    value = self.server.public_url + value[len(self._upstream.url):]
+                if lowered == "location":
+                    self._remember_session(value)
             self.send_header(name, value)
         no_body = self.command == "HEAD" or response.status in (204, 304) or 100 <= response.status < 200
         if no_body:
@@ -862,10 +921,13 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], state: _MultipartState, public_url: str | None) -> None:
+    def __init__(self, address: tuple[str, int], state: _MultipartState, public_url: str | None, *,
+                 serve_multipart: bool, enforce_preconditions: bool) -> None:
         super().__init__(address, _Handler)
         self.state = state
         self.public_url = (public_url or f"http://{address[0]}:{self.server_address[1]}").rstrip("/")
+        self.serve_multipart = serve_multipart
+        self.enforce_preconditions = enforce_preconditions
 
 
 def serve(
@@ -878,6 +940,8 @@ def serve(
     public_url: str | None = None,
     allow_remote: bool = False,
     max_part_bytes: int = GCS_MAX_PART_BYTES,
+    serve_multipart: bool = True,
+    enforce_preconditions: bool = True,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -894,6 +958,9 @@ def serve(
             (a proxy in front of it); resumable-upload session locations point there.
         allow_remote: listen on a non-loopback ``host``; the server has no authentication, so anyone
             who reaches it may read and change every object upstream.
+        serve_multipart: serve XML multipart uploads; ``False`` passes them on to ``upstream``.
+        enforce_preconditions: check generation preconditions on every object write; ``False``
+            passes JSON API requests on unchecked, for an upstream that checks them itself.
 
     Raises:
         ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL, or ``host`` is not
@@ -906,7 +973,8 @@ def serve(
     if not 0 < max_part_bytes <= GCS_MAX_PART_BYTES:
         raise ValueError(f"max_part_bytes must be in 1..{GCS_MAX_PART_BYTES}, not {max_part_bytes!r}")
     state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes, max_part_bytes)
-    return _Server((host, port), state, public_url)
+    return _Server((host, port), state, public_url, serve_multipart=serve_multipart,
+                   enforce_preconditions=enforce_preconditions)
 
 
 class XmlMultipartServer(LocalGcsService):
@@ -916,7 +984,7 @@ class XmlMultipartServer(LocalGcsService):
     The process is stopped by :meth:`stop`, at interpreter exit, or with its parent.
 
     Args:
-        upstream: a running :class:`~dataflux_ckpt.FakeGcsServer`, or its base URL.
+        upstream: a running :class:`~dataflux_ckpt.testing.FakeGcsServer`, or a base URL.
         host: address to listen on; loopback unless ``allow_remote``.
         port: port to listen on; a free one by default.
         min_part_bytes: the smallest part (other than the last) a completion accepts. GCS's 5 MiB by
@@ -927,6 +995,10 @@ class XmlMultipartServer(LocalGcsService):
         startup_timeout_s: how long :meth:`start` waits for the server to answer.
         allow_remote: listen on a non-loopback ``host`` (there is no authentication).
         max_part_bytes: the largest part accepted, which caps one request's memory; GCS's 5 GiB.
+        serve_multipart: serve XML multipart uploads (``False``: pass them on to ``upstream``).
+        enforce_preconditions: check generation preconditions here. By default they are checked
+            unless ``upstream`` is a :class:`~dataflux_ckpt.testing.FakeGcsServer` that checks them
+            (a URL is taken for a bare fake-gcs-server, and checked here).
 
     Raises:
         ValueError: a non-loopback ``host`` without ``allow_remote=True``.
@@ -945,28 +1017,35 @@ class XmlMultipartServer(LocalGcsService):
         startup_timeout_s: float = 30.0,
         allow_remote: bool = False,
         max_part_bytes: int = GCS_MAX_PART_BYTES,
+        serve_multipart: bool = True,
+        enforce_preconditions: bool | None = None,
     ) -> None:
         check_bind(host, allow_remote, "the XML multipart server")
         self.upstream = upstream if isinstance(upstream, str) else upstream.url
         if not self.upstream.startswith("http://"):
             raise ValueError(f"upstream must be an http:// URL, not {self.upstream!r}")
+        checked_upstream = bool(getattr(upstream, "enforces_preconditions", False))
+        if enforce_preconditions is None:
+            enforce_preconditions = not checked_upstream
+        self.enforces_preconditions = enforce_preconditions or checked_upstream
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         package_root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        self._process = ManagedProcess(
-            "xml-multipart-server",
+        self._processes = [ManagedProcess(
+            "xml-multipart-server" if serve_multipart else "fake-gcs-server-front",
             [sys.executable, "-m", "dataflux_ckpt.xml_server", "--upstream", self.upstream, "--host", host,
              "--port", str(self.port), "--min-part-bytes", str(min_part_bytes),
              "--max-part-bytes", str(max_part_bytes),
              "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else []),
-             *(["--allow-remote"] if allow_remote else [])],
+             *(["--allow-remote"] if allow_remote else []), *([] if serve_multipart else ["--no-multipart"]),
+             *([] if enforce_preconditions else ["--no-preconditions"])],
             ready=self._answers,
             env=env,
             startup_timeout_s=startup_timeout_s,
-        )
+        )]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -986,6 +1065,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--allow-remote", action="store_true",
                         help="listen on a non-loopback --host; the server has no authentication, so anyone who "
                              "reaches it may read and change every object (default: refused)")
+    parser.add_argument("--no-multipart", dest="serve_multipart", action="store_false",
+                        help="pass XML multipart requests on to the upstream instead of serving them")
+    parser.add_argument("--no-preconditions", dest="enforce_preconditions", action="store_false",
+                        help="pass JSON API writes on without checking their generation preconditions, for an "
+                             "upstream that checks them (a FakeGcsServer's front); fake-gcs-server itself does not")
     args = parser.parse_args(argv)
     if not args.allow_remote and not is_loopback(args.host):
         parser.error(f"refusing to listen on {args.host!r} without --allow-remote: the server has no "
@@ -993,8 +1077,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
                    upstream_timeout_s=args.upstream_timeout, public_url=args.public_url,
-                   allow_remote=args.allow_remote, max_part_bytes=args.max_part_bytes)
-    print(f"serving XML multipart uploads on http://{args.host}:{server.server_address[1]} "
+                   allow_remote=args.allow_remote, max_part_bytes=args.max_part_bytes,
+                   serve_multipart=args.serve_multipart, enforce_preconditions=args.enforce_preconditions)
+    served = [what for what, on in (("XML multipart uploads", args.serve_multipart),
+                                    ("generation preconditions", args.enforce_preconditions)) if on]
+    print(f"serving {' and '.join(served) or 'the JSON API'} on http://{args.host}:{server.server_address[1]} "
           f"in front of {args.upstream}", flush=True)
     try:
         server.serve_forever()

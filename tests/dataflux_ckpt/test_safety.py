@@ -36,9 +36,9 @@ UPLOAD_PATHS = {
     "xml": {"upload_mode": "xml"},
     "stream": {"use_transfer_manager": False},
 }
-# fake-gcs-server ignores generation preconditions on these requests; the XML multipart server
-# enforces them, as GCS does. XML multipart completions take none anywhere.
-PRECONDITIONS_ENFORCED = {"xml-server": {"single", "composite", "stream"}, "emulator": set()}
+# The upload paths whose publish carries a generation precondition (the local stack checks them as GCS
+# does); XML multipart completions take none, on GCS as here.
+PRECONDITIONS_ENFORCED = {"single", "composite", "stream"}
 
 
 def _state(tag: int) -> dict:
@@ -104,7 +104,7 @@ def test_a_writer_overtaken_by_another_publishes_nothing_where_gcs_has_precondit
     stream = slow.writer(path)  # found generation 1 of ``path``
     torch.save(_state(1), stream)
     fast.save_checkpoint(_state(2), path)  # generation 2 appears meanwhile
-    if upload_path in PRECONDITIONS_ENFORCED[server]:
+    if upload_path in PRECONDITIONS_ENFORCED:
         with pytest.raises(ConcurrentWriteError, match=path):
             stream.close()
         assert fast.load_checkpoint(path)["tag"] == 2
@@ -160,12 +160,12 @@ SLACK_S = 3.0
 
 @contextmanager
 def _stopped(server: FakeGcsServer) -> Iterator[None]:
-    os.kill(server.pid, signal.SIGSTOP)
+    os.kill(server.emulator_pid, signal.SIGSTOP)
     try:
-        _wait_for(lambda: _all_threads_stopped(server.pid))
+        _wait_for(lambda: _all_threads_stopped(server.emulator_pid))
         yield
     finally:
-        os.kill(server.pid, signal.SIGCONT)
+        os.kill(server.emulator_pid, signal.SIGCONT)
 
 
 def _all_threads_stopped(pid: int) -> bool:
@@ -347,7 +347,8 @@ def test_parts_of_a_killed_writer_are_removed_by_the_next_save_but_not_a_live_wr
     remaining = _part_uploads(url, gcs_bucket, key)
     assert dead_upload not in remaining
     assert len(remaining) == 1  # the live writer's parts are untouched
-    live.close()  # and it publishes
+    with pytest.raises(ConcurrentWriteError, match=key):  # overtaken by the save: it publishes nothing
+        live.close()
     live_plugin.teardown()
     assert object_names(url, gcs_bucket, "crash/") == [key]
 
