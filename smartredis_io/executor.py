@@ -10,10 +10,10 @@ batches them. docs/smartredis.md describes the protocol.
 
 Safety, per request:
 
-- **Deadline.** A watchdog thread ends the process (exit status ``smartredis_io.worker.EXIT_DEADLINE``) when a run
-  outlives its request's deadline: TorchScript and ATen release the GIL while they compute, so the
-  watchdog runs even inside a ``while True`` loop of a stored script, and per request it costs two
-  attribute writes. The module has already answered the caller; the supervisor that started the
+- **Deadline.** A watchdog thread ends the process (exit status
+  ``smartredis_io.worker_protocol.EXIT_DEADLINE``) when a run outlives its request's deadline:
+  TorchScript and ATen release the GIL while they compute, so the watchdog runs even inside a
+  ``while True`` loop of a stored script, and per request it costs two attribute writes. The module has already answered the caller; the supervisor that started the
   worker starts a new one.
 - **Signals.** SIGTERM / SIGINT while idle stop the worker at once; while busy the request is
   finished first and a second signal stops it anyway, even inside a long C++ call (the signal is
@@ -58,7 +58,7 @@ from smartredis_io import (
 from smartredis_io.connection import Command, ConnectionSettings, Database, parse_address, plain_client
 from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
 from smartredis_io.protocol import Manifest, Request
-from smartredis_io.worker import EXIT_DEADLINE, EXIT_STOPPED
+from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED
 
 log = logging.getLogger("smartredis_io.worker")
 
@@ -230,10 +230,19 @@ class _Node:
         self._client.close()
 
 
-def _endpoints(db: Database) -> list[tuple[str, int] | str]:
-    if db.cluster:
+def _endpoints(db: Database, own_server: bool = False) -> list[tuple[str, int] | str]:
+    """The servers the worker takes requests from: every primary of a cluster, or with ``own_server``
+    only the one at the database's (first) address, named as the cluster names it."""
+    if not db.cluster:
+        return parse_address(db.settings.address)[:1]
+    if not own_server:
         return [(node.host, node.port) for node in db.redis.get_primaries()]
-    return parse_address(db.settings.address)[:1]
+    first = parse_address(db.settings.address)[0]
+    with plain_client(first, db.settings, db.settings.command_timeout_s) as client:
+        nodes = client.execute_command("CLUSTER NODES")
+    (myself,) = [address for address, node in nodes.items() if "myself" in node["flags"].split(",")]
+    host, _, port = myself.rpartition(":")
+    return [(host, int(port))]
 
 
 class _Heartbeat:
@@ -300,7 +309,10 @@ class _Job:
 class Worker:
     """One execution worker on one database (standalone or cluster)."""
 
-    def __init__(self, settings: ConnectionSettings, device: str = "cpu", name: str = "") -> None:
+    def __init__(self, settings: ConnectionSettings, device: str = "cpu", name: str = "", *,
+                 own_server: bool = False) -> None:
+        """``own_server``: in a cluster, take requests only from the server at ``settings.address``
+        (a Redis module's own workers serve their shard); inputs and outputs may live on any shard."""
         _take_readonly_warning()
         isolate_runs()
         settings = settings.with_(encoding_errors="surrogateescape")  # keys come back as they were received
@@ -312,7 +324,7 @@ class Worker:
         self._devices: dict[str, torch.device] = {}  # key -> device its model or script runs on
         self._manifests: dict[str, tuple[bytes, Manifest]] = {}  # key -> (raw manifest, parsed)
         self._takes_lists: dict[tuple[str, str, str], bool] = {}  # (key, version, fn) -> AI.SCRIPTEXECUTE's signature
-        endpoints = _endpoints(self.db)
+        endpoints = _endpoints(self.db, own_server)
         self._nodes = [_Node(e, settings) for e in endpoints]
         self._by_endpoint = {node.endpoint: node for node in self._nodes}
         self._heartbeat = _Heartbeat(settings, endpoints, self.name)
@@ -665,7 +677,7 @@ class Worker:
 
     def _local(self, key: str, node: _Node) -> bool:
         """Whether ``key`` lives on ``node`` (always, on a single server)."""
-        return len(self._nodes) == 1 or _redispy.endpoint_of(self.db.redis, key) == node.endpoint
+        return not self.db.cluster or _redispy.endpoint_of(self.db.redis, key) == node.endpoint
 
     # ---- batching ------------------------------------------------------------------------------
 

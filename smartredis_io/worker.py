@@ -2,12 +2,20 @@
 
 ``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N] [--user NAME | --allow-root]``
 
+The smartredis_io Redis module starts this command by itself (one per server, ``WORKERS`` module
+argument), with ``--secret-stdin``: the first line of its standard input is the secret the workers
+show the module (``SRIO.HELLO``), and the end of its standard input means the server is gone (the
+module holds the pipe's other end for its whole life, so even a SIGKILL of redis-server closes it):
+the workers then get SIGTERM, and SIGKILL ``STOP_GRACE_S`` later. Started by hand (separate pools,
+other machines), it takes the secret from ``--secret-file`` or ``$SRIO_WORKER_SECRET``.
+
 Credentials, TLS and deadlines come from the environment as for a SmartRedis client (``SR_USERNAME``,
 ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CMD_TIMEOUT``), or from a ``redis://user:password@`` address.
 The database must have the smartredis_io Redis module loaded (our launchers load it).
 
 The command is a supervisor: it runs no model and imports no torch, and starts ``--workers`` worker
-processes (:mod:`smartredis_io.executor`), each serving every server of the database. A worker that
+processes (:mod:`smartredis_io.executor`), each serving every server of the database (a module's
+own workers: the server that started them, in a cluster its shard). A worker that
 exits while the supervisor is not stopping (killed, crashed, or stopped by its deadline watchdog
 because a run outlived its deadline) is started again at once, then after pauses that grow to
 ``RESTART_BACKOFF_MAX_S`` while workers keep dying young. Each SIGTERM / SIGINT the supervisor gets
@@ -22,11 +30,13 @@ A worker started as root refuses to run unless it drops to ``--user`` once conne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pwd
+import select
 import signal
 import socket
 import sys
@@ -34,15 +44,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import redis
+
 from lightning_storage_plugins.services import die_with_parent
-from smartredis_io.connection import ConnectionSettings, detect_cluster
+from smartredis_io.connection import ConnectionSettings, detect_cluster, parse_address, plain_client
+from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
 
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_MAX_S = 10.0  # longest pause before starting a worker again
 HEALTHY_AFTER_S = 30.0  # a worker that ran this long resets the pause
-EXIT_DEADLINE = 3  # a worker's exit status when a run outlived its deadline
-EXIT_STOPPED = 4  # a worker's exit status after a second SIGTERM / SIGINT during a run
+STOP_GRACE_S = 2.0  # once the server is gone: SIGTERM to the workers, SIGKILL this much later
+SECRET_WAIT_S = 30.0  # how long --secret-stdin waits for the secret's line
+CLUSTER_POLL_S = 0.2  # how often a worker started before its cluster formed asks again
 
 
 def drop_privileges(user: str) -> None:
@@ -68,7 +82,32 @@ def _configure_logging() -> None:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
 
 
-def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, user: str | None) -> None:
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    """What every worker process of a supervisor is started with.
+
+    Args:
+        settings: how to reach the database (its first address is the server a worker with
+            ``own_server`` takes requests from).
+        device: ``cpu``, ``cuda:N``, or ``cuda`` (worker i on GPU i modulo the GPU count).
+        threads: torch intra-op threads per worker.
+        interop_threads: torch inter-op threads per worker (None: torch's default).
+        user: the user a worker started as root becomes once connected.
+        secret: what the workers show the Redis module (``SRIO.HELLO``); None for a module without one.
+        own_server: in a cluster, take requests only from the server at the address (a module's own
+            workers serve their shard), instead of from every primary.
+    """
+
+    settings: ConnectionSettings
+    device: str = "cpu"
+    threads: int = 1
+    interop_threads: int | None = None
+    user: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    own_server: bool = False
+
+
+def _serve(options: WorkerOptions, device: str, name: str) -> None:
     """A worker process: connect, drop privileges if asked, serve until stopped; the process then ends."""
     os.setpgid(0, 0)  # signals to the supervisor's group reach this worker once, through the supervisor
     die_with_parent()
@@ -85,18 +124,26 @@ def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, u
     signal.signal(signal.SIGTERM, stop_early)
     signal.signal(signal.SIGINT, stop_early)
     code = 1
+    settings, user = options.settings, options.user
+    if options.secret is not None:
+        os.environ[SECRET_ENV] = options.secret  # where the connection handshake finds it
     try:
         import torch
 
         from smartredis_io import executor
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(options.threads)
+        if options.interop_threads:
+            torch.set_num_interop_threads(options.interop_threads)
         dropping = bool(user) and os.geteuid() == 0
         if dropping and settings.tls_ca_cert:
             # Connections made after the drop must not need files only root can read.
             with open(settings.tls_ca_cert) as ca:
                 settings = settings.with_(tls_ca_data=ca.read(), tls_ca_cert=None)
-        worker = early["worker"] = executor.Worker(settings, device, name)
+        if settings.cluster and not _wait_for_cluster(settings, early):
+            code = 0
+            return
+        worker = early["worker"] = executor.Worker(settings, device, name, own_server=options.own_server)
         if early["stop"]:
             worker.request_stop()
         if dropping:
@@ -108,6 +155,29 @@ def _serve(settings: ConnectionSettings, device: str, name: str, threads: int, u
         log.exception("worker %s failed", name)
     finally:
         _exit(code)
+
+
+def _wait_for_cluster(settings: ConnectionSettings, early: dict[str, Any]) -> bool:
+    """Wait until the cluster node at the address serves every slot (a module starts its workers when
+    the server starts, before ``redis-cli --cluster create`` joins the nodes); False if stopped first."""
+    endpoint = parse_address(settings.address)[0]
+    waiting_since = None
+    while not early["stop"]:
+        client = plain_client(endpoint, settings, settings.command_timeout_s)
+        try:
+            if client.cluster("info").get("cluster_state") == "ok":
+                if waiting_since is not None:
+                    log.info("the cluster formed after %.1f s", time.monotonic() - waiting_since)
+                return True
+        except redis.exceptions.ConnectionError:
+            pass  # not answering yet: the worker's own connection gives the error, after its own wait
+        finally:
+            client.close()
+        if waiting_since is None:
+            waiting_since = time.monotonic()
+            log.info("waiting for the cluster at %s to serve every slot (cluster_state:ok)", settings.address)
+        time.sleep(CLUSTER_POLL_S)
+    return False
 
 
 def _exit(code: int) -> None:
@@ -135,34 +205,35 @@ def worker_device(device: str, index: int, gpus: int | None = None) -> str:
 
 
 class _Supervisor:
-    """Starts the worker processes, starts again those that exit, and passes stop signals on."""
+    """Starts the worker processes, starts again those that exit, and passes stop signals on.
 
-    def __init__(self, settings: ConnectionSettings, base: str, count: int, device: str, threads: int,
-                 user: str | None) -> None:
-        self._settings = settings
+    ``lifeline``: a file descriptor whose end (EOF) means the server is gone: the workers are then
+    stopped, by SIGKILL after ``STOP_GRACE_S`` if SIGTERM has not stopped them.
+    """
+
+    def __init__(self, options: WorkerOptions, base: str, count: int, lifeline: int | None = None) -> None:
+        self._options = options
         self._base = base
-        self._device = device
-        self._threads = threads
-        self._user = user
+        self._lifeline = lifeline
         self._context = multiprocessing.get_context("spawn")
         self._slots: list[dict[str, Any]] = [
             {"process": None, "started": 0.0, "pause": 0.0, "due": 0.0, "generation": 0} for _ in range(count)
         ]
         self._stopping = False
+        self._kill_at: float | None = None  # when workers still running after the server left get SIGKILL
 
     def _start(self, index: int) -> None:
         slot = self._slots[index]
         name = f"{self._base}.{index}" + (f"-{slot['generation']}" if slot["generation"] else "")
         slot["generation"] += 1
         process = self._context.Process(
-            target=_serve, args=(self._settings, worker_device(self._device, index), name, self._threads, self._user),
+            target=_serve, args=(self._options, worker_device(self._options.device, index), name),
             name=name, daemon=True,
         )
         process.start()
         slot.update(process=process, started=time.monotonic())
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self._stopping = True
+    def _signal_workers(self, signum: int) -> None:
         for slot in self._slots:
             process = slot["process"]
             if process is not None and process.pid and process.exitcode is None:
@@ -170,6 +241,26 @@ class _Supervisor:
                     os.kill(process.pid, signum)
                 except ProcessLookupError:
                     pass
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
+        self._signal_workers(signum)
+
+    def _server_gone(self) -> None:
+        log.warning("the server that started these workers is gone (its pipe closed): stopping %d worker(s)",
+                    sum(slot["process"] is not None for slot in self._slots))
+        self._lifeline = None
+        self._stopping = True
+        self._kill_at = time.monotonic() + STOP_GRACE_S
+        self._signal_workers(signal.SIGTERM)
+
+    def _timeout(self) -> float | None:
+        """How long to wait for a worker's exit or the lifeline before something is due."""
+        now = time.monotonic()
+        due = [] if self._stopping else [slot["due"] for slot in self._slots if slot["process"] is None]
+        if self._kill_at is not None:
+            due.append(self._kill_at)
+        return max(min(due) - now, 0.0) if due else None
 
     def run(self) -> int:
         """Supervise until stopped and every worker has exited; the exit status."""
@@ -181,10 +272,15 @@ class _Supervisor:
             running = [slot["process"] for slot in self._slots if slot["process"] is not None]
             if self._stopping and not running:
                 return 0
-            now = time.monotonic()
-            waiting = [slot["due"] for slot in self._slots if slot["process"] is None]
-            timeout = max(min(waiting) - now, 0.0) if waiting and not self._stopping else None
-            multiprocessing.connection.wait([p.sentinel for p in running], timeout)
+            watched: list[Any] = [p.sentinel for p in running]
+            if self._lifeline is not None:
+                watched.append(self._lifeline)
+            ready = multiprocessing.connection.wait(watched, self._timeout())
+            if self._lifeline is not None and self._lifeline in ready and not os.read(self._lifeline, 4096):
+                self._server_gone()
+            if self._kill_at is not None and time.monotonic() >= self._kill_at:
+                self._kill_at = None
+                self._signal_workers(signal.SIGKILL)
             for index, slot in enumerate(self._slots):
                 process = slot["process"]
                 if process is not None and process.exitcode is not None:
@@ -208,35 +304,87 @@ class _Supervisor:
         log.warning("worker %d exited (%s); starting a new one in %.1f s", index, why, slot["pause"])
 
 
+def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> str:
+    """The first line of ``fd`` (the module writes the secret and a newline at once), stripped."""
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    while b"\n" not in data:
+        if not select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+            raise SystemExit(f"--secret-stdin: no secret on standard input within {timeout_s:g} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.partition(b"\n")[0].decode().strip()
+
+
+def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The secret the workers show the module: from standard input, a file, or the environment."""
+    if args.secret_stdin:
+        secret = _read_secret_line(sys.stdin.fileno())
+        origin = "standard input's first line"
+    elif args.secret_file:
+        try:
+            with open(args.secret_file) as f:
+                secret = f.readline().strip()
+        except OSError as exc:
+            parser.error(f"--secret-file {args.secret_file}: {exc.strerror}")
+        origin = f"--secret-file {args.secret_file}"
+    else:
+        return os.environ.get(SECRET_ENV) or None
+    if not secret:
+        parser.error(f"the worker secret is empty ({origin})")
+    return secret
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``python -m smartredis_io.worker`` command line; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m smartredis_io.worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--address", default=os.environ.get("SSDB"), help="host:port[,host:port...] (default $SSDB)")
+    parser.add_argument("--address", default=os.environ.get("SSDB"),
+                        help="host:port[,host:port...] or unix:///path (default $SSDB)")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda:N, or cuda (worker i on GPU i modulo the GPU count): where models set for "
                              "device GPU run; a model set for GPU:N runs on GPU N, one set for CPU on the CPU")
     parser.add_argument("--workers", type=int, default=1, help="worker processes sharing the requests")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    parser.add_argument("--interop-threads", type=int, default=None,
+                        help="torch inter-op threads per worker (default: torch's)")
     parser.add_argument("--name", default="", help="worker name prefix (default host:pid)")
     parser.add_argument("--user", default=None,
                         help="run models as this user: started as root, the worker connects, then drops to it")
     parser.add_argument("--allow-root", action="store_true",
                         help="run models as root (refused without this flag or --user when started as root)")
+    secret = parser.add_mutually_exclusive_group()
+    secret.add_argument("--secret-file", default=None,
+                        help=f"the module's worker secret is this file's first line (default ${SECRET_ENV})")
+    secret.add_argument("--secret-stdin", action="store_true",
+                        help="the secret is standard input's first line, and the end of standard input means the "
+                             "server is gone: the workers are stopped. How the Redis module starts its workers: "
+                             "in a cluster, they take requests from that server only")
     args = parser.parse_args(argv)
     if not args.address:
         parser.error("--address or $SSDB is required")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.threads < 1 or (args.interop_threads is not None and args.interop_threads < 1):
+        parser.error("--threads and --interop-threads must be at least 1")
     if os.geteuid() == 0 and not args.user and not args.allow_root:
         parser.error("refusing to run stored models as root: pass --user NAME (e.g. --user nobody) to drop to "
                      "an unprivileged user, or --allow-root if the database's writers are trusted with root")
     if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
         parser.error(f"--user {args.user}: only a worker started as root can change its user")
+    options_secret = _secret(args, parser)
     _configure_logging()
-    settings = ConnectionSettings.from_options(address=args.address, cluster=False)
+    address = args.address
+    if address.startswith("unix:") and not address.startswith("unix://"):
+        address = "unix://" + address[len("unix:"):]  # unix:/path, as servers print it
+    settings = ConnectionSettings.from_options(address=address, cluster=False)
     settings = settings.with_(cluster=detect_cluster(settings))
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
-    return _Supervisor(settings, base, args.workers, args.device, args.threads, args.user).run()
+    options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
+                            own_server=args.secret_stdin)
+    lifeline = sys.stdin.fileno() if args.secret_stdin else None
+    return _Supervisor(options, base, args.workers, lifeline).run()
 
 
 if __name__ == "__main__":
