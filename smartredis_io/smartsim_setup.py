@@ -15,7 +15,9 @@ file. This command writes, in DIR::
                        a marker file: the module's workers run torch models (TorchScript and
                        torch.export); TensorFlow and ONNX have none, and SmartSim skips or refuses them
 
-then prints how to point SmartSim at it::
+and the empty ``_core/bin`` directory of the installed SmartSim package where it is missing (SmartSim
+0.8 lists it for every launch's manifest whatever ``$SMARTSIM_DEP_INSTALL_PATH`` says), then prints
+how to point SmartSim at it::
 
     python -m smartredis_io.smartsim_setup ~/smartsim-deps [--worker-user nobody]
     export SMARTSIM_DEP_INSTALL_PATH=~/smartsim-deps
@@ -28,6 +30,8 @@ without one.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import logging
 import os
 import shlex
 import sys
@@ -37,6 +41,8 @@ from pathlib import Path
 from smartredis_io.redis_module import RedisModuleNotFoundError, module_path
 
 __all__ = ["DEP_PATH_ENV", "SmartSimLayout", "lay_out"]
+
+log = logging.getLogger(__name__)
 
 #: the variable SmartSim reads to find its database binaries and RedisAI
 DEP_PATH_ENV = "SMARTSIM_DEP_INSTALL_PATH"
@@ -132,7 +138,26 @@ def lay_out(directory: str | os.PathLike[str], *, python: str | None = None, red
     _replace(layout.redis_cli, lambda path: path.symlink_to(redis_cli))
     _replace(layout.redisai, lambda path: path.symlink_to(module))
     _replace(layout.torch_backend, lambda path: path.write_text(MARKER_TEXT))
+    _make_smartsim_bin_dir()
     return layout
+
+
+def _make_smartsim_bin_dir() -> None:
+    """Create the (empty) ``_core/bin`` directory of the installed SmartSim package, if missing.
+
+    SmartSim 0.8 lists that directory, whatever ``$SMARTSIM_DEP_INSTALL_PATH`` says, to name the
+    database type in each launch's manifest, and fails every ``Experiment.start`` of a database
+    when it does not exist (``smart build`` creates it).
+    """
+    spec = importlib.util.find_spec("smartsim")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    bin_dir = Path(spec.submodule_search_locations[0], "_core", "bin")
+    try:
+        bin_dir.mkdir(exist_ok=True)
+    except OSError as exc:
+        log.warning("SmartSim's %s does not exist and cannot be made (%s): starting a database will fail "
+                    "until it exists", bin_dir, exc.strerror)
 
 
 def main(argv: list[str] | None = None) -> int:
