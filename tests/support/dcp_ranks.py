@@ -232,54 +232,6 @@ def stalling_planner(marker: str, after_items: int) -> Any:
     return Stalling()
 
 
-# Racing saves -------------------------------------------------------------------------------------
-def race_seed(job: int, round_: int) -> int:
-    """The seed of the state job ``job`` saves in round ``round_`` (distinct for every job and round)."""
-    return 1000 * (round_ + 1) + job
-
-
-def _failure_kinds(err: BaseException) -> list[str]:
-    """The class names of what made a save fail (each rank's, from a CheckpointException), each with
-    its bases, so that the parent can tell a ``ConcurrentWriteError`` from anything else."""
-    failures = getattr(err, "failures", None)
-    inner = [value[0] if isinstance(value, tuple) else value for value in failures.values()] if failures else [err]
-    return sorted({"/".join(cls.__name__ for cls in type(exc).__mro__) for exc in inner})
-
-
-def race(step: dict[str, Any], rank: int, mesh: Any) -> dict[str, Any]:
-    """Save to one path in every round, released together with another job by the parent: each round
-    announces ``ready-<round>-<job>-<rank>``, blocks on the round's gate file (the parent holds an
-    exclusive ``flock`` on it and lets go once every rank of both jobs is ready), saves, and reports
-    ``done-<round>-<job>-<rank>`` with the outcome."""
-    import fcntl
-
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    folder, job = Path(step["dir"]), step["job"]
-    outcomes = []
-    for round_ in range(step["rounds"]):
-        state = sharded_state(full_state(race_seed(job, round_)), mesh)
-        writer = storage(step, reader=False)
-        gate = os.open(folder / f"gate-{round_}", os.O_RDONLY)
-        (folder / f"ready-{round_}-{job}-{rank}").touch()
-        fcntl.flock(gate, fcntl.LOCK_SH)  # returns when the parent releases both jobs
-        os.close(gate)
-        try:
-            dcp.save(state, storage_writer=writer)
-            outcome: dict[str, Any] = {"ok": True}
-        except (Exception, dcp.CheckpointException) as err:
-            lines = [line for line in str(err).splitlines() if line.strip()]
-            outcome = {"ok": False, "errors": _failure_kinds(err), "text": lines[-1][-300:] if lines else ""}
-            writer.abort()
-        dist.barrier()
-        outcomes.append(outcome)
-        done = folder / f"done-{round_}-{job}-{rank}"
-        done.with_suffix(".tmp").write_text(json.dumps(outcome))
-        done.with_suffix(".tmp").rename(done)
-    return {"rounds": outcomes}
-
-
 def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if spec["steps"] and spec["steps"][0]["op"] == "deepspeed":
         from tests.support.dcp_deepspeed import run_zero
@@ -320,8 +272,6 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             state = sharded_state(full, mesh, zeros=True)
             dcp.load(state, storage_reader=storage(step, reader=True))
             outcome["mismatches"] = mismatches(state, full)
-        elif op == "race":
-            outcome = race(step, rank, mesh)
         elif op == "save_killed":
             # The victim stalls mid-write and is SIGKILLed by the test; every other rank must fail
             # promptly (no hang), then clean up after the failed save.
