@@ -255,6 +255,10 @@ class _Heartbeat:
 
     def __init__(self, settings: ConnectionSettings, endpoints: Sequence[Any], name: str) -> None:
         self._clients = [plain_client(e, settings, settings.command_timeout_s) for e in endpoints]
+        # Connected now, with the rights the process starts with: a worker that drops to another user
+        # may not open the server's Unix socket afterwards.
+        for client in self._clients:
+            client.ping()
         self._name = name
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True)
