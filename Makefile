@@ -1,18 +1,22 @@
 # The checkout's set-up and the README's commands. Every step is idempotent and cheap when done:
 # Debian packages are checked with dpkg, the rest is guarded by stamp files.
 #
-#   make setup   both environments, the service binaries and DeepSpeed's async_io op
-#   make test    lint, the whole suite on the newest releases, then the oldest-supported subset
+#   make setup   the three environments, the service binaries and DeepSpeed's async_io op
+#   make test    lint, the whole suite on the newest releases, then the oldest-supported and middle subsets
 #   make bench   the main job: python -m benchmarks.lightning_ckpt
 #   make module  the smartredis_io Redis module (part of setup)
 SHELL := /bin/bash
 PYTHON ?= python3
 # The oldest supported Python for the oldest-supported environment, where pyenv has it.
 PYTHON_OLDEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3) $(PYTHON))
+# The middle environment's Python: the newest one we support (3.12), where pyenv has it.
+PYTHON_MIDDLE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(PYTHON))
 VENV := .venv
 VENV_OLDEST := .venv-oldest
+VENV_MIDDLE := .venv-middle
 PY := $(VENV)/bin/python
 PY_OLDEST := $(VENV_OLDEST)/bin/python
+PY_MIDDLE := $(VENV_MIDDLE)/bin/python
 TOOLS_BIN := .tools/bin
 FAKE_GCS_SERVER_VERSION := v1.52.2
 TOXIPROXY_VERSION := v2.12.0
@@ -27,12 +31,19 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post0 deepspeed==0.16.4
 # What the oldest environment runs: everything of fastpersist, the Lightning plugins of all three, and
 # smartredis_io's own client, wire and module paths under numpy 2 (the published client there is absent).
-OLDEST_TESTS := tests/fastpersist tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/lightning_storage_plugins/test_collector.py tests/lightning_storage_plugins/test_release.py tests/dataflux_ckpt/test_trainer.py \
+OLDEST_TESTS := tests/fastpersist tests/test_fast_paths.py tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/lightning_storage_plugins/test_collector.py tests/lightning_storage_plugins/test_release.py tests/dataflux_ckpt/test_trainer.py \
 	tests/lightning_storage_plugins/test_torch_compat.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
 	tests/smartredis_io/test_lightning.py \
 	tests/smartredis_io/test_client.py tests/smartredis_io/test_fast_paths.py tests/smartredis_io/test_dataset.py \
 	tests/smartredis_io/test_redis_module.py
+# A release between the oldest and the newest, in its own environment: the fast save and load paths are
+# chosen by what the installed torch does, and this is a torch whose sources differ from both ends'.
+MIDDLE_PINS := torch==2.11.0 lightning==2.6.1 pytorch-lightning==2.6.1 deepspeed==0.18.9
+# What the middle environment runs: fastpersist, the DCP storages, and the GCS loads.
+MIDDLE_TESTS := tests/fastpersist tests/test_fast_paths.py tests/lightning_storage_plugins/test_torch_compat.py \
+	tests/dcp/test_storage.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
+	tests/test_checkpoint_io.py
 # Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
 # gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
 # $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
@@ -44,13 +55,14 @@ MODULE := $(MODULE_DIR)/srio_redisai.so
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
-.PHONY: setup setup-newest setup-oldest apt-packages tools module test test-newest test-oldest lint bench clean
+.PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle lint bench clean
 
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
-setup: setup-newest setup-oldest
+setup: setup-newest setup-oldest setup-middle
 
 setup-newest: apt-packages tools module $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed
 setup-oldest: apt-packages tools module $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
+setup-middle: apt-packages tools module $(VENV_MIDDLE)/.installed $(VENV_MIDDLE)/.async-io-built
 tools: $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION)
 
 apt-packages:
@@ -83,6 +95,15 @@ $(VENV_OLDEST)/bin/python:
 $(VENV_OLDEST)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_OLDEST)/bin/python
 	@echo ">> installing the oldest supported releases ($(OLDEST_PINS)) into $(VENV_OLDEST) ($$($(PY_OLDEST) -V))"
 	$(PY_OLDEST) -m pip install -q -e '.[all]' $(OLDEST_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
+	@touch $@
+
+$(VENV_MIDDLE)/bin/python:
+	$(PYTHON_MIDDLE) -m venv $(VENV_MIDDLE)
+	$(PY_MIDDLE) -m pip install -q --upgrade pip setuptools wheel
+
+$(VENV_MIDDLE)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_MIDDLE)/bin/python
+	@echo ">> installing the middle releases ($(MIDDLE_PINS)) into $(VENV_MIDDLE) ($$($(PY_MIDDLE) -V))"
+	$(PY_MIDDLE) -m pip install -q -e '.[all]' $(MIDDLE_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
 	@touch $@
 
 $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION):
@@ -119,14 +140,22 @@ $(VENV_OLDEST)/.async-io-built: $(VENV_OLDEST)/.installed fastpersist/build_ops.
 	$(call ARCH_LIST,$(PY_OLDEST)) $(PY_OLDEST) -m fastpersist.build_ops async_io
 	@touch $@
 
-## test: set up, lint, run the whole suite (newest releases), then the oldest-supported subset
-test: lint test-newest test-oldest
+$(VENV_MIDDLE)/.async-io-built: $(VENV_MIDDLE)/.installed fastpersist/build_ops.py | apt-packages
+	@echo ">> building DeepSpeed's async_io op for $(VENV_MIDDLE) (4-5 minutes on 2 cores, once)"
+	$(call ARCH_LIST,$(PY_MIDDLE)) $(PY_MIDDLE) -m fastpersist.build_ops async_io
+	@touch $@
+
+## test: set up, lint, run the whole suite (newest releases), then the oldest-supported and middle subsets
+test: lint test-newest test-oldest test-middle
 
 test-newest: setup-newest
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-oldest: setup-oldest
 	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
+
+test-middle: setup-middle
+	$(PY_MIDDLE) -m pytest -p no:cacheprovider $(MIDDLE_TESTS) $(PYTEST_ARGS)
 
 lint: setup-newest
 	$(PY) -m ruff check .
@@ -136,4 +165,4 @@ bench: setup-newest
 	$(PY) -m benchmarks.lightning_ckpt $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) .tools .pytest_cache .hypothesis build *.egg-info $(MODULE)
+	rm -rf $(VENV) $(VENV_OLDEST) $(VENV_MIDDLE) .tools .pytest_cache .hypothesis build *.egg-info $(MODULE)

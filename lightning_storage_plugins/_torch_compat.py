@@ -10,8 +10,12 @@ Two things torch offers no public way to do, which the plugins share:
   caller filled (a FastPersist read buffer, a downloaded GCS object), so tensors can be views of that
   memory instead of copies. Loading plain tensors to the CPU mirrors ``_load`` in a loop of its own
   (:func:`_load_plain_tensors`), without torch's per-tensor fake-tensor checks, and without reading
-  any storage's bytes, so it can run while they are still arriving. The torch sources it mirrors are
-  pinned by digest in ``MIRRORED_SOURCES``; a torch whose sources differ gets torch's ``_load``.
+  any storage's bytes, so it can run while they are still arriving.
+
+Fast paths that mirror a torch function are chosen by what the installed torch does, not by its
+version: :func:`mirror_holds` checks each mirror once per process, at its first use, against torch's
+own function on probe tensors that take every branch the mirror takes (:func:`probe_state`). Where
+one differs, only its path falls back to torch's function, with one debug-level log line naming it.
 
 Each private name reached here is listed in ``PRIVATE_APIS``, and
 ``tests/lightning_storage_plugins/test_torch_compat.py`` checks every one against the installed torch,
@@ -20,15 +24,18 @@ so that a torch release that renames or reshapes one fails there, loudly and by 
 
 from __future__ import annotations
 
+import collections
 import functools
-import hashlib
 import inspect
 import io
+import logging
 import os
 import pickle
 import re
 import struct
 import sys
+import threading
+import warnings
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +46,8 @@ import torch.serialization as _serialization
 
 from lightning_storage_plugins.memoryfile import MemoryFile
 from lightning_storage_plugins.ziparchive import read_directory
+
+log = logging.getLogger(__name__)
 
 # (object, attribute) pairs of torch.load's internals this module touches; ``PRIVATE_APIS`` adds DCP's.
 _LOAD_PRIVATE_APIS: tuple[tuple[Any, str], ...] = (
@@ -76,43 +85,157 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# SHA-256 (first 16 hex digits) of the source of each torch function the plain-tensor loop mirrors
-# (see ``_load_plain_tensors``), for every torch whose version of it was read and mirrored. Where
-# one differs, that torch gets ``torch.serialization._load`` instead, and the test suite fails
-# until the new version is read and added here.
-MIRRORED_SOURCES: dict[str, frozenset[str]] = {
-    "torch.serialization._load": frozenset({"3d297b3b0aa1464c", "8f01a99f7324f2ac"}),
-    "torch._utils._rebuild_tensor": frozenset({"f5acf47aa0dcb87b"}),
-    "torch._utils._rebuild_tensor_v2": frozenset({"2282ad8a7acdbb46", "8033137e4761a0ef"}),
-    "torch._utils._rebuild_tensor_v3": frozenset({"5f3c1ab6e02e2f60", "4a9b016245ff84fc"}),
-}
-_MIRRORED_FUNCTIONS = {
-    "torch.serialization._load": _serialization._load,
-    "torch._utils._rebuild_tensor": _utils._rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _utils._rebuild_tensor_v2,
-    "torch._utils._rebuild_tensor_v3": _utils._rebuild_tensor_v3,
-}
+# Fast paths that mirror torch ----------------------------------------------------------------------
+_verdicts: dict[str, bool] = {}
+_verdicts_lock = threading.RLock()  # a check may ask for another's verdict
 
 
-def source_digest(function: Callable[..., Any]) -> str | None:
-    """The first 16 hex digits of the SHA-256 of ``function``'s source (``None`` without source)."""
-    try:
-        return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
-    except (OSError, TypeError):
+def mirror_holds(function: str, differs: Callable[[], str | None]) -> bool:
+    """Whether the fast path that mirrors torch's ``function`` (a dotted name) may run in this process.
+
+    The first call for ``function`` runs ``differs()``, which gives the mirror and torch's own function
+    the same probe inputs (see :func:`probe_state`) and returns ``None`` where every result is torch's,
+    else what differed. The verdict holds for the life of the process. A mirror that differs (or whose
+    check fails) is off: its callers use torch's function instead, and one debug-level line names
+    ``function``. Safety never rests on a verdict: what a fast load accepts is what torch's
+    ``weights_only`` rules accept, whichever path runs.
+    """
+    verdict = _verdicts.get(function)
+    if verdict is not None:
+        return verdict
+    with _verdicts_lock:
+        verdict = _verdicts.get(function)
+        if verdict is None:
+            try:
+                with warnings.catch_warnings():  # probes of experimental dtypes make torch warn
+                    warnings.simplefilter("ignore")
+                    difference = differs()
+            except Exception as err:  # a probe this torch handles otherwise: the mirror is not its behaviour
+                difference = f"the check raised {type(err).__name__}: {err}"
+            verdict = difference is None
+            if not verdict:
+                log.debug("torch %s: %s does not behave as mirrored (%s); its fast path is off, torch's own "
+                          "function runs instead", torch.__version__, function, difference)
+            _verdicts[function] = verdict
+    return verdict
+
+
+def mirror_verdicts() -> dict[str, bool]:
+    """The verdicts :func:`mirror_holds` has reached in this process, by torch function."""
+    with _verdicts_lock:
+        return dict(_verdicts)
+
+
+_QUANTIZED = ("torch.qint", "torch.quint")
+
+
+def _probe_dtypes() -> list[torch.dtype]:
+    """Every dtype of plain tensors this torch saves: through ``_rebuild_tensor_v2`` (typed storages)
+    and ``v3`` (quantized tensors take a path of their own)."""
+    found = [dtype for dtype in torch.storage._dtype_to_storage_type_map() if not str(dtype).startswith(_QUANTIZED)]
+    return found + [dtype for dtype in torch.storage._new_dtypes() if dtype not in found]
+
+
+def _probe_tensor(dtype: torch.dtype, numel: int = 3) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` with distinct bytes (valid ones for ``bool``)."""
+    raw = torch.arange(1, numel * dtype.itemsize + 1, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype)
+
+
+def probe_state() -> dict[str, Any]:
+    """A state dict that takes every branch of the mirrored save and load paths.
+
+    Every dtype this torch saves; one storage under several tensors (the same tensor twice, slices
+    at offsets, transposed and stepped views, one storage seen in several shapes); 0-dim and 0-size
+    tensors; ``requires_grad``; Parameters, trainable and frozen; conjugate and negative bits; and the
+    containers and values a checkpoint holds around them (an ``OrderedDict`` with attributes, as
+    ``Module.state_dict`` returns, nested lists and tuples, ints of every width, floats, strings,
+    ``torch.Size``, dtypes, and a dict of more than a pickler's batch of items).
+    """
+    base = torch.arange(24, dtype=torch.float32)
+    weights = collections.OrderedDict(
+        [("base", base), ("same", base), ("slice", base[3:11]), ("transposed", base.view(4, 6).t()),
+         ("stepped", base[::5]), ("reshaped", base.view(2, 3, 4)), ("scalar", torch.tensor(2.5)),
+         ("empty", torch.zeros(0)), ("empty_2d", torch.zeros(3, 0, dtype=torch.int64)),
+         ("requires_grad", torch.ones(3, requires_grad=True)),
+         ("parameter", torch.nn.Parameter(torch.ones(2, 2))),
+         ("frozen", torch.nn.Parameter(torch.ones(2), requires_grad=False)),
+         ("conj", torch.tensor([1 + 2j, 3 - 1j]).conj()), ("neg", torch._neg_view(torch.tensor([1.0, -2.0])))]
+    )  # fmt: skip
+    weights._metadata = collections.OrderedDict([("", {"version": 1})])  # type: ignore[attr-defined]
+    wide = _probe_tensor(torch.int64, 6)
+    return {
+        "weights": weights,
+        "dtypes": [_probe_tensor(dtype) for dtype in _probe_dtypes()],
+        "views": (wide, wide[2:], wide.view(2, 3)[:, 1]),
+        "values": [None, True, False, 0, 255, 256, 65535, 65536, -1, 2**31 - 1, -(2**31), 2**31, 2**70, -(2**70),
+                   0.5, "", "text", "ünï", torch.Size([2, 3]), torch.float16, (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)],
+        "batched": {index: index for index in range(1001)},
+        "empty": ({}, [], ()),
+    }
+
+
+def _storage_bytes(tensor: torch.Tensor) -> bytes:
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes() if storage.nbytes() else b""
+
+
+def load_difference(got: Any, want: Any) -> str | None:
+    """What differs between two loaded objects (``None``: nothing): types, values (of tensors, the
+    bytes of their storages), container order and attributes, and of each tensor its dtype, shape,
+    strides, offset, device, autograd flags, bits, hooks, Python attributes and which other tensors
+    share its storage."""
+    pairs: dict[int, int] = {}  # got's storages to want's, one to one
+    taken: set[int] = set()
+
+    def compare(g: Any, w: Any, where: str) -> str | None:
+        if type(g) is not type(w):
+            return f"{where or 'the object'}: a {type(g).__name__}, torch gives a {type(w).__name__}"
+        if isinstance(w, torch.Tensor):
+            return compare_tensors(g, w, where)
+        if isinstance(w, dict):
+            if list(g) != list(w):
+                return f"{where}: keys {list(g)}, torch gives {list(w)}"
+            if getattr(g, "__dict__", {}) != getattr(w, "__dict__", {}):
+                return f"{where}: attributes {vars(g)}, torch gives {vars(w)}"
+            children = [(g[key], w[key], f"{where}[{key!r}]") for key in w]
+        elif isinstance(w, (list, tuple)):
+            if len(g) != len(w):
+                return f"{where}: {len(g)} items, torch gives {len(w)}"
+            children = [(gi, wi, f"{where}[{index}]") for index, (gi, wi) in enumerate(zip(g, w, strict=True))]
+        else:
+            return None if g == w else f"{where}: {g!r}, torch gives {w!r}"
+        return next((found for found in (compare(*child) for child in children) if found), None)
+
+    def compare_tensors(g: torch.Tensor, w: torch.Tensor, where: str) -> str | None:
+        for what, of_g, of_w in (
+            ("dtype", g.dtype, w.dtype), ("shape", g.shape, w.shape), ("stride", g.stride(), w.stride()),
+            ("offset", g.storage_offset(), w.storage_offset()), ("device", g.device, w.device),
+            ("requires_grad", g.requires_grad, w.requires_grad), ("leaf", g.is_leaf, w.is_leaf),
+            ("view", g._is_view(), w._is_view()), ("conj", g.is_conj(), w.is_conj()), ("neg", g.is_neg(), w.is_neg()),
+            ("hooks", g._backward_hooks, w._backward_hooks),
+            ("attributes", _utils._get_obj_state(g), _utils._get_obj_state(w)),
+            ("storage size", g.untyped_storage().nbytes(), w.untyped_storage().nbytes()),
+        ):  # fmt: skip
+            if type(of_g) is not type(of_w) or of_g != of_w:
+                return f"{where}: {what} {of_g!r}, torch gives {of_w!r}"
+        mine, theirs = g.untyped_storage()._cdata, w.untyped_storage()._cdata
+        if mine in pairs:
+            if pairs[mine] != theirs:
+                return f"{where}: shares a storage that torch's tensors do not share"
+        elif theirs in taken:
+            return f"{where}: has a storage of its own where torch's shares one"
+        else:
+            pairs[mine] = theirs
+            taken.add(theirs)
+            if _storage_bytes(g) != _storage_bytes(w):
+                return f"{where}: its bytes differ from torch's"
         return None
 
+    return compare(got, want, "")
 
-def changed_sources(
-    functions: dict[str, Callable[..., Any]], mirrored: dict[str, frozenset[str]]
-) -> tuple[str, ...]:
-    """The names in ``functions`` whose installed source's digest is not among ``mirrored[name]``."""
-    return tuple(name for name, function in functions.items() if source_digest(function) not in mirrored[name])
-
-
-@functools.cache
-def unmirrored_functions() -> tuple[str, ...]:
-    """The torch functions in :data:`MIRRORED_SOURCES` whose installed source was not mirrored."""
-    return changed_sources(_MIRRORED_FUNCTIONS, MIRRORED_SOURCES)
 
 # torch.load gained ``_load(..., weights_only=...)`` in 2.7; 2.6 passes no such argument.
 LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(_serialization._load).parameters
@@ -197,6 +320,10 @@ class RecordSizeError(ValueError):
     match")."""
 
 
+# ``UntypedStorage.__getitem__`` without the Python-level check for meta storages (ours are in memory).
+_slice_storage = torch._C.StorageBase.__getitem__
+
+
 class StorageTable:
     """torch's zip reader with every storage record answered from bytes fastpersist has read.
 
@@ -241,7 +368,7 @@ class StorageTable:
             return preloaded.untyped_storage()
         if self._whole is None:
             raise RecordSizeError(f"record {name} was not read")
-        return self._whole[offset : offset + size]
+        return _slice_storage(self._whole, slice(offset, offset + size))
 
     def get_storage_from_record(self, name: str, nbytes: int, dtype: Any) -> torch.Tensor:
         storage = self.storage(name, nbytes)
@@ -313,6 +440,18 @@ class _NotMirrored(Exception):
     torch's own ``_load`` decides it."""
 
 
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _prototype(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of ``dtype`` on ``device``: its ``new_empty((0,))`` is ``torch.empty((0,),
+    dtype=dtype, device=device)`` at a third of the cost."""
+    prototype = _EMPTY.get((dtype, device))
+    if prototype is None:
+        prototype = _EMPTY[(dtype, device)] = torch.empty((0,), dtype=dtype, device=device)
+    return prototype
+
+
 def _rebuild_tensor_v2(
     storage: Any,
     storage_offset: Any,
@@ -325,8 +464,12 @@ def _rebuild_tensor_v2(
     """``torch._utils._rebuild_tensor_v2`` without its fake-mode device fix-up, which does nothing
     outside a fake mode (the plain-tensor loop runs only outside one) and costs three pytree walks
     per tensor."""
-    tensor = torch.empty((0,), dtype=storage.dtype, device=storage._untyped_storage.device)
-    tensor = tensor.set_(storage._untyped_storage, storage_offset, size, stride)
+    untyped = storage._untyped_storage
+    dtype, device = storage.dtype, untyped.device
+    prototype = _EMPTY.get((dtype, device))
+    if prototype is None:
+        prototype = _prototype(dtype, device)
+    tensor = prototype.new_empty((0,)).set_(untyped, storage_offset, size, stride)
     tensor.requires_grad = requires_grad
     if metadata:
         _utils.set_tensor_metadata(tensor, metadata)
@@ -347,30 +490,89 @@ def _rebuild_tensor_v3(
 ) -> torch.Tensor:
     """``torch._utils._rebuild_tensor_v3`` without its fake-mode device fix-up (see
     :func:`_rebuild_tensor_v2`)."""
-    tensor = torch.empty(
-        (0,), dtype=dtype, device=storage._untyped_storage.device, requires_grad=requires_grad
-    )
-    tensor.set_(storage._untyped_storage, storage_offset, size, stride)
+    untyped = storage._untyped_storage
+    tensor = _prototype(dtype, untyped.device).new_empty((0,), requires_grad=requires_grad)
+    tensor.set_(untyped, storage_offset, size, stride)
     if metadata:
         _utils.set_tensor_metadata(tensor, metadata)
     tensor._backward_hooks = backward_hooks
     return tensor
 
 
+_REBUILD_MIRRORS = {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_tensor_v3": _rebuild_tensor_v3}
+
+
+def _probe_tensors() -> list[torch.Tensor]:
+    """The plain tensors of :func:`probe_state` (Parameters rebuild through their data)."""
+    found: list[torch.Tensor] = []
+    stack: list[Any] = [probe_state()]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item.data if isinstance(item, torch.nn.Parameter) else item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return found
+
+
+def _rebuild_differs(name: str) -> Callable[[], str | None]:
+    """The check of our mirror of ``torch._utils.<name>``: both rebuild each probe tensor that torch
+    reduces to that function, from the arguments torch reduces it to."""
+
+    def differs() -> str | None:
+        theirs, mine = getattr(_utils, name), _REBUILD_MIRRORS[name]
+        rebuilt = 0
+        for index, tensor in enumerate(_probe_tensors()):
+            function, args = tensor.__reduce_ex__(_serialization.DEFAULT_PROTOCOL)
+            if getattr(function, "__name__", None) != name:
+                continue
+            rebuilt += 1
+            if isinstance(args[0], torch.UntypedStorage):  # as torch.load hands it over
+                args = (torch.storage.TypedStorage(wrap_storage=args[0], dtype=torch.uint8, _internal=True), *args[1:])
+            found = load_difference(mine(*args), theirs(*args))
+            if found is not None:
+                return f"probe tensor {index} ({tensor.dtype}){found}"
+        return None if rebuilt else "no probe tensor is rebuilt by it"
+
+    return differs
+
+
+def _loop_differs() -> str | None:
+    """The check of the plain-tensor loop: it and ``torch.load(weights_only=True)`` load the same
+    ``torch.save`` archive of the probe state."""
+    buffer = io.BytesIO()
+    torch.save(probe_state(), buffer)
+    data = bytearray(buffer.getvalue())
+    whole = torch.frombuffer(data, dtype=torch.uint8)
+    table = _memory_table(memoryview(data), whole.untyped_storage())
+    if table is None:
+        return "torch.save's archive of the probes is not one the loop reads"
+    want = torch.load(io.BytesIO(data), weights_only=True)
+    return load_difference(_load_plain_tensors(table, None), want)
+
+
+def _rebuild_functions() -> dict[str, Any]:
+    """Each rebuild function the loop resolves: our mirror where it holds, else torch's own."""
+    return {
+        f"torch._utils.{name}": mirror if mirror_holds(f"torch._utils.{name}", _rebuild_differs(name))
+        else getattr(_utils, name)
+        for name, mirror in _REBUILD_MIRRORS.items()
+    }
+
+
 @functools.cache
 def _plain_tensor_globals() -> dict[str, Any]:
-    """The fast path's globals, plus torch's storage types, with the rebuild functions mirrored."""
+    """The fast path's globals, plus torch's storage types, with the rebuild functions mirrored where
+    the mirrors hold (each resolved only where torch's own weights-only unpickler allows it)."""
     from torch import _weights_only_unpickler as wou
 
     found = dict(_fast_allowed_globals())
     allowed = wou._get_allowed_globals()
-    found.update({name: obj for name, obj in allowed.items() if isinstance(obj, _serialization.StorageType)})
-    for name, mirror in (
-        ("torch._utils._rebuild_tensor_v2", _rebuild_tensor_v2),
-        ("torch._utils._rebuild_tensor_v3", _rebuild_tensor_v3),
-    ):
-        if name in found:
-            found[name] = mirror
+    found.update({name: obj for name, obj in allowed.items()
+                  if isinstance(obj, _serialization.StorageType) or obj is torch.UntypedStorage})
+    found.update({name: function for name, function in _rebuild_functions().items() if name in found})
     return found
 
 
@@ -391,12 +593,14 @@ _LOAD_ENDIANNESS_BYTEORDER = {
     _serialization.LoadEndianness.BIG: "big",
     _serialization.LoadEndianness.NATIVE: sys.byteorder,
 }
+LOOP_MIRRORS = "torch.serialization._load"  # what the plain-tensor loop mirrors (persistent_load, load_tensor)
 
 
 def _plain_tensor_loop_applies(zip_reader: Any, map_location: Any) -> bool:
     """Whether ``torch.serialization._load`` would, for this archive and ``map_location``, do nothing
-    per storage but slice its record, wrap it in a ``TypedStorage`` and keep it on the CPU."""
-    if not isinstance(zip_reader, StorageTable) or unmirrored_functions():
+    per storage but slice its record, wrap it in a ``TypedStorage`` and keep it on the CPU (and the
+    loop that does only that holds on this torch)."""
+    if not isinstance(zip_reader, StorageTable):
         return False
     on_cpu = (
         map_location is None
@@ -414,18 +618,19 @@ def _plain_tensor_loop_applies(zip_reader: Any, map_location: Any) -> bool:
     if byteorder != sys.byteorder.encode():
         return False
     probe = torch.UntypedStorage(0)
-    return _serialization.default_restore_location(probe, "cpu") is probe
+    if _serialization.default_restore_location(probe, "cpu") is not probe:
+        return False
+    return mirror_holds(LOOP_MIRRORS, _loop_differs)
 
 
 def _load_plain_tensors(table: StorageTable, map_location: Any) -> Any:
     """``torch.serialization._load`` for a pickle of plain CPU tensors, without its per-tensor costs.
 
-    Mirrors ``_load``'s ``persistent_load`` and ``load_tensor`` (torch 2.6 to 2.15: the sources listed
-    in :data:`MIRRORED_SOURCES`) for the case :func:`_plain_tensor_loop_applies` admits: a storage
-    is its record's bytes, which must be exactly ``numel * element size`` (else
-    :class:`RecordSizeError`), wrapped in a ``TypedStorage``; one record referred to by several
-    tensors is one storage, so they share memory as torch.load's do. Where torch versions disagree
-    (see :class:`_NotMirrored`) it gives up, and torch's ``_load`` decides.
+    Mirrors ``_load``'s ``persistent_load`` and ``load_tensor`` for the case
+    :func:`_plain_tensor_loop_applies` admits: a storage is its record's bytes, which must be exactly
+    ``numel * element size`` (else :class:`RecordSizeError`), wrapped in a ``TypedStorage``; one record
+    referred to by several tensors is one storage, so they share memory as torch.load's do. Where torch
+    versions disagree (see :class:`_NotMirrored`) it gives up, and torch's ``_load`` decides.
 
     Raises:
         _OutsideFastPath: the pickle names a global outside :func:`_plain_tensor_globals`.
@@ -434,35 +639,46 @@ def _load_plain_tensors(table: StorageTable, map_location: Any) -> Any:
     """
     loaded: dict[Any, torch.storage.TypedStorage] = {}
     empty_keys: set[Any] = set()
+    kinds: dict[Any, tuple[torch.dtype, int]] = {}  # storage type -> its dtype and element size
+    storage_of = table.storage
+    typed_storage, new_object = torch.storage.TypedStorage, object.__new__
+    untyped_type, storage_types = torch.UntypedStorage, _serialization.StorageType
 
     def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
-        if not isinstance(saved_id, tuple):
-            raise AssertionError(f"saved_id must be a tuple, got {type(saved_id).__name__}")
-        typename = _serialization._maybe_decode_ascii(saved_id[0])
-        data = saved_id[1:]
-        if typename != "storage":
-            raise AssertionError(
-                f"Unknown typename for persistent_load, expected 'storage' but got '{typename}'"
-            )
-        storage_type, key, location, numel = data
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        if type(saved_id) is tuple and len(saved_id) == 5 and saved_id[0] == "storage":
+            storage_type, key, location, numel = saved_id[1:]
+        else:
+            if not isinstance(saved_id, tuple):
+                raise AssertionError(f"saved_id must be a tuple, got {type(saved_id).__name__}")
+            typename = _serialization._maybe_decode_ascii(saved_id[0])
+            if typename != "storage":
+                raise AssertionError(
+                    f"Unknown typename for persistent_load, expected 'storage' but got '{typename}'"
+                )
+            storage_type, key, location, numel = saved_id[1:]
+        kind = kinds.get(storage_type) if type(storage_type) is storage_types or storage_type is untyped_type else None
+        if kind is None:
+            if type(storage_type) is not storage_types and storage_type is not untyped_type:
+                raise _NotMirrored("a storage type that is not one")
+            dtype = torch.uint8 if storage_type is untyped_type else storage_type.dtype
+            kind = kinds[storage_type] = (dtype, _utils._element_size(dtype))
+        dtype, element_size = kind
         cached = loaded.get(key)
         if cached is not None:
             if cached.dtype != dtype:
                 raise _NotMirrored("a record referred to as two dtypes")
-            try:  # newer torch computes this before looking in its cache
-                numel * _utils._element_size(dtype)
-            except Exception:
-                raise _NotMirrored("an element count that is not a number") from None
+            if type(numel) is not int:  # newer torch computes its size before looking in its cache
+                raise _NotMirrored("an element count that is not a number")
             return cached
         if key in empty_keys:
             raise _NotMirrored("an empty record referred to twice")
-        nbytes = numel * _utils._element_size(dtype)
-        location = _serialization._maybe_decode_ascii(location)
-        if map_location is None and location != "cpu":
-            raise _NotMirrored(f"a storage saved on {location!r}")
-        untyped = table.storage(f"data/{key}", nbytes)
-        typed = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        if location != "cpu":
+            if map_location is None and _serialization._maybe_decode_ascii(location) != "cpu":
+                raise _NotMirrored(f"a storage saved on {location!r}")
+        untyped = storage_of(f"data/{key}", numel * element_size)
+        # TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True), less its argument checks
+        typed = new_object(typed_storage)
+        typed.dtype, typed._untyped_storage = dtype, untyped
         if untyped.nbytes():
             loaded[key] = typed
         else:
