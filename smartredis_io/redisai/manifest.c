@@ -248,10 +248,11 @@ fail:
     return NULL;
 }
 
-/* Skip a value of a field this module does not know (a newer writer's). */
-static int skip(In *in) {
+/* Skip a value of a field this module does not know (a newer writer's), nested at most
+ * SRIO_MANIFEST_MAX_DEPTH deep: the parser's stack is bounded whatever the key holds. */
+static int skip(In *in, int depth) {
     ws(in);
-    if (in->i >= in->len) return 0;
+    if (in->i >= in->len || depth > SRIO_MANIFEST_MAX_DEPTH) return 0;
     char c = in->s[in->i];
     if (c == '"') {
         char *s = string(in, NULL);
@@ -270,7 +271,7 @@ static int skip(In *in) {
                 RedisModule_Free(k);
                 if (!eat(in, ':')) return 0;
             }
-            if (!skip(in)) return 0;
+            if (!skip(in, depth + 1)) return 0;
         } while (eat(in, ','));
         return eat(in, close);
     }
@@ -302,7 +303,7 @@ static char *dup_cstr(const char *s) {
 int SRIO_ManifestParse(const char *json, size_t len, SRIO_Manifest *m) {
     memset(m, 0, sizeof(*m));
     size_t plen = strlen(SRIO_MANIFEST_PREFIX);
-    if (len < plen || memcmp(json, SRIO_MANIFEST_PREFIX, plen) != 0) return SRIO_WRONGTYPE;
+    if (len < plen || len > SRIO_MANIFEST_MAX_BYTES || memcmp(json, SRIO_MANIFEST_PREFIX, plen) != 0) return SRIO_WRONGTYPE;
     In in = {json, len, 0};
     if (!eat(&in, '{')) return SRIO_WRONGTYPE;
     if (!eat(&in, '}')) {
@@ -332,7 +333,7 @@ int SRIO_ManifestParse(const char *json, size_t len, SRIO_Manifest *m) {
             } else if (!strcmp(name, "outputs") && !m->outputs) {
                 ok = (m->outputs = string_list(&in, &m->noutputs)) != NULL;
             } else {
-                ok = skip(&in);
+                ok = skip(&in, 1);
             }
             RedisModule_Free(name);
             if (!ok) goto fail;

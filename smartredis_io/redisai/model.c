@@ -22,33 +22,6 @@
 
 #include "srio.h"
 
-#define NOT_SERVED "ERR backend %s is not served: this database runs TORCH models only (TorchScript or torch.export)"
-
-long long SRIO_ModelChunkSize = 511LL * 1024 * 1024; /* RedisAI's default */
-
-static int match(RedisModuleString *arg, const char *word) {
-    return strcasecmp(RedisModule_StringPtrLen(arg, NULL), word) == 0;
-}
-
-static int reply_format(RedisModuleCtx *ctx, const char *fmt, const char *arg) {
-    RedisModuleString *msg = RedisModule_CreateStringPrintf(ctx, fmt, arg);
-    int ret = RedisModule_ReplyWithError(ctx, RedisModule_StringPtrLen(msg, NULL));
-    RedisModule_FreeString(ctx, msg);
-    return ret;
-}
-
-/* The backend argument: 1 for TORCH; otherwise replies with the error and returns 0. */
-static int check_backend(RedisModuleCtx *ctx, RedisModuleString *arg) {
-    const char *backend = RedisModule_StringPtrLen(arg, NULL);
-    if (!strcasecmp(backend, "TORCH")) return 1;
-    if (!strcasecmp(backend, "TF") || !strcasecmp(backend, "TFLITE") || !strcasecmp(backend, "ONNX")) {
-        reply_format(ctx, NOT_SERVED, backend);
-    } else {
-        RedisModule_ReplyWithError(ctx, "ERR unsupported backend");
-    }
-    return 0;
-}
-
 /* RedisAI's device rule: CPU, GPU, CPU:<n> or GPU:<n>; upper-cased copy in out, or 0. */
 static int parse_device(RedisModuleString *arg, char out[16]) {
     size_t len;
@@ -89,81 +62,83 @@ static int store(RedisModuleCtx *ctx, RedisModuleString *keyname, SRIO_Manifest 
     m->blob_len = 0;
     size_t json_len;
     char *json = SRIO_ManifestJson(m, &json_len);
-    if (!json) return RedisModule_ReplyWithError(ctx, "ERR TAG, INPUTS and OUTPUTS must be UTF-8 text");
+    if (!json) return SRIO_ReplyError(ctx, "ERR TAG, INPUTS and OUTPUTS must be UTF-8 text");
 
     SRIO_Manifest old;
     int replaced = SRIO_ManifestRead(ctx, keyname, &old) == SRIO_OK;
     uint64_t nbytes = 0;
     for (size_t i = 0; i < nparts; i++) nbytes += parts[i].len;
     RedisModuleString *blob = SRIO_ManifestBlobKey(ctx, keyname, m);
-    SRIO_TensorWrite(ctx, blob, SRIO_UINT8, 1, &nbytes, parts, nparts);
+    char *err;
+    int status = SRIO_TensorWrite(ctx, blob, SRIO_UINT8, 1, &nbytes, parts, nparts, nbytes, &err);
     RedisModule_FreeString(ctx, blob);
-
-    RedisModuleKey *key = RedisModule_OpenKey(ctx, keyname, REDISMODULE_WRITE);
-    RedisModuleString *value = RedisModule_CreateString(ctx, json, json_len);
-    RedisModule_StringSet(key, value);
-    RedisModule_FreeString(ctx, value);
-    RedisModule_CloseKey(key);
+    if (status == REDISMODULE_OK && SRIO_SetString(ctx, keyname, json, json_len) != REDISMODULE_OK) {
+        err = SRIO_Format("the server could not store the manifest at key '%s'", SRIO_Name(keyname));
+        status = REDISMODULE_ERR;
+    }
     RedisModule_Free(json);
-    RedisModule_NotifyKeyspaceEvent(ctx, REDISMODULE_NOTIFY_STRING, "set", keyname);
     if (replaced) {
-        if (!old.blob_len) {
+        if (status == REDISMODULE_OK && !old.blob_len) {
             RedisModuleString *old_blob = SRIO_ManifestBlobKey(ctx, keyname, &old);
             SRIO_TensorDelete(ctx, old_blob);
             RedisModule_FreeString(ctx, old_blob);
         }
         SRIO_ManifestFree(&old);
     }
+    if (status != REDISMODULE_OK) {
+        SRIO_ReplyError(ctx, "ERR %s", err);
+        RedisModule_Free(err);
+        return REDISMODULE_OK;
+    }
     SRIO_ExecResetStats(keyname);
-    RedisModule_ReplicateVerbatim(ctx);
     return RedisModule_ReplyWithSimpleString(ctx, "OK");
 }
 
 /* AI.MODELSTORE and the deprecated AI.MODELSET, which names no counts for INPUTS and OUTPUTS */
 static int model_store(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, int deprecated) {
     if (argc < (deprecated ? 4 : 6)) return RedisModule_WrongArity(ctx);
-    if (!check_backend(ctx, argv[2])) return REDISMODULE_OK;
+    if (!SRIO_CheckBackend(ctx, argv[2])) return REDISMODULE_OK;
     char device[16];
-    if (!parse_device(argv[3], device)) return RedisModule_ReplyWithError(ctx, "ERR Invalid DEVICE");
+    if (!parse_device(argv[3], device)) return SRIO_ReplyError(ctx, "ERR Invalid DEVICE");
     SRIO_Manifest m = {.kind = "model", .backend = "TORCH", .device = device, .tag = "", .tag_len = 0};
     int i = 4;
-    if (i + 1 < argc && match(argv[i], "TAG")) {
+    if (i + 1 < argc && SRIO_Is(argv[i], "TAG")) {
         m.tag = (char *)RedisModule_StringPtrLen(argv[i + 1], &m.tag_len);
         i += 2;
     }
-    if (i < argc && match(argv[i], "BATCHSIZE")) {
+    if (i < argc && SRIO_Is(argv[i], "BATCHSIZE")) {
         if (i + 1 >= argc || !parse_count(argv[i + 1], &m.batch_size)) {
-            return RedisModule_ReplyWithError(ctx, "ERR Invalid argument for BATCHSIZE");
+            return SRIO_ReplyError(ctx, "ERR Invalid argument for BATCHSIZE");
         }
         i += 2;
     }
-    if (i < argc && match(argv[i], "MINBATCHSIZE")) {
+    if (i < argc && SRIO_Is(argv[i], "MINBATCHSIZE")) {
         if (i + 1 >= argc || !parse_count(argv[i + 1], &m.min_batch_size)) {
-            return RedisModule_ReplyWithError(ctx, "ERR Invalid argument for MINBATCHSIZE");
+            return SRIO_ReplyError(ctx, "ERR Invalid argument for MINBATCHSIZE");
         }
         if (m.batch_size == 0 && m.min_batch_size > 0) {
-            return RedisModule_ReplyWithError(ctx, "ERR MINBATCHSIZE specified without BATCHSIZE");
+            return SRIO_ReplyError(ctx, "ERR MINBATCHSIZE specified without BATCHSIZE");
         }
         i += 2;
     }
-    if (i < argc && match(argv[i], "MINBATCHTIMEOUT")) {
+    if (i < argc && SRIO_Is(argv[i], "MINBATCHTIMEOUT")) {
         if (i + 1 >= argc || !parse_count(argv[i + 1], &m.min_batch_timeout)) {
-            return RedisModule_ReplyWithError(ctx, "ERR Invalid argument for MINBATCHTIMEOUT");
+            return SRIO_ReplyError(ctx, "ERR Invalid argument for MINBATCHTIMEOUT");
         }
         if (m.min_batch_size == 0 && m.min_batch_timeout > 0) {
-            return RedisModule_ReplyWithError(ctx, "ERR MINBATCHTIMEOUT specified without MINBATCHSIZE");
+            return SRIO_ReplyError(ctx, "ERR MINBATCHTIMEOUT specified without MINBATCHSIZE");
         }
         i += 2;
     }
-    if (i >= argc) return RedisModule_ReplyWithError(ctx, "ERR Insufficient arguments, missing model BLOB");
+    if (i >= argc) return SRIO_ReplyError(ctx, "ERR Insufficient arguments, missing model BLOB");
     if (deprecated) {
-        while (i < argc && !match(argv[i], "BLOB")) i++; /* INPUTS/OUTPUTS name only TF's tensors */
-    } else if (match(argv[i], "INPUTS")) {
-        return RedisModule_ReplyWithError(ctx, "ERR INPUTS argument should not be specified for this backend");
-    } else if (!match(argv[i], "BLOB")) {
-        return RedisModule_ReplyWithError(ctx, "ERR Invalid argument, expected BLOB");
+        while (i < argc && !SRIO_Is(argv[i], "BLOB")) i++; /* INPUTS/OUTPUTS name only TF's tensors */
+    } else if (SRIO_Is(argv[i], "INPUTS")) {
+        return SRIO_ReplyError(ctx, "ERR INPUTS argument should not be specified for this backend");
+    } else if (!SRIO_Is(argv[i], "BLOB")) {
+        return SRIO_ReplyError(ctx, "ERR Invalid argument, expected BLOB");
     }
-    if (i + 1 >= argc) return RedisModule_ReplyWithError(ctx, "ERR Insufficient arguments, missing model BLOB");
+    if (i + 1 >= argc) return SRIO_ReplyError(ctx, "ERR Insufficient arguments, missing model BLOB");
     i++;
     size_t nparts = (size_t)(argc - i);
     SRIO_Part *parts = RedisModule_Alloc(nparts * sizeof(SRIO_Part));
@@ -171,11 +146,12 @@ static int model_store(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, 
     size_t have = 0;
     for (size_t k = 0; k < nparts; k++) {
         parts[k].ptr = RedisModule_StringPtrLen(argv[i + (int)k], &parts[k].len);
+        parts[k].str = argv[i + (int)k];
         for (size_t b = 0; b < parts[k].len && have < 4; b++) magic[have++] = parts[k].ptr[b];
     }
     int ret;
     if (have < 4 || memcmp(magic, "PK\x03\x04", 4) != 0) {
-        ret = RedisModule_ReplyWithError(
+        ret = SRIO_ReplyError(
             ctx, "ERR the model is neither a TorchScript archive (torch.jit.save) nor a torch.export archive "
                  "(torch.export.save)");
     } else if (check_replaceable(ctx, argv[1], "model")) {
@@ -215,18 +191,14 @@ static int open_blob(RedisModuleCtx *ctx, RedisModuleString *keyname, const SRIO
     /* an alias names another model's blob: the caller must be allowed to read that key too */
     if (m->blob_len && !SRIO_UserMayAccess(ctx, blob, REDISMODULE_CMD_KEY_ACCESS)) {
         RedisModule_FreeString(ctx, blob);
-        RedisModule_ReplyWithError(ctx, "NOPERM this user has no permissions to access the model an alias points to");
+        SRIO_ReplyError(ctx, "NOPERM this user has no permissions to access the model an alias points to");
         return 0;
     }
     char *err;
     int status = SRIO_TensorOpen(ctx, blob, t, &err);
     if (status != SRIO_OK) {
-        RedisModuleString *msg = RedisModule_CreateStringPrintf(
-            ctx, "ERR the %s at key '%s' is corrupt: its bytes (key '%s') %s", m->kind,
-            RedisModule_StringPtrLen(keyname, NULL), RedisModule_StringPtrLen(blob, NULL),
-            status == SRIO_EMPTY ? "do not exist" : err ? err : "are not a tensor");
-        RedisModule_ReplyWithError(ctx, RedisModule_StringPtrLen(msg, NULL));
-        RedisModule_FreeString(ctx, msg);
+        SRIO_ReplyError(ctx, "ERR the %s at key '%s' is corrupt: its bytes (key '%s') %s", m->kind, SRIO_Name(keyname),
+                        SRIO_Name(blob), status == SRIO_EMPTY ? "do not exist" : err ? err : "are not a tensor");
         if (err) RedisModule_Free(err);
     }
     RedisModule_FreeString(ctx, blob);
@@ -234,7 +206,7 @@ static int open_blob(RedisModuleCtx *ctx, RedisModuleString *keyname, const SRIO
 }
 
 static void reply_chunks(RedisModuleCtx *ctx, const char *data, uint64_t len) {
-    uint64_t size = (uint64_t)SRIO_ModelChunkSize, n = len ? (len + size - 1) / size : 1;
+    uint64_t size = (uint64_t)SRIO_Config.model_chunk_size, n = len ? (len + size - 1) / size : 1;
     if (n > 1) {
         RedisModule_ReplyWithArray(ctx, (long)n);
         for (uint64_t i = 0; i < n; i++) RedisModule_ReplyWithStringBuffer(ctx, data + i * size, i + 1 < n ? size : len - i * size);
@@ -255,8 +227,8 @@ static int ModelGet(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!read_kind(ctx, argv[1], "model", &m)) return REDISMODULE_OK;
     int meta = 0, blob = 0;
     for (int i = 2; i < argc; i++) {
-        if (match(argv[i], "META")) meta = 1;
-        else if (match(argv[i], "BLOB")) blob = 1;
+        if (SRIO_Is(argv[i], "META")) meta = 1;
+        else if (SRIO_Is(argv[i], "BLOB")) blob = 1;
     }
     SRIO_Tensor t = {0};
     if ((!meta || blob) && !open_blob(ctx, argv[1], &m, &t)) {
@@ -298,9 +270,7 @@ static int delete_kind(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, 
     if (argc != 2) return RedisModule_WrongArity(ctx);
     SRIO_Manifest m;
     if (!read_kind(ctx, argv[1], kind, &m)) return REDISMODULE_OK;
-    RedisModuleKey *key = RedisModule_OpenKey(ctx, argv[1], REDISMODULE_WRITE);
-    RedisModule_DeleteKey(key);
-    RedisModule_CloseKey(key);
+    SRIO_DeleteKey(ctx, argv[1]);
     RedisModule_NotifyKeyspaceEvent(ctx, REDISMODULE_NOTIFY_GENERIC, "del", argv[1]);
     if (!m.blob_len) {
         RedisModuleString *blob = SRIO_ManifestBlobKey(ctx, argv[1], &m);
@@ -309,7 +279,6 @@ static int delete_kind(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, 
     }
     SRIO_ManifestFree(&m);
     SRIO_ExecResetStats(argv[1]);
-    RedisModule_ReplicateVerbatim(ctx);
     return RedisModule_ReplyWithSimpleString(ctx, "OK");
 }
 
@@ -361,41 +330,42 @@ static int defines(const char *src, size_t len, const char *name, size_t name_le
 static int script_store(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, int with_entry_points) {
     if (with_entry_points ? argc < 8 : argc != 5 && argc != 7) return RedisModule_WrongArity(ctx);
     char device[16];
-    if (!parse_device(argv[2], device)) return RedisModule_ReplyWithError(ctx, "ERR Invalid DEVICE");
+    if (!parse_device(argv[2], device)) return SRIO_ReplyError(ctx, "ERR Invalid DEVICE");
     SRIO_Manifest m = {.kind = "script", .backend = "TORCH", .device = device, .tag = "", .tag_len = 0};
     int i = 3;
-    if (i + 1 < argc && match(argv[i], "TAG")) {
+    if (i + 1 < argc && SRIO_Is(argv[i], "TAG")) {
         m.tag = (char *)RedisModule_StringPtrLen(argv[i + 1], &m.tag_len);
         i += 2;
     }
     int first_entry = 0;
     long long nentries = 0;
     if (with_entry_points) {
-        if (i >= argc || !match(argv[i], "ENTRY_POINTS")) {
-            return RedisModule_ReplyWithError(ctx, "ERR Insufficient arguments, missing script entry points");
+        if (i >= argc || !SRIO_Is(argv[i], "ENTRY_POINTS")) {
+            return SRIO_ReplyError(ctx, "ERR Insufficient arguments, missing script entry points");
         }
         if (i + 1 >= argc || RedisModule_StringToLongLong(argv[i + 1], &nentries) != REDISMODULE_OK || nentries < 0) {
-            return RedisModule_ReplyWithError(ctx, "ERR Non numeric entry points number provided to AI.SCRIPTSTORE command");
+            return SRIO_ReplyError(ctx, "ERR Non numeric entry points number provided to AI.SCRIPTSTORE command");
         }
         if (nentries > argc - i - 2) {
-            return RedisModule_ReplyWithError(ctx, "ERR Insufficient arguments, missing script entry points");
+            return SRIO_ReplyError(ctx, "ERR Insufficient arguments, missing script entry points");
         }
         first_entry = i + 2;
         i = first_entry + (int)nentries;
     }
-    if (i + 1 >= argc || !match(argv[i], "SOURCE")) {
-        return RedisModule_ReplyWithError(ctx, "ERR Insufficient arguments, missing script SOURCE");
+    if (i + 1 >= argc || !SRIO_Is(argv[i], "SOURCE")) {
+        return SRIO_ReplyError(ctx, "ERR Insufficient arguments, missing script SOURCE");
     }
-    SRIO_Part source;
+    SRIO_Part source = {.str = argv[i + 1]};
     source.ptr = RedisModule_StringPtrLen(argv[i + 1], &source.len);
     if (!SRIO_IsUtf8(source.ptr, source.len)) {
-        return RedisModule_ReplyWithError(ctx, "ERR the script SOURCE is not UTF-8 text");
+        return SRIO_ReplyError(ctx, "ERR the script SOURCE is not UTF-8 text");
     }
     for (long long k = 0; k < nentries; k++) {
         size_t len;
         const char *name = RedisModule_StringPtrLen(argv[first_entry + k], &len);
         if (!defines(source.ptr, source.len, name, len)) {
-            return reply_format(ctx, "ERR entry point '%s' is not a function the script defines", name);
+            return SRIO_ReplyError(ctx, "ERR entry point '%s' is not a function the script defines",
+                                   SRIO_Name(argv[first_entry + k]));
         }
     }
     if (!check_replaceable(ctx, argv[1], "script")) return REDISMODULE_OK;
@@ -417,8 +387,8 @@ static int ScriptGet(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!read_kind(ctx, argv[1], "script", &m)) return REDISMODULE_OK;
     int meta = 0, source = 0;
     for (int i = 2; i < argc; i++) {
-        if (match(argv[i], "META")) meta = 1;
-        else if (match(argv[i], "SOURCE")) source = 1;
+        if (SRIO_Is(argv[i], "META")) meta = 1;
+        else if (SRIO_Is(argv[i], "SOURCE")) source = 1;
     }
     SRIO_Tensor t;
     if (!open_blob(ctx, argv[1], &m, &t)) {

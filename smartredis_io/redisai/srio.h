@@ -13,6 +13,12 @@
  *   inputs, outputs, blob) and its bytes are a uint8 tensor at tagged_key(key, ".blob.<version>")
  *   (or at the key named by "blob", for an alias of another model).
  *
+ * Every size a client sends is checked before it is used, and nothing is allocated for what a
+ * client only claims: a tensor's bytes are at most SRIO_Config.max_tensor_bytes, a stored value
+ * costs what is stored, a manifest is parsed within SRIO_MANIFEST_MAX_BYTES and
+ * SRIO_MANIFEST_MAX_DEPTH. Writes are replicated as the plain commands that reproduce them, so
+ * replicas and the AOF hold the same keys as this server.
+ *
  * Only APIs of Redis 7.0 are used (tests/smartredis_io/test_redis_module.py checks the list).
  */
 #ifndef SRIO_H
@@ -23,9 +29,86 @@
 
 #include "redismodule.h"
 
+#ifdef SRIO_SANITIZE
+/* The sanitizer build allocates from the C library, where AddressSanitizer sees every access
+ * (Redis' own allocator is not instrumented). */
+#include <stdlib.h>
+#include <string.h>
+#define RedisModule_Alloc(n) malloc(n)
+#define RedisModule_Calloc(n, size) calloc((n), (size))
+#define RedisModule_Realloc(p, n) realloc((p), (n))
+#define RedisModule_Free(p) free(p)
+#define RedisModule_Strdup(s) strdup(s)
+#endif
+
 #define SRIO_EXPORT __attribute__((visibility("default")))
 
-/* ---- tensor values (smartredis_io/wire.py) ------------------------------------------------ */
+/* ---- settings (config.c): the module's load-time arguments -------------------------------- */
+
+#define SRIO_SECRET_MAX 256        /* bytes of a worker secret */
+#define SRIO_MAX_WORKERS 64
+
+typedef struct SRIO_Settings {
+    uint64_t bulk_limit;           /* BULK_LIMIT_BYTES: larger values are chunked */
+    uint64_t max_tensor_bytes;     /* MAX_TENSOR_BYTES; 0: Redis' proto-max-bulk-len */
+    long long model_chunk_size;    /* MODEL_CHUNK_SIZE: AI.MODELGET's pieces */
+    char *backends_path;           /* BACKENDSPATH (reported by AI.CONFIG GET) */
+    int workers;                   /* WORKERS (or THREADS_PER_QUEUE): processes the module starts */
+    char *worker_python;           /* WORKER_PYTHON, $SRIO_WORKER_PYTHON; NULL: found next to the module */
+    char *worker_device;           /* WORKER_DEVICE: cpu, cuda or cuda:N */
+    char *worker_user;             /* WORKER_USER, $SRIO_WORKER_USER; NULL: the server's own user */
+    int threads;                   /* INTRA_OP_PARALLELISM: the workers' --threads (0: their default) */
+    int interop_threads;           /* INTER_OP_PARALLELISM: --interop-threads (0: their default) */
+    long long execution_timeout_ms; /* MODEL_EXECUTION_TIMEOUT: caps a run's deadline (0: none) */
+    long long queue_timeout_ms;    /* QUEUE_TIMEOUT: a request no worker takes this long fails */
+    long long startup_ms;          /* WORKER_STARTUP_MS: how long requests wait for starting workers */
+    unsigned char secret[SRIO_SECRET_MAX]; /* what SRIO.HELLO must say */
+    size_t secret_len;
+} SRIO_Settings;
+
+extern SRIO_Settings SRIO_Config;
+
+/* Parse the module's arguments (NAME value pairs, keywords case-insensitive) into SRIO_Config and
+ * read or make the worker secret; REDISMODULE_ERR after logging why. */
+int SRIO_Configure(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
+/* The largest tensor a client may store: MAX_TENSOR_BYTES, else Redis' proto-max-bulk-len. */
+uint64_t SRIO_MaxTensorBytes(void);
+/* Read proto-max-bulk-len again (at load, and when CONFIG SET changes it). */
+void SRIO_RefreshServerLimits(RedisModuleCtx *ctx);
+
+/* ---- commands, replies and keywords (command.c) --------------------------------------------- */
+
+/* The one keyword matcher: whether `arg` is `word`, ignoring case (RedisAI's keywords). */
+int SRIO_Is(RedisModuleString *arg, const char *word);
+/* printf into a new string (free with RedisModule_Free) */
+char *SRIO_Format(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* The one error style: reply an error made with printf, "CODE message" (ERR, NOPERM, TIMEDOUT...),
+ * on one line (line breaks of names in it become spaces). Returns REDISMODULE_OK. */
+int SRIO_ReplyError(RedisModuleCtx *ctx, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A key or name for a message: at most 200 bytes of it, as text. */
+const char *SRIO_Name(RedisModuleString *s);
+
+/* The one backend check: 1 for TORCH (served by the workers), 0 for a RedisAI backend this
+ * database does not serve (TF, TFLITE, ONNX), -1 for an unknown one. */
+int SRIO_BackendServed(RedisModuleString *arg);
+/* The backend argument of a command: 1 for TORCH; otherwise replies with the error and returns 0. */
+int SRIO_CheckBackend(RedisModuleCtx *ctx, RedisModuleString *arg);
+
+/* Create a command with one key (argument 1) and its key spec. */
+int SRIO_CreateKeyCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn, const char *flags,
+                          int arity, uint64_t key_flags);
+/* Create a command without keys. */
+int SRIO_CreateCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn, const char *flags, int arity);
+
+/* Whether the calling user may access `keyname` with `flags` (REDISMODULE_CMD_KEY_ACCESS, ...):
+ * for keys the module reads or writes on the user's behalf beyond the command's own key. */
+int SRIO_UserMayAccess(RedisModuleCtx *ctx, RedisModuleString *keyname, int flags);
+
+/* Reply with the error of a failed read of `keyname` (RedisAI's wording for `what`: "tensor",
+ * "model" or "script"); frees err. */
+int SRIO_ReplyReadError(RedisModuleCtx *ctx, int status, const char *what, char *err);
+
+/* ---- tensor values (wire.c; smartredis_io/wire.py) ------------------------------------------ */
 
 #define SRIO_MAGIC "SRT1"
 #define SRIO_MAX_NDIM 32
@@ -36,7 +119,7 @@
 #define SRIO_VERSION_BYTES 16
 #define SRIO_LAYOUT_INLINE 0
 #define SRIO_LAYOUT_CHUNKED 1
-#define SRIO_DEFAULT_BULK_LIMIT (512ull << 20) /* Redis' proto-max-bulk-len */
+#define SRIO_DEFAULT_BULK_LIMIT (512ull << 20) /* Redis' default proto-max-bulk-len */
 
 /* dtype codes of the wire format */
 enum {
@@ -57,10 +140,12 @@ typedef struct SRIO_Header {
     uint64_t nbytes;             /* bytes the shape and dtype call for */
 } SRIO_Header;
 
-/* A piece of a value's payload, for writes that gather several buffers. */
+/* A piece of a value's payload, for writes that gather several buffers. `str`, when set, is the
+ * command argument the bytes are (replicated without a copy). */
 typedef struct SRIO_Part {
     const char *ptr;
     size_t len;
+    RedisModuleString *str;
 } SRIO_Part;
 
 /* Outcome of reading a key */
@@ -71,28 +156,30 @@ enum {
     SRIO_CORRUPT = 3     /* a tensor whose header and stored bytes disagree (message in err) */
 };
 
-/* printf into a new string (free with RedisModule_Free) */
-char *SRIO_Format(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-/* The bulk limit: values whose header plus payload exceed it are chunked (module argument
- * BULK_LIMIT_BYTES; default 512 MiB, the largest Redis string a client may send). */
-extern uint64_t SRIO_BulkLimit;
-
 int SRIO_DtypeItemsize(int code);
 /* RedisAI's name of a dtype (FLOAT, DOUBLE, ...); FLOAT16 and BFLOAT16 are smartredis_io's own. */
 const char *SRIO_DtypeName(int code);
 /* The code of a RedisAI type name (case-insensitive), 0 if unknown. */
-int SRIO_DtypeFromName(const char *name, size_t len);
+int SRIO_DtypeFromName(RedisModuleString *name);
 
+/* Whether an array of `ndim` dimensions `shape` of items of `itemsize` bytes can exist: numpy's
+ * limit on an array's extent (the product of the non-zero dimensions times the item size is below
+ * 2**63). Its bytes (0 with a zero dimension) in *nbytes. */
+int SRIO_ShapeFits(const uint64_t *shape, int ndim, int itemsize, uint64_t *nbytes);
 /* Parse a header; SRIO_OK, SRIO_WRONGTYPE (not a tensor) or SRIO_CORRUPT (impossible shape). */
 int SRIO_HeaderDecode(const char *buf, size_t len, SRIO_Header *h);
 /* Write a header into out (SRIO_HEADER_MAX_BYTES); returns its size. chunks == 0: inline. */
 size_t SRIO_HeaderEncode(char *out, int code, int ndim, const uint64_t *shape, uint32_t chunks, uint32_t crc,
                          uint64_t payload, const unsigned char *version);
 
-/* tagged_key(key, suffix) of smartredis_io.wire: a key on the slot of `key` (its hash tag kept,
- * or "{key}" made the tag) followed by suffix. */
+/* tagged_key(key, suffix) of smartredis_io.wire: a key on the cluster slot of `key` followed by
+ * suffix. Redis hashes the text between the first '{' and the first '}' after it when that is not
+ * empty, else the whole key; so the key is kept as the prefix when it has such a tag, wrapped as
+ * "{key}" when it has no '}', and otherwise prefixed by "{srio<n>}", the first such tag whose slot
+ * is the key's. */
 RedisModuleString *SRIO_TaggedKey(RedisModuleCtx *ctx, RedisModuleString *key, const char *suffix, size_t suffix_len);
+/* Redis' cluster slot of a key. */
+unsigned SRIO_KeySlot(const char *key, size_t len);
 
 uint32_t SRIO_Crc32(uint32_t crc, const void *buf, size_t len);
 
@@ -111,23 +198,31 @@ typedef struct SRIO_Tensor {
 int SRIO_TensorOpen(RedisModuleCtx *ctx, RedisModuleString *keyname, SRIO_Tensor *t, char **err);
 void SRIO_TensorClose(SRIO_Tensor *t);
 
-/* Store a tensor (the payload gathered from `parts`, nbytes in all) at `keyname`, replacing any
- * value there (the caller has checked its type) and removing the chunks of a replaced tensor;
- * chunked when larger than the bulk limit. The key ends without an expiry, like SET. */
+/* Store a tensor of `nbytes` bytes (gathered from `parts`, or zeros when parts is NULL) at
+ * `keyname`, replacing any value there (the caller has checked its type) and removing the chunks of
+ * a replaced tensor; chunked when larger than the bulk limit. The key ends without an expiry, like
+ * SET. The writes are replicated. REDISMODULE_OK, or REDISMODULE_ERR with a message in *err. */
 int SRIO_TensorWrite(RedisModuleCtx *ctx, RedisModuleString *keyname, int code, int ndim, const uint64_t *shape,
-                     const SRIO_Part *parts, size_t nparts);
+                     const SRIO_Part *parts, size_t nparts, uint64_t nbytes, char **err);
 
-/* Delete the tensor at `keyname` with its chunks; 1 if a key was removed. */
+/* Delete the tensor at `keyname` with its chunks (replicated); 1 if a key was removed. */
 int SRIO_TensorDelete(RedisModuleCtx *ctx, RedisModuleString *keyname);
+
+/* Set `keyname` to a string, as SET does, and replicate it. REDISMODULE_OK or REDISMODULE_ERR. */
+int SRIO_SetString(RedisModuleCtx *ctx, RedisModuleString *keyname, const char *value, size_t len);
+/* Delete `keyname` (whatever it holds) and replicate it; 1 if a key was removed. */
+int SRIO_DeleteKey(RedisModuleCtx *ctx, RedisModuleString *keyname);
 
 /* Whether the value of an open key is a string starting with the tensor magic / a manifest. */
 int SRIO_KeyHoldsTensor(RedisModuleKey *key);
 int SRIO_KeyHoldsManifest(RedisModuleKey *key);
 
-/* ---- models and scripts (smartredis_io/protocol.py) ----------------------------------------- */
+/* ---- models and scripts (manifest.c; smartredis_io/protocol.py) ---------------------------- */
 
 #define SRIO_MANIFEST_PREFIX "{\"kind\": "
 #define SRIO_VERSION_HEX 32
+#define SRIO_MANIFEST_MAX_BYTES (1u << 20) /* a longer value is no manifest */
+#define SRIO_MANIFEST_MAX_DEPTH 32         /* nesting of the values of fields this module skips */
 
 typedef struct SRIO_Manifest {
     char *kind;       /* "model" or "script" */
@@ -166,7 +261,7 @@ int SRIO_IsUtf8(const char *s, size_t len);
 
 /* ---- statistics of runs ------------------------------------------------------------------------ */
 
-/* What the execution half (exec.c) counts for one model or script key: RedisAI's AI.INFO fields. */
+/* What the execution half counts for one model or script key: RedisAI's AI.INFO fields. */
 typedef struct SRIO_ExecStats {
     long long duration_us; /* time spent running it, in microseconds */
     long long samples;     /* rows of the first input (a batch counts all its rows) */
@@ -179,27 +274,14 @@ int SRIO_ExecGetStats(RedisModuleString *key, SRIO_ExecStats *out);
 /* Forget the statistics of `key` (AI.INFO key RESETSTAT, a model or script stored again or deleted). */
 void SRIO_ExecResetStats(RedisModuleString *key);
 
-/* ---- replies and registration --------------------------------------------------------------- */
-
-/* Reply with the error of a failed read of `keyname` (RedisAI's wording for `what`: "tensor",
- * "model" or "script"). */
-int SRIO_ReplyReadError(RedisModuleCtx *ctx, int status, const char *what, char *err);
-
-/* Create a command with one key (argument 1) and its key spec. */
-int SRIO_CreateKeyCommand(RedisModuleCtx *ctx, const char *name, RedisModuleCmdFunc fn, const char *flags,
-                          int arity, uint64_t key_flags);
-
-/* Whether the calling user may access `keyname` with `flags` (REDISMODULE_CMD_KEY_ACCESS, ...):
- * for keys the module reads or writes on the user's behalf beyond the command's own key. */
-int SRIO_UserMayAccess(RedisModuleCtx *ctx, RedisModuleString *keyname, int flags);
+/* ---- registration ------------------------------------------------------------------------------ */
 
 int SRIO_RegisterTensorCommands(RedisModuleCtx *ctx);
 int SRIO_RegisterModelCommands(RedisModuleCtx *ctx);
 int SRIO_RegisterAdminCommands(RedisModuleCtx *ctx);
-/* The module's load-time arguments (name value pairs); REDISMODULE_ERR after logging a bad one. */
-int SRIO_Configure(RedisModuleCtx *ctx, RedisModuleString **argv, int argc);
-
-/* AI.CONFIG's MODEL_CHUNK_SIZE: AI.MODELGET replies with the blob split in chunks of this size. */
-extern long long SRIO_ModelChunkSize;
+/* The execution half (exec.h): its state, client and worker commands, events and timers. */
+int SRIO_ExecRegister(RedisModuleCtx *ctx);
+/* The workers the module starts itself (spawn.c): scheduled once the server serves. */
+int SRIO_SpawnRegister(RedisModuleCtx *ctx);
 
 #endif

@@ -8,7 +8,6 @@
  */
 #include <math.h>
 #include <string.h>
-#include <strings.h>
 
 #include "srio.h"
 
@@ -94,7 +93,10 @@ static int put_value(char *data, int code, uint64_t i, RedisModuleString *arg) {
     return 0;
 }
 
-/* AI.TENSORSET key type dim1..dimN [BLOB data | VALUES val1..valN] */
+/* AI.TENSORSET key type dim1..dimN [BLOB data | VALUES val1..valN]
+ *
+ * The shape is checked before anything is allocated: its bytes (numpy's limit on an array's extent,
+ * then MAX_TENSOR_BYTES) and, for BLOB and VALUES, the data that came with it. */
 static int TensorSet(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc < 4) return RedisModule_WrongArity(ctx);
     RedisModuleKey *key = RedisModule_OpenKey(ctx, argv[1], REDISMODULE_READ);
@@ -103,79 +105,82 @@ static int TensorSet(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModule_CloseKey(key);
     if (foreign) return RedisModule_ReplyWithError(ctx, REDISMODULE_ERRORMSG_WRONGTYPE);
 
-    size_t type_len;
-    const char *type_str = RedisModule_StringPtrLen(argv[2], &type_len);
-    int code = SRIO_DtypeFromName(type_str, type_len);
+    int code = SRIO_DtypeFromName(argv[2]);
     if (!code) {
-        return RedisModule_ReplyWithError(ctx, strcasecmp(type_str, "STRING") == 0
-                                                   ? "ERR invalid data type: STRING tensors are not supported"
-                                                   : "ERR invalid data type");
+        return SRIO_ReplyError(ctx, SRIO_Is(argv[2], "STRING") ? "ERR invalid data type: STRING tensors are not supported"
+                                                               : "ERR invalid data type");
     }
     uint64_t shape[SRIO_MAX_NDIM];
     int ndim = 0, fmt = 0, pos = 3;
-    unsigned __int128 nelem = 1;
     for (; pos < argc; pos++) {
-        const char *opt = RedisModule_StringPtrLen(argv[pos], NULL);
-        if (!strcasecmp(opt, "BLOB")) {
-            if (argc - 1 - pos != 1) {
-                return RedisModule_ReplyWithError(
-                    ctx, "ERR a single binary string should come after the BLOB argument in 'AI.TENSORSET' command");
-            }
+        if (SRIO_Is(argv[pos], "BLOB")) {
             fmt = TENSOR_BLOB;
             pos++;
             break;
         }
-        if (!strcasecmp(opt, "VALUES")) {
-            if ((unsigned __int128)(argc - 1 - pos) != nelem) {
-                return RedisModule_ReplyWithError(ctx, "ERR wrong number of values was given in 'AI.TENSORSET' command");
-            }
+        if (SRIO_Is(argv[pos], "VALUES")) {
             fmt = TENSOR_VALUES;
             pos++;
             break;
         }
         long long dim;
         if (RedisModule_StringToLongLong(argv[pos], &dim) != REDISMODULE_OK || dim < 0) {
-            return RedisModule_ReplyWithError(ctx, "ERR invalid or negative value found in tensor shape");
+            return SRIO_ReplyError(ctx, "ERR invalid or negative value found in tensor shape");
         }
         if (ndim == SRIO_MAX_NDIM) {
-            return RedisModule_ReplyWithError(ctx, "ERR tensors of more than 32 dimensions are not supported");
+            return SRIO_ReplyError(ctx, "ERR tensors of more than %d dimensions are not supported", SRIO_MAX_NDIM);
         }
         shape[ndim++] = (uint64_t)dim;
-        nelem *= (uint64_t)dim;
-        if (nelem > ((unsigned __int128)1 << 62)) {
-            return RedisModule_ReplyWithError(ctx, "ERR invalid or negative value found in tensor shape");
-        }
     }
-    size_t itemsize = (size_t)SRIO_DtypeItemsize(code), nbytes = (size_t)nelem * itemsize;
-    SRIO_Part part;
+    int itemsize = SRIO_DtypeItemsize(code);
+    uint64_t nbytes;
+    if (!SRIO_ShapeFits(shape, ndim, itemsize, &nbytes)) {
+        return SRIO_ReplyError(ctx, "ERR invalid tensor shape: no array of %s has that many elements", SRIO_DtypeName(code));
+    }
+    uint64_t limit = SRIO_MaxTensorBytes();
+    if (nbytes > limit) {
+        return SRIO_ReplyError(ctx, "ERR a tensor of this shape and type holds %llu bytes, more than this server stores "
+                                    "(%llu: MAX_TENSOR_BYTES, or Redis' proto-max-bulk-len)",
+                               (unsigned long long)nbytes, (unsigned long long)limit);
+    }
+    uint64_t nelem = nbytes / (uint64_t)itemsize;
+    if (fmt == TENSOR_BLOB && argc - pos != 1) {
+        return SRIO_ReplyError(ctx, "ERR a single binary string should come after the BLOB argument in 'AI.TENSORSET' command");
+    }
+    if (fmt == TENSOR_VALUES && (uint64_t)(argc - pos) != nelem) {
+        return SRIO_ReplyError(ctx, "ERR wrong number of values was given in 'AI.TENSORSET' command");
+    }
+    SRIO_Part part = {0};
     char *owned = NULL;
     if (fmt == TENSOR_BLOB) {
+        part.str = argv[pos];
         part.ptr = RedisModule_StringPtrLen(argv[pos], &part.len);
-        if (part.len != nbytes) {
-            return RedisModule_ReplyWithError(ctx, "ERR data length does not match tensor shape and type");
-        }
+        if (part.len != nbytes) return SRIO_ReplyError(ctx, "ERR data length does not match tensor shape and type");
         if (code == SRIO_BOOL) {
             for (size_t i = 0; i < part.len; i++) {
-                if ((unsigned char)part.ptr[i] > 1) {
-                    return RedisModule_ReplyWithError(ctx, "ERR BOOL tensor elements must be 0 or 1");
-                }
+                if ((unsigned char)part.ptr[i] > 1) return SRIO_ReplyError(ctx, "ERR BOOL tensor elements must be 0 or 1");
             }
         }
-    } else {
-        /* VALUES, or no data at all: a tensor of zeros */
-        owned = RedisModule_Calloc(nbytes ? nbytes : 1, 1);
-        for (uint64_t i = 0; fmt == TENSOR_VALUES && i < (uint64_t)nelem; i++) {
+    } else if (fmt == TENSOR_VALUES) {
+        /* as many values as elements came with the command: sized by what was sent */
+        owned = RedisModule_Alloc(nbytes ? nbytes : 1);
+        for (uint64_t i = 0; i < nelem; i++) {
             if (!put_value(owned, code, i, argv[pos + i])) {
                 RedisModule_Free(owned);
-                return RedisModule_ReplyWithError(ctx, "ERR invalid value");
+                return SRIO_ReplyError(ctx, "ERR invalid value");
             }
         }
         part.ptr = owned;
         part.len = nbytes;
     }
-    SRIO_TensorWrite(ctx, argv[1], code, ndim, shape, &part, 1);
+    char *err;
+    int status = SRIO_TensorWrite(ctx, argv[1], code, ndim, shape, fmt ? &part : NULL, fmt ? 1 : 0, nbytes, &err);
     if (owned) RedisModule_Free(owned);
-    RedisModule_ReplicateVerbatim(ctx);
+    if (status != REDISMODULE_OK) {
+        SRIO_ReplyError(ctx, "ERR %s", err);
+        RedisModule_Free(err);
+        return REDISMODULE_OK;
+    }
     return RedisModule_ReplyWithSimpleString(ctx, "OK");
 }
 
@@ -199,24 +204,34 @@ static void reply_values(RedisModuleCtx *ctx, const SRIO_Tensor *t) {
     }
 }
 
+/* The largest VALUES reply: one element takes up to this many bytes of a reply (a double as text),
+ * and a reply is held no larger than the largest tensor this server stores. */
+#define VALUE_REPLY_BYTES 24
+
 /* AI.TENSORGET key [META] [BLOB | VALUES] */
 static int TensorGet(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc < 2 || argc > 4) return RedisModule_WrongArity(ctx);
+    int fmt = argc == 2 ? TENSOR_META | TENSOR_BLOB : 0;
+    for (int i = 2; i < argc; i++) {
+        if (SRIO_Is(argv[i], "BLOB")) fmt |= TENSOR_BLOB;
+        else if (SRIO_Is(argv[i], "VALUES")) fmt |= TENSOR_VALUES;
+        else if (SRIO_Is(argv[i], "META")) fmt |= TENSOR_META;
+        else fmt = -1;
+        if (fmt == -1) return SRIO_ReplyError(ctx, "ERR unsupported data format");
+        if ((fmt & (TENSOR_BLOB | TENSOR_VALUES)) == (TENSOR_BLOB | TENSOR_VALUES)) {
+            return SRIO_ReplyError(ctx, "ERR both BLOB and VALUES specified");
+        }
+    }
     SRIO_Tensor t;
     char *err;
     int status = SRIO_TensorOpen(ctx, argv[1], &t, &err);
     if (status != SRIO_OK) return SRIO_ReplyReadError(ctx, status, "tensor", err);
-    int fmt = argc == 2 ? TENSOR_META | TENSOR_BLOB : 0;
-    for (int i = 2; i < argc; i++) {
-        const char *opt = RedisModule_StringPtrLen(argv[i], NULL);
-        if (!strcasecmp(opt, "BLOB")) fmt |= TENSOR_BLOB;
-        else if (!strcasecmp(opt, "VALUES")) fmt |= TENSOR_VALUES;
-        else if (!strcasecmp(opt, "META")) fmt |= TENSOR_META;
-        else fmt = -1;
-        if (fmt == -1 || (fmt & (TENSOR_BLOB | TENSOR_VALUES)) == (TENSOR_BLOB | TENSOR_VALUES)) {
-            SRIO_TensorClose(&t);
-            return RedisModule_ReplyWithError(ctx, fmt == -1 ? "ERR unsupported data format" : "ERR both BLOB and VALUES specified");
-        }
+    uint64_t nelem = t.h.nbytes / (uint64_t)SRIO_DtypeItemsize(t.h.code);
+    if ((fmt & TENSOR_VALUES) && nelem > SRIO_MaxTensorBytes() / VALUE_REPLY_BYTES) {
+        SRIO_TensorClose(&t);
+        return SRIO_ReplyError(ctx, "ERR tensor '%s' has %llu elements, too many for a VALUES reply (at most %llu); "
+                                    "ask for BLOB", SRIO_Name(argv[1]), (unsigned long long)nelem,
+                               (unsigned long long)(SRIO_MaxTensorBytes() / VALUE_REPLY_BYTES));
     }
     if (fmt & TENSOR_META) {
         RedisModule_ReplyWithArray(ctx, fmt & (TENSOR_BLOB | TENSOR_VALUES) ? 6 : 4);
