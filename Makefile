@@ -48,8 +48,9 @@ MIDDLE_TESTS := tests/fastpersist tests/test_fast_paths.py tests/lightning_stora
 # gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
 # $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
 ARCH_LIST = $(if $(TORCH_CUDA_ARCH_LIST),TORCH_CUDA_ARCH_LIST="$$($(1) -c 'import sys; from fastpersist._deepspeed_compat import sanitized_arch_list; print(sanitized_arch_list(sys.argv[1]))' '$(TORCH_CUDA_ARCH_LIST)')")
-# The smartredis_io Redis module, built in place (an editable install finds it; wheels build their own).
-# Its header, redismodule.h, is fetched once (pinned crate, SHA-256 checked) into .tools/include.
+# The smartredis_io Redis module, built in place (an editable install finds it; wheels build their own),
+# and its AddressSanitizer + UndefinedBehaviorSanitizer build for the tests, in .tools/sanitize. Its
+# header, redismodule.h, is in the repository (pinned, SHA-256 checked): nothing is downloaded.
 MODULE_DIR := smartredis_io/redisai
 MODULE := $(MODULE_DIR)/srio_redisai.so
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
@@ -73,11 +74,11 @@ apt-packages:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
-module: $(MODULE)
-
-# cc -O2 with warnings, a few seconds; needs only the standard library of any Python 3
-$(MODULE): $(wildcard $(MODULE_DIR)/*.c $(MODULE_DIR)/*.h) $(MODULE_DIR)/build.py
+# cc -O2 -Werror, then cc -fsanitize=address,undefined: a few seconds each; build.py skips a build
+# whose sources and compiler command ($$CC, $$CFLAGS) are unchanged; any Python 3 runs it
+module:
 	$(PYTHON) $(MODULE_DIR)/build.py
+	$(PYTHON) $(MODULE_DIR)/build.py --sanitize
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -58,7 +58,7 @@ from smartredis_io import (
 from smartredis_io.connection import Command, ConnectionSettings, Database, parse_address, plain_client
 from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
 from smartredis_io.protocol import Manifest, Request
-from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED
+from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
 
 log = logging.getLogger("smartredis_io.worker")
 
@@ -146,6 +146,34 @@ class ModuleMissingError(RedisConnectionError):
     """The database does not serve the worker commands: the module is not loaded."""
 
 
+def _hello(secret: str | None, conn: Any) -> None:
+    """Set up a new connection, then prove it is a worker's (``SRIO.HELLO``): the module serves the
+    worker commands only on such connections. Without a secret (a module that asks for none) it
+    says nothing."""
+    conn.on_connect()
+    if secret is None:
+        return
+    conn.send_command("SRIO.HELLO", secret)
+    try:
+        conn.read_response()
+    except redis.exceptions.ResponseError as exc:
+        conn.disconnect()
+        if "unknown command" in str(exc).lower():
+            raise ModuleMissingError(f"The database does not serve execution workers: {protocol.MODULE_HINT}") from None
+        raise redis.exceptions.NoPermissionError(
+            f"the Redis module refused this worker ({exc}): its secret ({SECRET_ENV}, or the worker command's "
+            "--secret-file) must be the module's (WORKER_SECRET_FILE)") from None
+
+
+def _worker_client(endpoint: tuple[str, int] | str, settings: ConnectionSettings, timeout_s: float) -> redis.Redis:
+    """A client of one server whose every connection, and every reconnection, first says
+    ``SRIO.HELLO`` with the worker secret (``$SRIO_WORKER_SECRET``)."""
+    client = plain_client(endpoint, settings, timeout_s)
+    secret = os.environ.get(SECRET_ENV)
+    client.connection_pool.connection_kwargs["redis_connect_func"] = lambda conn: _hello(secret, conn)
+    return client
+
+
 class _Stopped(BaseException):
     """Raised by the signal handler to leave a wait (a BaseException: no model error handler takes it)."""
 
@@ -185,7 +213,7 @@ class _Node:
         self.endpoint = endpoint
         self.name = endpoint if isinstance(endpoint, str) else f"{endpoint[0]}:{endpoint[1]}"
         self._settings = settings
-        self._client = plain_client(endpoint, settings, settings.command_timeout_s)
+        self._client = _worker_client(endpoint, settings, settings.command_timeout_s)
         self.conn = self._client.connection_pool.get_connection()
         self._side: Any = None
         self.pending = False  # an SRIO.POP was sent and its reply is not read yet
@@ -254,7 +282,7 @@ class _Heartbeat:
     """
 
     def __init__(self, settings: ConnectionSettings, endpoints: Sequence[Any], name: str) -> None:
-        self._clients = [plain_client(e, settings, settings.command_timeout_s) for e in endpoints]
+        self._clients = [_worker_client(e, settings, settings.command_timeout_s) for e in endpoints]
         # Connected now, with the rights the process starts with: a worker that drops to another user
         # may not open the server's Unix socket afterwards.
         for client in self._clients:
@@ -461,7 +489,7 @@ class Worker:
         for node in self._nodes:
             try:
                 node.close()  # a pop still waiting there is released, what it held requeued
-                client = plain_client(node.endpoint, quick, UNREGISTER_TIMEOUT_S)
+                client = _worker_client(node.endpoint, quick, UNREGISTER_TIMEOUT_S)
                 try:
                     client.execute_command("SRIO.UNREGISTER", self.name)
                 finally:

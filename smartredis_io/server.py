@@ -31,6 +31,7 @@ from lightning_storage_plugins.services import (
     is_loopback,
 )
 from smartredis_io.connection import ConnectionSettings, plain_client
+from smartredis_io.worker_protocol import SECRET_ENV
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -59,10 +60,17 @@ _MODULE_DATA_COMMANDS = " ".join(f"+ai.{name}" for name in (
     "scriptget", "scriptdel", "info", "config"))
 # The module's commands that run models and scripts: clients send them, the module checks their ACL.
 _MODULE_RUN_COMMANDS = "+ai.modelexecute +ai.scriptexecute +ai.scriptrun"
-# The module commands execution workers take requests and answer them with; no client has them.
+# The module commands execution workers take requests and answer them with; no client has them
+# (and the module serves them only on connections that proved they know its worker secret).
 _WORKER_MODULE_COMMANDS = (
-    "+srio.pop +srio.take +srio.reply +srio.return +srio.pause +srio.heartbeat +srio.unregister"
+    "+srio.hello +srio.pop +srio.take +srio.reply +srio.return +srio.pause +srio.heartbeat +srio.unregister"
 )
+WORKER_SECRET_FILE = "worker-secret"
+
+
+def _module_arg(args: Sequence[str], name: str) -> str | None:
+    """The value of the module argument ``name`` in ``args`` (NAME value pairs), or None."""
+    return next((value for key, value in zip(args[0::2], args[1::2], strict=False) if key.upper() == name), None)
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,11 @@ class RedisServer:
             see :mod:`smartredis_io.redis_module`): ``True`` (default) the one of this package,
             a path for another build, ``False`` for a plain Redis.
         module_args: the module's arguments (``NAME value`` pairs, e.g. ``("MODEL_CHUNK_SIZE", "1048576")``).
+            The module starts no execution worker of its own unless they name ``WORKERS``.
+        worker_secret: what execution workers show the module (``SRIO.HELLO``); default: a random
+            one, or the first line of the module's ``WORKER_SECRET_FILE`` when ``module_args`` names one.
+            The launcher hands it to the module in a file only its owner can read.
+        env: more environment variables for redis-server.
 
     Raises:
         ValueError: a non-loopback ``host`` without authentication, or two users of one name.
@@ -162,6 +175,8 @@ class RedisServer:
         startup_timeout_s: float = 15.0,
         module: bool | str = True,
         module_args: Sequence[str] = (),
+        worker_secret: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if not is_loopback(host) and not password and not users:
             raise ValueError(
@@ -188,6 +203,9 @@ class RedisServer:
             module = module_path()
         self.module = os.fspath(module) if module else None
         self._module_args = tuple(module_args)
+        self._secret_file = _module_arg(self._module_args, "WORKER_SECRET_FILE")
+        self._worker_secret = worker_secret or (None if self._secret_file else secrets.token_hex(32))
+        self._env = dict(env or {})
         self._workdir: Path | None = None
         self._process: ManagedProcess | None = None
 
@@ -196,6 +214,16 @@ class RedisServer:
         """``host:port``, the form SmartRedis' ``SSDB`` takes (loopback when listening on every interface)."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def worker_secret(self) -> str | None:
+        """What execution workers show the module (``SRIO.HELLO``); None without the module."""
+        if not self.module:
+            return None
+        if self._secret_file:
+            with open(self._secret_file) as f:
+                return f.readline().strip()
+        return self._worker_secret
 
     @property
     def pids(self) -> list[int]:
@@ -235,7 +263,12 @@ class RedisServer:
         if self._password:
             lines.append(f"requirepass {_quote(self._password)}")
         if self.module:
-            lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *self._module_args)))
+            args = list(self._module_args)
+            if _module_arg(args, "WORKERS") is None and _module_arg(args, "THREADS_PER_QUEUE") is None:
+                args += ["WORKERS", "0"]  # the launchers start workers themselves (Orchestrator)
+            if not self._secret_file:
+                args += ["WORKER_SECRET_FILE", str(self._workdir / WORKER_SECRET_FILE)]
+            lines.append("loadmodule " + " ".join(_quote(token) for token in (self.module, *args)))
         lines += ["user " + " ".join(_quote(token) for token in user.rule(module=bool(self.module)))
                   for user in self.users]
         return "\n".join(lines) + "\n"
@@ -245,6 +278,10 @@ class RedisServer:
         self._workdir = Path(tempfile.mkdtemp(prefix="redis-"))
         try:
             config = self._workdir / "redis.conf"
+            if self.module and not self._secret_file:
+                fd = os.open(self._workdir / WORKER_SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"{self._worker_secret}\n")
             fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self._config())
@@ -253,6 +290,7 @@ class RedisServer:
                 [self._binary, str(config), *self._extra_args],
                 ready=self._answers,
                 startup_timeout_s=self._startup_timeout_s,
+                env={**os.environ, **self._env} if self._env else None,
             )
             self._process.start()
         except BaseException:
@@ -293,18 +331,21 @@ class RedisServer:
 class RedisCluster:
     """A Redis Cluster of ``shards`` primaries (no replicas), slots spread evenly.
 
-    Takes ``host``, ``password``, ``users``, ``tls``, ``module`` and ``module_args`` as
-    :class:`RedisServer` does (every node gets them; the cluster bus uses TLS too when ``tls`` is given).
+    Takes ``host``, ``password``, ``users``, ``tls``, ``module``, ``module_args``, ``worker_secret`` and
+    ``env`` as :class:`RedisServer` does (every node gets them; the cluster bus uses TLS too when
+    ``tls`` is given).
     """
 
     def __init__(self, shards: int = 3, host: str = "127.0.0.1", *, password: str | None = None,
                  users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
                  startup_timeout_s: float = 15.0, module: bool | str = True,
-                 module_args: Sequence[str] = ()) -> None:
+                 module_args: Sequence[str] = (), worker_secret: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         if shards < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 primaries, got shards={shards}")
         self.host = host
         password = password or (secrets.token_urlsafe(24) if users else None)
+        worker_secret = worker_secret or secrets.token_hex(32)  # one for every node: a worker serves them all
         cluster_args: tuple[str, ...] = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                          "--cluster-node-timeout", "5000")
         if tls:
@@ -312,7 +353,8 @@ class RedisCluster:
         self._nodes = [
             RedisServer(host, password=password, users=users, tls=tls,
                         extra_args=(*cluster_args, "--cluster-port", str(free_port("127.0.0.1"))),
-                        startup_timeout_s=startup_timeout_s, module=module, module_args=module_args)
+                        startup_timeout_s=startup_timeout_s, module=module, module_args=module_args,
+                        worker_secret=worker_secret, env=env)
             for _ in range(shards)
         ]
 
@@ -335,6 +377,11 @@ class RedisCluster:
     def users(self) -> tuple[AclUser, ...]:
         """The ACL users every node has."""
         return self._nodes[0].users
+
+    @property
+    def worker_secret(self) -> str | None:
+        """What execution workers show every node's module (``SRIO.HELLO``); None without the module."""
+        return self._nodes[0].worker_secret
 
     def settings(self, user: str | None = None) -> ConnectionSettings:
         """How to connect to the cluster as ``user`` (default: the default user)."""
@@ -485,6 +532,7 @@ class Orchestrator:
         name = f"orchestrator-{id(self):x}-{self._started}"
         self._started += 1
         credentials = settings_env(self.settings(self._worker_login))  # in the environment, not on argv
+        credentials[SECRET_ENV] = self.database.worker_secret or ""
         worker = ManagedProcess(
             f"smartredis-worker:{name}",
             [sys.executable, "-m", "smartredis_io.worker", "--address", self.address, "--device", self._device,
@@ -501,7 +549,10 @@ class Orchestrator:
         host = "127.0.0.1" if self.database.host in ("0.0.0.0", "::") else self.database.host
         port = self.database.ports[0] if self.cluster else self.database.port
         with plain_client((host, port), self.settings(), LAUNCHER_TIMEOUT_S) as client:
-            return {name.decode(): int(pid) for name, pid, *_ in client.execute_command("SRIO.WORKERS")}
+            # one connection: the module answers SRIO.WORKERS only where SRIO.HELLO was said
+            _, entries = (client.pipeline(transaction=False).execute_command("SRIO.HELLO", self.database.worker_secret)
+                          .execute_command("SRIO.WORKERS").execute())
+            return {name.decode(): int(pid) for name, pid, *_ in entries}
 
     def _registered(self, names: list[str]) -> bool:
         return set(names) <= set(self._registry())

@@ -8,6 +8,8 @@ races an overwrite finds a chunk gone or a checksum off and reads again.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import os
 import struct
@@ -17,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from redis.crc import key_slot
 
 from smartredis_io.connection import Database
 from smartredis_io.error import RedisInternalError, RedisKeyError, RedisRuntimeError
@@ -71,12 +74,29 @@ def dtype_code(dtype: np.dtype) -> int:
     return code
 
 
-def tagged_key(key: str, suffix: str) -> str:
-    """A key on the same cluster slot as ``key``: its hash tag kept, or ``{key}`` made the tag."""
+def _hash_tag(key: str) -> str | None:
+    """Redis Cluster's hash tag of ``key``: the text between the first ``{`` and the first ``}`` after
+    it, when not empty; None when the whole key is hashed."""
     start = key.find("{")
-    if start >= 0 and key.find("}", start + 2) >= 0:
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _slot_tag(slot: int) -> str:
+    """``srio<n>`` for the smallest n whose cluster slot is ``slot``."""
+    return next(f"srio{n}" for n in itertools.count() if key_slot(f"srio{n}".encode()) == slot)
+
+
+def tagged_key(key: str, suffix: str) -> str:
+    """A key on the same cluster slot as ``key``, followed by ``suffix``: the key itself when it has a
+    hash tag, ``{key}`` when it has no ``}``, else ``{srio<n>}key`` with a tag of the key's slot (the
+    Redis module derives the same names)."""
+    if _hash_tag(key) is not None:
         return f"{key}{suffix}"
-    return f"{{{key}}}{suffix}"
+    if key and "}" not in key:
+        return f"{{{key}}}{suffix}"
+    return f"{{{_slot_tag(key_slot(key.encode('utf-8', 'surrogateescape')))}}}{key}{suffix}"
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from smartredis_io.server import Orchestrator, RedisServer
+from smartredis_io.worker_protocol import SECRET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +39,23 @@ def deployment(db_nodes: int, workers: int, device: str = "cpu", colocated: bool
         return
     with tempfile.TemporaryDirectory(prefix="redis-uds-") as tmp:
         address = f"unix://{Path(tmp) / 'redis.sock'}"
-        with RedisServer(extra_args=("--unixsocket", address[len("unix://"):], "--unixsocketperm", "700")):
-            with workers_for(address, workers, device):
+        with RedisServer(extra_args=("--unixsocket", address[len("unix://"):], "--unixsocketperm", "700")) as server:
+            with workers_for(address, workers, device, secret=server.worker_secret):
                 yield address
 
 
 @contextlib.contextmanager
-def workers_for(address: str, count: int, device: str = "cpu") -> Iterator[None]:
-    """``count`` worker processes (``python -m smartredis_io.worker``) for the database at ``address``."""
+def workers_for(address: str, count: int, device: str = "cpu", secret: str | None = None) -> Iterator[None]:
+    """``count`` worker processes (``python -m smartredis_io.worker``) for the database at ``address``,
+    showing its module ``secret`` (default: ``$SRIO_WORKER_SECRET``)."""
     if count <= 0:
         yield
         return
     argv = [sys.executable, "-m", "smartredis_io.worker", "--address", address, "--workers", str(count),
             "--device", worker_device(device), *(["--user", "nobody"] if os.geteuid() == 0 else [])]
     log.info("starting execution workers: %s", " ".join(argv))
-    proc = subprocess.Popen(argv, start_new_session=True)
+    env = {**os.environ, SECRET_ENV: secret} if secret else None  # in the environment, not on argv
+    proc = subprocess.Popen(argv, start_new_session=True, env=env)
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ from smartredis_io import (
 )
 from smartredis_io.error import RedisConnectionError, RedisReplyError
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
-from tests.support.srio_workers import busy_worker, registry
+from tests.support.srio_workers import busy_worker, protocol_client, registry
 
 X = np.ones((2, 4), dtype=np.float32)
 
@@ -109,7 +109,7 @@ def test_a_client_user_cannot_reach_the_protocol_or_write_beyond_its_keys(uid: s
     users = [AclUser("alice", "alice-pw", write_keys=("alice.*",)), AclUser("bob", "bob-pw", write_keys=("bob.*",)),
              AclUser("runner", "runner-pw", role="worker")]
     with Orchestrator(workers=1, users=users) as orch:
-        admin = redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password)
+        admin = protocol_client(orch.database)  # the default user, on a worker's connection
         alice = redis.Redis(host="127.0.0.1", port=orch.database.port, username="alice", password="alice-pw")
         bob = Client(_options(orch.address, SR_USERNAME="bob", SR_PASSWORD="bob-pw"))
         script, model = f"{uid}script", f"{uid}model"

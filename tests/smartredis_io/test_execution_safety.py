@@ -20,7 +20,7 @@ from smartredis_io import Client, ConfigOptions, Orchestrator, wire
 from smartredis_io.error import RedisInternalError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import busy_worker, registry, wait_until
+from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until, worker_env
 
 X = np.ones((2, 4), dtype=np.float32)
 SECRET = 12345.0
@@ -39,9 +39,9 @@ def _plain(orch: Orchestrator) -> redis.Redis:
 
 
 def _nodes(orch: Orchestrator) -> list[redis.Redis]:
-    """A plain client of every server of the database."""
+    """A client of every server of the database, speaking the worker protocol."""
     ports = orch.database.ports if orch.cluster else [orch.database.port]
-    return [redis.Redis(host="127.0.0.1", port=port, password=orch.settings().password) for port in ports]
+    return [protocol_client(orch.database, port) for port in ports]
 
 
 class _Call(threading.Thread):
@@ -160,13 +160,14 @@ def test_two_sigterms_stop_a_worker_inside_a_long_run(redis_server, uid: str) ->
     """The first SIGTERM lets the run go on; the second stops the worker although it never returns to
     Python (a TorchScript loop), and the module hands its request to the next worker."""
     name = f"sig-{uid}"
-    plain = redis.Redis(host=redis_server.host, port=redis_server.port)
+    plain = protocol_client(redis_server)  # it stands in for the next worker
     cli = ManagedProcess(
         "worker-cli",
         [sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address, "--name", name,
          *(["--user", "nobody"] if os.geteuid() == 0 else [])],
         ready=lambda: any(n.startswith(name) for n in registry(plain)),
         startup_timeout_s=90,
+        env=worker_env(redis_server),
     )
     with cli, _client(redis_server.address, 60_000) as client:
         client.set_script(uid, SCRIPT)

@@ -30,7 +30,7 @@ from smartredis_io import (
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import busy_worker, registry, wait_until
+from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until
 
 X = np.ones((2, 4), dtype=np.float32)
 
@@ -121,7 +121,7 @@ def test_a_killed_server_fails_calls_at_once(uid: str) -> None:
 
 
 def _plain(orch: Orchestrator) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=orch.database.port, password=orch.settings().password)
+    return protocol_client(orch.database)
 
 
 class _Run:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -98,24 +99,41 @@ def test_the_module_uses_only_apis_of_the_redis_server_it_runs_on() -> None:
     assert not missing, f"{binary} does not export {missing}"
 
 
-def test_the_header_fetch_is_cached(tmp_path, monkeypatch) -> None:
+def _build_script():
     spec = importlib.util.spec_from_file_location("srio_build", SOURCES / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    cached = build.fetch_header()  # make setup fetched it
-    shutil.copytree(cached.parent, tmp_path / "include")
-    monkeypatch.setenv(build.INCLUDE_ENV, str(tmp_path / "include"))
+    return build
 
-    def no_network(*args, **kwargs):
-        raise AssertionError("the header was downloaded again")
 
-    monkeypatch.setattr(build.urllib.request, "urlopen", no_network)
-    assert build.fetch_header() == tmp_path / "include" / "redismodule.h"
-    out = build.build(tmp_path / "srio.so")
-    assert out.is_file() and build.build(out) == out  # built once, then up to date
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare --net (root)")
+def test_the_module_builds_without_network_and_warnings(tmp_path, monkeypatch) -> None:
+    """The pinned header is in the repository; the build (-Wall -Wextra -Werror) runs where no network is."""
+    build = _build_script()
+    assert build.check_header() == SOURCES / "redismodule.h"
+    assert {"-Wall", "-Wextra", "-Werror"} <= set(build.CFLAGS)
+    out = tmp_path / "srio.so"
+    subprocess.run(["unshare", "--net", sys.executable, str(SOURCES / "build.py"), "--out", str(out)], check=True,
+                   capture_output=True)
+    assert out.is_file() and build.build(out) == out and build._up_to_date(out, build.command(out))
     binary = out.read_bytes()  # what a wheel ships: no path of the machine it was built on
     for where in (build.ROOT, tmp_path, Path.cwd()):
         assert str(where).encode() not in binary, where
+    # another compiler command builds again
+    monkeypatch.setenv("CFLAGS", "-DSRIO_OTHER_FLAGS")
+    assert not build._up_to_date(out, build.command(out))
+    monkeypatch.delenv("CFLAGS")
+    monkeypatch.setenv("CC", "cc -DSRIO_OTHER_COMPILER")
+    assert not build._up_to_date(out, build.command(out))
+
+
+def test_a_changed_header_is_refused(tmp_path, monkeypatch) -> None:
+    build = _build_script()
+    header = tmp_path / "redismodule.h"
+    header.write_bytes((SOURCES / "redismodule.h").read_bytes() + b"\n")
+    monkeypatch.setattr(build, "HEADER", header)
+    with pytest.raises(SystemExit, match="SHA-256"):
+        build.check_header()
 
 
 # ---- tensors -------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from smartredis_io import Client, Orchestrator, protocol, wire
-from smartredis_io.error import RedisKeyError, RedisReplyError, RedisTimeoutError
+from smartredis_io.error import RedisKeyError, RedisReplyError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
-from tests.support.srio_workers import WorkerEntry, registry, wait_until
+from tests.support.srio_workers import WorkerEntry, protocol_client, registry, wait_until, worker_env
 
 X = np.random.default_rng(1).random((3, 4), dtype=np.float32)
 
@@ -172,7 +172,7 @@ def test_errors_come_back_as_reply_errors(orchestrator: Orchestrator, orch_clien
     with pytest.raises(RedisReplyError, match="not a tensor"):
         orch_client.run_model(uid + "ok", [uid + "garbage"], [uid + "y"])
     orch_raw.set(uid + "bad", b'{"kind": "model", "version": ')  # looks like a manifest, is not one
-    with pytest.raises(RedisReplyError, match="is empty"):
+    with pytest.raises(RedisReplyError, match="WRONGTYPE"):  # as AI.MODELGET says
         orch_client.run_model(uid + "bad", [uid + "x"], [uid + "y"])
     orch_client.run_model(uid + "ok", [uid + "x"], [uid + "y"])  # the workers are still fine
     assert set(orchestrator.worker_pids) == pids
@@ -226,13 +226,13 @@ def test_batching(orchestrator: Orchestrator, orch_client: Client, uid: str) -> 
     assert orch_client.get_tensor(uid + "out").tolist() == [[2.0], [2.0]]
 
 
-def test_run_model_without_workers_times_out(redis_server, monkeypatch, uid: str) -> None:
-    monkeypatch.setenv("SR_MODEL_TIMEOUT", "300")
+def test_run_model_without_workers_fails_at_once(redis_server, uid: str) -> None:
+    """No worker is registered and none is starting: the module says so at once, not at the deadline."""
     with Client(False, redis_server.address) as client:
         client.set_script(uid, SCRIPT)
         client.put_tensor(uid + "x", X)
         start = time.monotonic()
-        with pytest.raises(RedisTimeoutError, match="no execution worker"):
+        with pytest.raises(RedisReplyError, match="no execution worker is registered on this server"):
             client.run_script(uid, "double", [uid + "x"], [uid + "y"])
         assert time.monotonic() - start < 2.0
         assert not client.tensor_exists(uid + "y")
@@ -267,7 +267,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
     from lightning_storage_plugins.services import ManagedProcess
 
     name = f"cli-{uid}"
-    plain = redis.Redis(host=redis_server.host, port=redis_server.port)
+    plain = protocol_client(redis_server)
 
     def workers() -> dict[str, WorkerEntry]:
         return {n: e for n, e in registry(plain).items() if n.startswith(name)}
@@ -278,6 +278,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
          "--name", name, *(["--user", "nobody"] if os.geteuid() == 0 else [])],
         ready=lambda: len(workers()) == 2,
         startup_timeout_s=90,
+        env=worker_env(redis_server),
     )
     with cli, Client(False, redis_server.address) as client:
         pids = {entry.pid for entry in workers().values()}

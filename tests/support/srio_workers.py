@@ -1,10 +1,13 @@
-"""What the smartredis_io module knows of its execution workers, as a test sees it (``SRIO.WORKERS``)."""
+"""What the smartredis_io module knows of its execution workers, as a test sees it (``SRIO.WORKERS``),
+through a connection that speaks the worker protocol (it said ``SRIO.HELLO`` with the module's secret)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -15,6 +18,25 @@ class WorkerEntry:
 
     pid: int
     running: int
+
+
+def protocol_client(server: Any, port: int | None = None) -> redis.Redis:
+    """A plain client of ``server`` (a ``RedisServer`` or ``RedisCluster``; ``port``: which node) whose
+    every connection first says ``SRIO.HELLO`` with the module's worker secret, as a worker's does."""
+    secret = server.worker_secret
+
+    def hello(conn: Any) -> None:
+        conn.on_connect()
+        conn.send_command("SRIO.HELLO", secret)
+        conn.read_response()
+
+    return redis.Redis(host="127.0.0.1", port=port or server.port, password=server.settings().password,
+                       redis_connect_func=hello)
+
+
+def worker_env(server: Any) -> dict[str, str]:
+    """The environment of a ``python -m smartredis_io.worker`` for ``server``: ours, plus the module's secret."""
+    return {**os.environ, "SRIO_WORKER_SECRET": server.worker_secret}
 
 
 def registry(client: redis.Redis | list[redis.Redis]) -> dict[str, WorkerEntry]:
