@@ -75,6 +75,7 @@ from benchmarks.report import (  # noqa: E402
     per_second,
     quiet_self_printing_loggers,
     ratio,
+    row_progress,
     spread,
     write_json,
 )
@@ -558,14 +559,6 @@ def write_chart(path: str | os.PathLike[str], rows: list[dict[str, Any]], ceilin
 
 
 # The run ---------------------------------------------------------------------------------------------
-def _progress(subjects: Sequence[Subject]) -> list[Any]:
-    from tqdm import tqdm
-
-    width = max(len(s.name) for s in subjects)
-    return [tqdm(total=0, desc=s.name.ljust(width), unit="op", position=i, leave=True, file=sys.stderr,
-                 dynamic_ncols=True) for i, s in enumerate(subjects)]
-
-
 def run_rounds(subjects: Sequence[Subject], steps: int, stop: threading.Event | None = None) -> None:
     """``steps`` rounds: one save of every subject, then one load of every subject, then clean-up;
     the order rotates by one each round. Once ``stop`` is set, the next operation raises
@@ -575,10 +568,8 @@ def run_rounds(subjects: Sequence[Subject], steps: int, stop: threading.Event | 
         if stop is not None and stop.is_set():
             raise KeyboardInterrupt("stopped between operations")
 
-    bars = _progress(subjects)
-    for bar, subject in zip(bars, subjects, strict=True):
-        bar.total = steps * (int(subject.does_save) + int(subject.does_load))
-        bar.refresh()
+    bars = row_progress([s.name for s in subjects],
+                        [steps * (int(s.does_save) + int(s.does_load)) for s in subjects])
     try:
         for step in range(steps):
             order = list(range(len(subjects)))

@@ -11,12 +11,13 @@ import json
 import logging
 import os
 import statistics
+import sys
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 
@@ -158,6 +159,50 @@ class CpuMeter:
     def since(self, before: Mapping[str, float]) -> dict[str, float]:
         now = self.snapshot()
         return {name: now[name] - before[name] for name in before if name in now}
+
+
+class RowProgress:
+    """The progress of one benchmark row: a bar on a terminal, else one plain line once it is done.
+
+    Output sent to a file or a pipe (a CI log, ``tee``) gets no cursor movement: each finished row
+    writes ``name: N ops in S s``, and nothing is redrawn. Made by :func:`row_progress`.
+    """
+
+    def __init__(self, name: str, total: int, unit: str, stream: TextIO, bar: Any = None) -> None:
+        self.name, self.total, self.unit = name, total, unit
+        self._stream, self._bar = stream, bar
+        self._done = 0
+        self._start = time.perf_counter()
+
+    def update(self, count: int = 1) -> None:
+        """``count`` more of the row's operations have finished."""
+        self._done += count
+        if self._bar is not None:
+            self._bar.update(count)
+        elif self._done == self.total:
+            seconds = time.perf_counter() - self._start
+            self._stream.write(f"{self.name}: {self._done} {self.unit}s in {seconds:.1f} s\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        """End the bar (a row stopped before it finished writes nothing more)."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def row_progress(names: Sequence[str], totals: Sequence[int], unit: str = "op",
+                 stream: TextIO | None = None) -> list[RowProgress]:
+    """One :class:`RowProgress` per row, on ``stream`` (default: standard error): tqdm bars, one line
+    each, where the stream is a terminal; plain lines, one per finished row, anywhere else."""
+    stream = stream if stream is not None else sys.stderr
+    width = max((len(name) for name in names), default=0)
+    if not stream.isatty():
+        return [RowProgress(name, total, unit, stream) for name, total in zip(names, totals, strict=True)]
+    from tqdm import tqdm
+
+    return [RowProgress(name, total, unit, stream, tqdm(total=total, desc=name.ljust(width), unit=unit, position=index,
+                                                         leave=True, file=stream, dynamic_ncols=True))
+            for index, (name, total) in enumerate(zip(names, totals, strict=True))]
 
 
 def _cell(value: Any) -> str:
