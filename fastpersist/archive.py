@@ -100,7 +100,7 @@ class ArchiveWriter:
 
     def __init__(
         self,
-        put: Callable[[bytes | torch.Tensor], None],
+        put: Callable[[bytes | torch.Tensor | torch.UntypedStorage], None],
         position: Callable[[], int],
         zip64_limit: int = U32_MAX,
         alignment: int = ALIGNMENT_BYTES,
@@ -129,7 +129,7 @@ class ArchiveWriter:
         self._header(f"data/{key}", size, crc=0, align=True,
                      residue=address % ALIGNMENT_BYTES if in_place else None)
         if size:
-            self._put(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+            self._put(storage)
         self.num_storages += 1
 
     def add_bytes(self, name: str, data: bytes) -> None:

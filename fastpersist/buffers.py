@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from fastpersist.memory import ALIGNMENT_BYTES, round_down, round_up
 
-Piece = bytes | bytearray | memoryview | torch.Tensor
+Piece = bytes | bytearray | memoryview | torch.Tensor | torch.UntypedStorage
 SMALL_COPY_BYTES = 256 * 1024  # below this a memoryview copy beats a torch copy_ call
 # A half goes to the disk in this many slices, each as soon as it is filled: the first write starts
 # after a quarter of a half is staged, not a whole one, and the last one to wait for is a quarter.
@@ -51,7 +52,14 @@ def split_halves(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def piece_length(piece: Piece) -> int:
-    return piece.numel() if isinstance(piece, torch.Tensor) else len(piece)
+    if isinstance(piece, torch.Tensor):
+        return piece.numel()
+    return piece.nbytes() if isinstance(piece, torch.UntypedStorage) else len(piece)
+
+
+def _as_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over ``storage``'s bytes (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 class DoubleBuffer:
@@ -91,6 +99,7 @@ class DoubleBuffer:
         self._file_offset = 0
         self.has_device_copies = False  # non-blocking copies to or from a GPU are pending
         self._views = [memoryview(half.numpy()) if on_cpu else None for half in self.halves]
+        self._addresses = [half.data_ptr() for half in self.halves]
         self._write_in_place = write_in_place if on_cpu else None
         self.in_place_from = IN_PLACE_MIN_BYTES if self._write_in_place is not None else 0
 
@@ -99,7 +108,17 @@ class DoubleBuffer:
         return self._file_offset + self._filled
 
     def put(self, piece: Piece) -> None:
-        """Append ``piece`` (bytes, or a flat uint8 tensor on any device)."""
+        """Append ``piece`` (bytes, a flat uint8 tensor or a storage, on any device)."""
+        if type(piece) is torch.UntypedStorage:
+            if self._views[0] is not None and piece.device.type == "cpu" and not (
+                self.in_place_from and piece.nbytes() >= self.in_place_from
+            ):
+                self._stage_memory(piece.data_ptr(), piece.nbytes())
+                return
+            piece = _as_tensor(piece)
+        elif type(piece) is bytes and self._views[0] is not None:
+            self._stage_memory(piece, len(piece))
+            return
         length = piece_length(piece)
         if (
             self.in_place_from
@@ -128,6 +147,25 @@ class DoubleBuffer:
         while done < length:
             count = min(self.capacity - self._filled, length - done)
             self._copy(piece, done, count)
+            self._filled += count
+            done += count
+            if self._filled == self.capacity:
+                self._end_half(self.capacity)
+            elif self._filled - self._sent >= self.slice:
+                self._send(round_down(self._filled), ends_half=False)
+
+    def _stage_memory(self, source: int | bytes, length: int) -> None:
+        """:meth:`_stage` of host bytes (``bytes``, or the address of ``length`` bytes) into host halves:
+        one ``memmove`` per half they reach, no torch op or view per piece."""
+        done = 0
+        while done < length:
+            count = min(self.capacity - self._filled, length - done)
+            if type(source) is int:
+                ctypes.memmove(self._addresses[self._index] + self._filled, source + done, count)
+            elif count == length:
+                self._views[self._index][self._filled : self._filled + count] = source
+            else:
+                self._views[self._index][self._filled : self._filled + count] = memoryview(source)[done : done + count]
             self._filled += count
             done += count
             if self._filled == self.capacity:

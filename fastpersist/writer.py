@@ -215,7 +215,7 @@ def _engine_and_buffer(
     return io_engine, buffer
 
 
-def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor], None], position: Callable[[], int],
+def write_archive(obj: Any, put: Callable[[bytes | torch.Tensor | torch.UntypedStorage], None], position: Callable[[], int],
                   protocol: int = _torch_compat.DEFAULT_PROTOCOL, *, alignment: int = ALIGNMENT_BYTES,
                   base: int = 0, in_place_from: int = 0) -> int:
     """Put ``obj``'s torch.save archive, as fastpersist writes it, through ``put`` (``position``: the
