@@ -41,7 +41,8 @@ onto an existing object gets a new generation, as on GCS (fake-gcs-server would 
 The same server, with ``serve_multipart=False``, is the front that
 :class:`~dataflux_ckpt.testing.FakeGcsServer` puts before fake-gcs-server: preconditions enforced,
 XML multipart requests passed on. In front of such an upstream, ``enforce_preconditions=False``
-passes JSON API requests on unchecked, since the upstream checks them.
+passes JSON API requests on unchecked, since the upstream checks them, and ``read_upstream`` sends
+reads straight to the fake-gcs-server behind it.
 """
 
 from __future__ import annotations
@@ -262,8 +263,10 @@ class _ObjectLocks:
 class _MultipartState:
     """Uploads in progress, resumable sessions and per-object locks, shared by the server's threads."""
 
-    def __init__(self, upstream: _Upstream, min_part_bytes: int, max_part_bytes: int = GCS_MAX_PART_BYTES) -> None:
+    def __init__(self, upstream: _Upstream, min_part_bytes: int, max_part_bytes: int = GCS_MAX_PART_BYTES,
+                 read_upstream: _Upstream | None = None) -> None:
         self.upstream = upstream
+        self.read_upstream = read_upstream
         self.min_part_bytes = min_part_bytes
         self.max_part_bytes = max_part_bytes
         self.object_locks = _ObjectLocks()
@@ -479,7 +482,11 @@ class _HandlerBase(BaseHTTPRequestHandler):
 
     @property
     def _upstream(self) -> _Upstream:
-        return self.server.state.upstream
+        """Where this request goes: reads to the read upstream, where there is one."""
+        state = self.server.state
+        if state.read_upstream is not None and self.command in ("GET", "HEAD"):
+            return state.read_upstream
+        return state.upstream
 
     def _forward(self) -> None:
         raise NotImplementedError
@@ -942,6 +949,7 @@ def serve(
     max_part_bytes: int = GCS_MAX_PART_BYTES,
     serve_multipart: bool = True,
     enforce_preconditions: bool = True,
+    read_upstream: str | None = None,
 ) -> ThreadingHTTPServer:
     """An XML multipart server bound to ``host:port`` (0: any free port) in front of ``upstream``.
 
@@ -961,6 +969,8 @@ def serve(
         serve_multipart: serve XML multipart uploads; ``False`` passes them on to ``upstream``.
         enforce_preconditions: check generation preconditions on every object write; ``False``
             passes JSON API requests on unchecked, for an upstream that checks them itself.
+        read_upstream: where GET and HEAD requests go instead of ``upstream`` (the fake-gcs-server
+            behind an ``upstream`` that only checks preconditions: reads need no check, and skip a hop).
 
     Raises:
         ValueError: ``upstream`` or ``public_url`` is not an ``http://`` URL, or ``host`` is not
@@ -972,7 +982,8 @@ def serve(
         raise ValueError(f"public_url must be an http:// URL, not {public_url!r}")
     if not 0 < max_part_bytes <= GCS_MAX_PART_BYTES:
         raise ValueError(f"max_part_bytes must be in 1..{GCS_MAX_PART_BYTES}, not {max_part_bytes!r}")
-    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes, max_part_bytes)
+    state = _MultipartState(_Upstream(upstream, upstream_timeout_s), min_part_bytes, max_part_bytes,
+                            _Upstream(read_upstream, upstream_timeout_s) if read_upstream else None)
     return _Server((host, port), state, public_url, serve_multipart=serve_multipart,
                    enforce_preconditions=enforce_preconditions)
 
@@ -998,7 +1009,8 @@ class XmlMultipartServer(LocalGcsService):
         serve_multipart: serve XML multipart uploads (``False``: pass them on to ``upstream``).
         enforce_preconditions: check generation preconditions here. By default they are checked
             unless ``upstream`` is a :class:`~dataflux_ckpt.testing.FakeGcsServer` that checks them
-            (a URL is taken for a bare fake-gcs-server, and checked here).
+            (a URL is taken for a bare fake-gcs-server, and checked here). In front of such a
+            server, reads go straight to its fake-gcs-server.
 
     Raises:
         ValueError: a non-loopback ``host`` without ``allow_remote=True``.
@@ -1028,6 +1040,7 @@ class XmlMultipartServer(LocalGcsService):
         if enforce_preconditions is None:
             enforce_preconditions = not checked_upstream
         self.enforces_preconditions = enforce_preconditions or checked_upstream
+        read_upstream = getattr(upstream, "emulator_url", None) if checked_upstream else None
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -1041,7 +1054,8 @@ class XmlMultipartServer(LocalGcsService):
              "--max-part-bytes", str(max_part_bytes),
              "--upstream-timeout", str(upstream_timeout_s), *(["--public-url", public_url] if public_url else []),
              *(["--allow-remote"] if allow_remote else []), *([] if serve_multipart else ["--no-multipart"]),
-             *([] if enforce_preconditions else ["--no-preconditions"])],
+             *([] if enforce_preconditions else ["--no-preconditions"]),
+             *(["--read-upstream", read_upstream] if read_upstream else [])],
             ready=self._answers,
             env=env,
             startup_timeout_s=startup_timeout_s,
@@ -1070,6 +1084,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-preconditions", dest="enforce_preconditions", action="store_false",
                         help="pass JSON API writes on without checking their generation preconditions, for an "
                              "upstream that checks them (a FakeGcsServer's front); fake-gcs-server itself does not")
+    parser.add_argument("--read-upstream", default=None,
+                        help="send GET and HEAD requests here instead: the fake-gcs-server behind an --upstream "
+                             "that only checks preconditions (default: --upstream)")
     args = parser.parse_args(argv)
     if not args.allow_remote and not is_loopback(args.host):
         parser.error(f"refusing to listen on {args.host!r} without --allow-remote: the server has no "
@@ -1078,7 +1095,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     server = serve(args.upstream, args.host, args.port, min_part_bytes=args.min_part_bytes,
                    upstream_timeout_s=args.upstream_timeout, public_url=args.public_url,
                    allow_remote=args.allow_remote, max_part_bytes=args.max_part_bytes,
-                   serve_multipart=args.serve_multipart, enforce_preconditions=args.enforce_preconditions)
+                   serve_multipart=args.serve_multipart, enforce_preconditions=args.enforce_preconditions,
+                   read_upstream=args.read_upstream)
     served = [what for what, on in (("XML multipart uploads", args.serve_multipart),
                                     ("generation preconditions", args.enforce_preconditions)) if on]
     print(f"serving {' and '.join(served) or 'the JSON API'} on http://{args.host}:{server.server_address[1]} "

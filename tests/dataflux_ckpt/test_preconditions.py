@@ -2,10 +2,11 @@
 
 Every object request our code sends with a precondition (and the JSON API's other upload types) is
 sent twice under ``ifGenerationMatch`` 0 or N through :class:`FakeGcsServer` as users start it, and
-through the XML multipart server in front of it: GCS answers 2xx, then ``412 Precondition Failed``,
-and the second request changes nothing. A resumable upload's precondition is checked by its last
-request. The same requests sent to fake-gcs-server itself (``emulator_url``, no front) show what it
-ignores: those cases are expected to fail there.
+through the XML multipart server in front of it or of a fake-gcs-server URL: GCS answers 2xx, then
+``412 Precondition Failed``, and the second request changes nothing. A resumable upload's
+precondition is checked by its last request. The same requests sent to fake-gcs-server with no front
+(``FakeGcsServer(enforce_preconditions=False)``) show what it ignores: those cases are expected to
+fail there.
 
 An inventory test records every precondition our code sends in each of its save paths, so that a
 request or precondition the cases above do not cover fails here.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -26,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from dataflux_ckpt import DatafluxCheckpointIO, DatafluxStorageWriter
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
 from dataflux_ckpt.paths import bucket_url_path, object_url_path, upload_url_path
+from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 from tests.support.gcs import FAST_RETRY, FaultProxy, Request, client_for
 
 TIMEOUT_S = 10.0
@@ -95,13 +97,25 @@ EMULATOR_CHECKS = {("multipart upload", "0"), ("multipart upload", "N")}
 CASES = [(kind, precondition) for kind in WRITES for precondition in ("0", "N")] + [("delete", "N")]
 
 
-@pytest.fixture(params=["FakeGcsServer", "XmlMultipartServer", "fake-gcs-server alone"])
-def stack(request: pytest.FixtureRequest, gcs_emulator, gcs_xml_server) -> tuple[str, str]:
-    """(name, URL) of the stack under test: the emulator as users start it, the XML multipart server
-    in front of it, and fake-gcs-server with nothing in front."""
-    urls = {"FakeGcsServer": gcs_emulator.url, "XmlMultipartServer": gcs_xml_server.url,
-            "fake-gcs-server alone": gcs_emulator.emulator_url}
-    return request.param, urls[request.param]
+@pytest.fixture(scope="module")
+def without_front() -> Iterator[tuple[FakeGcsServer, XmlMultipartServer]]:
+    """``FakeGcsServer(enforce_preconditions=False)`` (fake-gcs-server as it answers), and the XML
+    multipart server in front of its URL (which then checks preconditions itself)."""
+    with FakeGcsServer(enforce_preconditions=False) as bare, XmlMultipartServer(bare.url, min_part_bytes=0) as xml:
+        yield bare, xml
+
+
+@pytest.fixture(params=["FakeGcsServer", "XmlMultipartServer(FakeGcsServer)", "XmlMultipartServer(URL)",
+                        "fake-gcs-server alone"])
+def stack(request: pytest.FixtureRequest, gcs_emulator, gcs_xml_server, gcs_bucket) -> tuple[str, str]:
+    """(name, URL) of the stack under test, holding ``gcs_bucket``: the emulator as users start it, the
+    XML multipart server in front of it (which leaves the checks to it) or in front of a fake-gcs-server's
+    URL (which checks them itself), and fake-gcs-server with nothing in front."""
+    if request.param in ("FakeGcsServer", "XmlMultipartServer(FakeGcsServer)"):
+        return request.param, (gcs_emulator if request.param == "FakeGcsServer" else gcs_xml_server).url
+    bare, xml = request.getfixturevalue("without_front")
+    bare.create_bucket(gcs_bucket)
+    return request.param, (xml if request.param == "XmlMultipartServer(URL)" else bare).url
 
 
 @pytest.mark.parametrize(("kind", "precondition"), CASES)
