@@ -319,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--folder", default=None, help="an O_DIRECT-capable directory for nvme (default: a temporary one)")
     parser.add_argument("--json", default=None, help="write the tallies here")
     args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # loads here have no group
     results = []
     with tempfile.TemporaryDirectory(prefix="dcp-race-", dir=args.folder) as folder, \
             local_stacks(Path(folder)) as stacks:
