@@ -236,17 +236,19 @@ class _DirectPickle:
     torch.save's pickler writes for them at protocol 2 (the memo numbered as the pickler numbers it:
     by object identity, every tuple and reduced object included) without the pickler's calls into
     Python for every object (``persistent_id``, the reducers), which cost more than the pickling
-    itself. Anything else raises :class:`_NotPlain` before a storage is handed out.
+    itself. Anything else raises :class:`_NotPlain`; storages met before it have been handed to
+    ``on_storage`` (as the pickler hands them over, the first time each is met), and a pickler given
+    :attr:`keys` and :attr:`dtypes` carries on from there.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_storage: Callable[[str, torch.UntypedStorage], None] = lambda key, storage: None) -> None:
         self.out = bytearray(b"\x80\x02")  # PROTO 2
         self._gets: dict[int, bytes] = {}  # id -> BINGET of the objects whose identity the pickler sees
         self._kept: list[Any] = []  # those objects, alive until the end so that no other takes an id
         self._count = 0  # memo indices used, ours and those of the fresh objects torch's reducer makes
-        self.storages: list[tuple[str, torch.UntypedStorage]] = []
-        self._keys: dict[int, str] = {}
-        self._dtypes: dict[int, torch.dtype] = {}
+        self._on_storage = on_storage
+        self.keys: dict[int, str] = {}
+        self.dtypes: dict[int, torch.dtype] = {}
         self._v3 = _v3_dtypes()
 
     def dump(self, obj: Any) -> bytes:
@@ -485,12 +487,14 @@ class _DirectPickle:
         """The storage's key (a new one the first time it is met), as ``StoragePickler.persistent_id``
         gives it."""
         address = storage.data_ptr()
-        if address and self._dtypes.setdefault(address, storage_dtype) != storage_dtype:
+        if address and self.dtypes.get(address, storage_dtype) != storage_dtype:
             raise _NotPlain("a storage seen as two dtypes")  # the pickler raises torch's error for it
-        key = self._keys.get(storage._cdata)
+        key = self.keys.get(storage._cdata)
         if key is None:
-            key = self._keys[storage._cdata] = str(len(self._keys))
-            self.storages.append((key, storage))
+            if address:
+                self.dtypes[address] = storage_dtype
+            key = self.keys[storage._cdata] = str(len(self.keys))
+            self._on_storage(key, storage)
         return key
 
 
@@ -584,30 +588,31 @@ def _writer_differs() -> str | None:
     return None
 
 
-def direct_pickle(obj: Any, protocol: int) -> tuple[bytes, list[tuple[str, torch.UntypedStorage]]] | None:
-    """``obj``'s ``data.pkl`` and its storages (keys in order), written directly where ``obj`` is a
-    plain checkpoint (see :class:`_DirectPickle`) and the writer holds on this torch; else ``None``."""
-    if protocol != DEFAULT_PROTOCOL or not (reducer_holds() and mirror_holds(WRITER_MIRRORS, _writer_differs)):
-        return None
-    writer = _DirectPickle()
-    try:
-        data = writer.dump(obj)
-    except (_NotPlain, RecursionError):
-        return None
-    return data, writer.storages
+def direct_writer_holds() -> bool:
+    """Whether :class:`_DirectPickle` writes what torch.save writes on this torch (checked once per
+    process, after the reducer it mirrors too)."""
+    return reducer_holds() and mirror_holds(WRITER_MIRRORS, _writer_differs)
 
 
 def dump_pickle(obj: Any, protocol: int, on_storage: Callable[[str, torch.UntypedStorage], None]) -> bytes:
-    """``obj``'s ``data.pkl`` as torch.save would write it; storages go to ``on_storage`` in the order
-    the pickle first refers to them (as the pickler meets them, or all at once after a direct write)."""
-    direct = direct_pickle(obj, protocol)
-    if direct is not None:
-        data, storages = direct
-        for key, storage in storages:
-            on_storage(key, storage)
-        return data
+    """``obj``'s ``data.pkl`` as torch.save would write it; storages go to ``on_storage`` as the pickle
+    first refers to them, while pickling goes on.
+
+    A plain checkpoint's pickle is written directly (:class:`_DirectPickle`); where the direct writer
+    meets anything else, the pickler starts over and carries on with the storages already handed out.
+    """
+    pickler_state: tuple[dict[int, str], dict[int, torch.dtype]] | None = None
+    if protocol == DEFAULT_PROTOCOL and direct_writer_holds():
+        writer = _DirectPickle(on_storage)
+        try:
+            return writer.dump(obj)
+        except (_NotPlain, RecursionError):
+            pickler_state = writer.keys, writer.dtypes
     buffer = io.BytesIO()
-    StoragePickler(buffer, protocol, on_storage).dump(obj)
+    pickler = StoragePickler(buffer, protocol, on_storage)
+    if pickler_state is not None:
+        pickler._keys, pickler._dtypes = pickler_state
+    pickler.dump(obj)
     return buffer.getvalue()
 
 
