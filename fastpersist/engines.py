@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -300,6 +301,7 @@ class PythonEngine(IOEngine):
         self._futures: list[Future[None]] = []
         self._starts: list[int] = []  # file offset each future's chunk starts at
         self._landed = 0  # leading futures known to have completed without error
+        self._landed_to = 0.0  # file offset before which every queued chunk has landed
 
     def accepts(self, buffer: torch.Tensor, file: OpenFile) -> str | None:
         return None if buffer.device.type == "cpu" else f"staging buffer is on {buffer.device}"
@@ -318,6 +320,7 @@ class PythonEngine(IOEngine):
             length = min(PY_CHUNK_BYTES, total - start)
             self._futures.append(self._pool.submit(_move, transfer, start, length, populated[index]))
             self._starts.append(transfer.offset + start)
+            self._landed_to = min(self._landed_to, transfer.offset + start)
 
     def wait_until(self, end: int) -> None:
         """Block until every queued chunk starting before file offset ``end`` has moved (one file,
@@ -326,13 +329,16 @@ class PythonEngine(IOEngine):
         Raises:
             OSError: one of those chunks failed (as :meth:`wait` would raise it).
         """
+        if end <= self._landed_to:
+            return
         while self._landed < len(self._futures) and self._starts[self._landed] < end:
             self._futures[self._landed].result()
             self._landed += 1
+        self._landed_to = self._starts[self._landed] if self._landed < len(self._starts) else math.inf
 
     def _finish(self, queued: list[Transfer]) -> None:
         futures, self._futures = self._futures, []
-        self._starts, self._landed = [], 0
+        self._starts, self._landed, self._landed_to = [], 0, 0.0
         errors = [future.exception() for future in futures]
         first = next((error for error in errors if error is not None), None)
         if first is not None:

@@ -355,12 +355,10 @@ class _DirectRead(_Read):
             return
         try:
             self._engine.wait()
-            records = []
-            for name in self._entries:
-                found = self.locate(name)
-                if found is not None:
-                    records.append((found[0], found[1], name))
-            records.sort()
+            if len(self._located) < len(self._entries):  # records the pickle did not refer to
+                for name in self._entries:
+                    self.locate(name)
+            records = sorted((offset, size, name) for name, (offset, size) in self._located.items())
             try:
                 _torch_compat.check_records(records, self._file_size)
             except zipfile.BadZipFile as err:

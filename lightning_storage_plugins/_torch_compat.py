@@ -241,6 +241,8 @@ def load_difference(got: Any, want: Any) -> str | None:
 LOAD_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(_serialization._load).parameters
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, up to the name
 LOCAL_HEADER_BYTES = _LOCAL_HEADER.size
+_LOCAL_SIGNATURE_AND_LENGTHS = struct.Struct("<I22xHH")  # what locating a record's bytes needs of it
+_LOCAL_SIGNATURE = 0x04034B50
 
 _TRUE_VALUES = ("1", "y", "yes", "true")
 
@@ -290,9 +292,11 @@ def data_offset(buffer: Any, at: int, header_offset: int, name: str) -> int:
     Raises:
         zipfile.BadZipFile: no local header there.
     """
-    if len(buffer) < at + _LOCAL_HEADER.size or buffer[at : at + 4] != b"PK\x03\x04":
+    if len(buffer) < at + _LOCAL_HEADER.size:
         raise zipfile.BadZipFile(f"no local header for {name} at offset {header_offset}")
-    name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, at)[-2:]
+    signature, name_length, extra_length = _LOCAL_SIGNATURE_AND_LENGTHS.unpack_from(buffer, at)
+    if signature != _LOCAL_SIGNATURE:
+        raise zipfile.BadZipFile(f"no local header for {name} at offset {header_offset}")
     return header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
