@@ -368,12 +368,25 @@ class Worker:
         self._stop = False
         self._idle = False
         self._signals = 0
+        self._registered = False
 
     # ---- life cycle -----------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         """Stop before the next request (a stop signal that came while the worker was starting)."""
         self._stop = True
+
+    def register(self) -> None:
+        """Register on every server now, and keep the registration alive from now on (heartbeats).
+
+        :meth:`serve` registers a worker that has not; one that still has a slow step before it
+        serves (a worker dropping privileges warms torch up first) registers before it, so that
+        requests queue for it instead of finding no worker.
+        """
+        if not self._registered:
+            self._heartbeat.beat()
+            self._heartbeat.start()
+            self._registered = True
 
     def serve(self) -> None:
         """Take requests until SIGTERM / SIGINT.
@@ -385,8 +398,7 @@ class Worker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._watch_signals()
-        self._heartbeat.beat()  # registered once it takes requests (launchers wait for that)
-        self._heartbeat.start()
+        self.register()
         log.info("worker %s serving on %s (device %s)", self.name, self.db.address, self.device)
         try:
             with torch.inference_mode():  # once for every request: entering it per call costs more than a tiny model

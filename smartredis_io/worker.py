@@ -96,6 +96,9 @@ class WorkerOptions:
         secret: what the workers show the Redis module (``SRIO.HELLO``); None for a module without one.
         own_server: in a cluster, take requests only from the server at the address (a module's own
             workers serve their shard), instead of from every primary.
+        register_early: register before warming up to drop privileges (seconds of torch imports),
+            so that the module holds requests for the worker meanwhile instead of answering that it
+            has none; launchers that wait for registration to mean "serving" leave it off.
     """
 
     settings: ConnectionSettings
@@ -105,6 +108,7 @@ class WorkerOptions:
     user: str | None = None
     secret: str | None = dataclasses.field(default=None, repr=False)
     own_server: bool = False
+    register_early: bool = False
 
 
 def _serve(options: WorkerOptions, device: str, name: str) -> None:
@@ -147,6 +151,8 @@ def _serve(options: WorkerOptions, device: str, name: str) -> None:
         if early["stop"]:
             worker.request_stop()
         if dropping:
+            if options.register_early:
+                worker.register()
             executor.warm_up()
             drop_privileges(user)
         worker.serve()
@@ -382,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings.with_(cluster=detect_cluster(settings))
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
-                            own_server=args.secret_stdin)
+                            own_server=args.secret_stdin, register_early=args.secret_stdin)
     lifeline = sys.stdin.fileno() if args.secret_stdin else None
     return _Supervisor(options, base, args.workers, lifeline).run()
 

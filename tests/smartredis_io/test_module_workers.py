@@ -22,38 +22,21 @@ from smartredis_io import Client, ConfigOptions, RedisServer
 from smartredis_io.error import RedisTimeoutError
 from tests.support.processes import call_within
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
-from tests.support.srio_workers import busy_worker, wait_until
+from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until
 
 X = np.ones((2, 4), dtype=np.float32)
-SECRET = "module-workers-test-secret"
 WORKER_START_S = 90  # a worker imports torch before it registers; the machine may be busy
 #: as root, the module starts workers only for a named user
 AS_USER = ("WORKER_USER", "nobody") if os.geteuid() == 0 else ()
 
 
-def _module_args(secret_file: str, workers: int = 1, *extra: str) -> tuple[str, ...]:
-    return ("WORKERS", str(workers), "WORKER_PYTHON", sys.executable, "WORKER_SECRET_FILE", secret_file,
-            *AS_USER, *extra)
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("secret") / "worker.secret"
-    path.write_text(SECRET + "\n")
-    path.chmod(0o600)
-    return str(path)
-
-
-def _plain(server: RedisServer) -> redis.Redis:
-    """A plain client that introduced itself as a worker would (the module's SRIO.* commands need it)."""
-    client = redis.Redis(host="127.0.0.1", port=server.port, password=server.settings().password)
-    client.execute_command("SRIO.HELLO", SECRET)
-    return client
+def _module_args(workers: int = 1) -> tuple[str, ...]:
+    return ("WORKERS", str(workers), "WORKER_PYTHON", sys.executable, *AS_USER)
 
 
 def _workers(plain: redis.Redis) -> dict[str, int]:
     """Name -> pid of every worker registered on the server."""
-    return {name.decode(): int(pid) for name, pid, *_ in plain.execute_command("SRIO.WORKERS")}
+    return {name: entry.pid for name, entry in registry(plain).items()}
 
 
 def _parent(pid: int) -> int:
@@ -82,10 +65,10 @@ def _still_running(pids: list[int], seconds: float) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def module_server(secret_file: str) -> Iterator[RedisServer]:
+def module_server() -> Iterator[RedisServer]:
     """A redis-server whose module started one worker, and nothing else."""
-    with RedisServer(module_args=_module_args(secret_file)) as server:
-        plain = _plain(server)
+    with RedisServer(module_args=_module_args()) as server:
+        plain = protocol_client(server)
         wait_until(lambda: _workers(plain), WORKER_START_S, "the module's worker registers")
         plain.close()
         yield server
@@ -112,7 +95,7 @@ def test_the_module_alone_runs_models_and_scripts(module_server: RedisServer, ui
 
 
 def test_a_killed_worker_is_replaced(module_server: RedisServer, uid: str) -> None:
-    plain = _plain(module_server)
+    plain = protocol_client(module_server)
     (victim,) = _workers(plain).values()
     os.kill(victim, signal.SIGKILL)
     wait_until(lambda: _workers(plain) and victim not in _workers(plain).values(), WORKER_START_S,
@@ -126,7 +109,7 @@ def test_a_killed_worker_is_replaced(module_server: RedisServer, uid: str) -> No
 
 
 def test_a_runaway_script_is_stopped_at_its_deadline(module_server: RedisServer, uid: str) -> None:
-    plain = _plain(module_server)
+    plain = protocol_client(module_server)
     before = set(_workers(plain).values())
     with _client(module_server, 1000) as runaway:
         runaway.set_script(uid, SCRIPT)
@@ -143,10 +126,10 @@ def test_a_runaway_script_is_stopped_at_its_deadline(module_server: RedisServer,
     plain.close()
 
 
-def test_a_sigkill_of_the_server_leaves_no_worker(secret_file: str, uid: str) -> None:
+def test_a_sigkill_of_the_server_leaves_no_worker(uid: str) -> None:
     """One worker idle, one inside a run that never returns: both leave with the server."""
-    with RedisServer(module_args=_module_args(secret_file, 2)) as server, _client(server) as client:
-        plain = _plain(server)
+    with RedisServer(module_args=_module_args(2)) as server, _client(server) as client:
+        plain = protocol_client(server)
         workers = list(wait_until(lambda: len(_workers(plain)) == 2 and _workers(plain), WORKER_START_S,
                                   "both of the module's workers register").values())
         client.set_script(uid, SCRIPT)
@@ -166,7 +149,7 @@ def test_a_sigkill_of_the_server_leaves_no_worker(secret_file: str, uid: str) ->
 
 
 @pytest.mark.parametrize("why", ["WORKERS 0", "root with no worker user"])
-def test_with_no_worker_run_model_fails_at_once(secret_file: str, why: str, uid: str, monkeypatch) -> None:
+def test_with_no_worker_run_model_fails_at_once(why: str, uid: str, monkeypatch: pytest.MonkeyPatch) -> None:
     smartredis = pytest.importorskip("smartredis", reason=PUBLISHED_SKIP, exc_type=ImportError)
     if why == "WORKERS 0":
         args = ("WORKERS", "0")
