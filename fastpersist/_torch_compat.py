@@ -436,15 +436,7 @@ class _DirectPickle:
         count += 1
         self.out += b"".join(parts)
         self._count = count
-        if v3:
-            self.out += gets[id(dtype)]
-        metadata = _utils.get_tensor_metadata(tensor)
-        if metadata:
-            self._save(metadata)
-        self.out += b"t"
-        self._put()
-        self.out += b"R"
-        self._memoize(tensor)
+        self._end_tensor(tensor, dtype, v3)
 
     def _first_tensor(self, tensor: torch.Tensor, dtype: torch.dtype, v3: bool, rebuild: Any,
                       storage_type: Any) -> None:
@@ -473,6 +465,11 @@ class _DirectPickle:
         self._global(collections.OrderedDict)  # the empty OrderedDict of hooks
         self.out += b")R"
         self._put()
+        self._end_tensor(tensor, dtype, v3)
+
+    def _end_tensor(self, tensor: torch.Tensor, dtype: torch.dtype, v3: bool) -> None:
+        """The reduction's last arguments (the dtype of a ``_rebuild_tensor_v3``, the conjugate and
+        negative bits), its tuple and the tensor."""
         if v3:
             self._global(dtype)
         metadata = _utils.get_tensor_metadata(tensor)

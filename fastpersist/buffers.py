@@ -147,12 +147,8 @@ class DoubleBuffer:
         while done < length:
             count = min(self.capacity - self._filled, length - done)
             self._copy(piece, done, count)
-            self._filled += count
             done += count
-            if self._filled == self.capacity:
-                self._end_half(self.capacity)
-            elif self._filled - self._sent >= self.slice:
-                self._send(round_down(self._filled), ends_half=False)
+            self._filled_by(count)
 
     def _stage_memory(self, source: int | bytes, length: int) -> None:
         """:meth:`_stage` of host bytes (``bytes``, or the address of ``length`` bytes) into host halves:
@@ -166,12 +162,16 @@ class DoubleBuffer:
                 self._views[self._index][self._filled : self._filled + count] = source
             else:
                 self._views[self._index][self._filled : self._filled + count] = memoryview(source)[done : done + count]
-            self._filled += count
             done += count
-            if self._filled == self.capacity:
-                self._end_half(self.capacity)
-            elif self._filled - self._sent >= self.slice:
-                self._send(round_down(self._filled), ends_half=False)
+            self._filled_by(count)
+
+    def _filled_by(self, count: int) -> None:
+        """``count`` more bytes are in the current half: hand on the half or the slice they filled."""
+        self._filled += count
+        if self._filled == self.capacity:
+            self._end_half(self.capacity)
+        elif self._filled - self._sent >= self.slice:
+            self._send(round_down(self._filled), ends_half=False)
 
     def flush(self, pad_to: int = ALIGNMENT_BYTES) -> int:
         """Submit what is staged, zero-padded to a multiple of ``pad_to``; returns the padding added."""
