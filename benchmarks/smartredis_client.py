@@ -14,6 +14,11 @@
    there, RPUSH back, BLPOP here): the two wake-ups any worker design pays. All of them take turns
    in rounds. Bars: <= 1.15x the hand-rolled worker, <= 2.5x the floor.
 
+4. run_model of the same models through a worker the Redis module started itself (``WORKERS 1``: a
+   redis-server with the module and nothing else, as SmartSim starts one), in the same rounds as the
+   external worker of 3. (``python -m smartredis_io.worker``): bar <= 1.1x the external worker's
+   overhead.
+
 Where the published SmartRedis package (``smartredis`` 0.6.1, its C++ core) is installed, it is the
 third client in the same rounds, through the smartredis_io Redis module: put_tensor + get_tensor (its
 Python client has no unpack_tensor) in 1., bar >= 0.9x smartredis_io from 128 KiB; run_model in 3.,
@@ -31,6 +36,7 @@ import argparse
 import functools
 import io
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -47,7 +53,8 @@ import torch
 
 from benchmarks.report import configure_logging, format_table, latencies_seconds, ratio, write_json
 from benchmarks.smartsim_scaling.launch import published_available, published_client, raw_client
-from smartredis_io import Client, Orchestrator, RedisCluster
+from smartredis_io import Client, Orchestrator, RedisCluster, RedisServer
+from smartredis_io.error import RedisReplyError
 
 log = logging.getLogger("benchmarks.smartredis_client")
 
@@ -63,6 +70,7 @@ OVERHEAD_BAR_MS = 0.5
 RAW_WORKER_BAR, FLOOR_BAR = 1.15, 2.5  # run_model overhead: ours / hand-rolled redis-py worker, ours / echo floor
 PUBLISHED_PUT_GET_BAR, PUBLISHED_PUT_GET_FROM = 0.9, 128 * KiB  # published client / ours, from that size
 PUBLISHED_RUN_BAR = 1.1  # published client's run_model overhead / ours
+MODULE_WORKER_BAR = 1.1  # run_model overhead: a module-started worker / an external worker
 ECHO_TIMEOUT_S = 10
 HELPER_START_TIMEOUT_S = 300
 COLUMNS = {
@@ -267,16 +275,39 @@ def tiny_models() -> tuple[torch.nn.Module, dict[str, bytes]]:
     return model, {"TorchScript": scripted.getvalue(), "torch.export": exported.getvalue()}
 
 
-def run_model_overhead(client: Client, address: str, calls: int, rounds: int, scratch: Path,
-                       published: object | None = None) -> list[dict]:
-    model, blobs = tiny_models()
-    x = np.random.default_rng(2).random((1, 16), dtype=np.float32)
+def module_worker_args() -> tuple[str, ...]:
+    """The module arguments of a redis-server whose module starts one worker (as ``nobody`` when root)."""
+    return ("WORKERS", "1", "WORKER_PYTHON", sys.executable, *(("WORKER_USER", "nobody") if os.geteuid() == 0 else ()))
+
+
+def _set_models(client: Client, blobs: dict[str, bytes], x: np.ndarray, start_timeout_s: float = 0.0) -> None:
+    """Store the models and run each a few times (the worker loads them on the first call); with
+    ``start_timeout_s``, the first run is tried again until a worker has started."""
     client.put_tensor("bench.x", x)
+    deadline = time.monotonic() + start_timeout_s
     for name, blob in blobs.items():
         client.set_model(f"bench.{name}", blob, "TORCH", "CPU")
-        (scratch / f"{name}.pt").write_bytes(blob)
-        for _ in range(10):  # the worker loads the model on the first call
+        while True:
+            try:
+                client.run_model(f"bench.{name}", ["bench.x"], ["bench.y"])
+                break
+            except RedisReplyError as exc:
+                if "no execution worker" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)  # the module's worker is still importing torch
+        for _ in range(10):
             client.run_model(f"bench.{name}", ["bench.x"], ["bench.y"])
+
+
+def run_model_overhead(client: Client, address: str, calls: int, rounds: int, scratch: Path,
+                       published: object | None = None, module_client: Client | None = None) -> list[dict]:
+    model, blobs = tiny_models()
+    x = np.random.default_rng(2).random((1, 16), dtype=np.float32)
+    _set_models(client, blobs, x)
+    for name, blob in blobs.items():
+        (scratch / f"{name}.pt").write_bytes(blob)
+    if module_client is not None:
+        _set_models(module_client, blobs, x, HELPER_START_TIMEOUT_S)
     tensor = torch.from_numpy(x)
     with torch.inference_mode():
         forward = statistics.median(_latencies(lambda: model(tensor), 1000)())
@@ -308,6 +339,9 @@ def run_model_overhead(client: Client, address: str, calls: int, rounds: int, sc
                 for _ in range(10):
                     theirs()
                 loops[f"published {name}"] = _latencies(theirs, calls)
+            if module_client is not None:
+                loops[f"module {name}"] = _latencies(
+                    functools.partial(module_client.run_model, f"bench.{name}", ["bench.x"], ["bench.y"]), calls)
         ask = _echo(raw)
         for _ in range(10):
             ask()
@@ -343,6 +377,22 @@ def run_model_overhead(client: Client, address: str, calls: int, rounds: int, sc
             "forward_ms": forward * 1e3, "spread": f"p90 {np.percentile(results[name], 90) * 1e3:.3f} ms",
             "bar": "; ".join(bars), "ok": ok, "under_0.5_ms": overhead_ms <= OVERHEAD_BAR_MS,
         })
+    for name in blobs:
+        if f"module {name}" not in results:
+            continue
+        external_ms = (statistics.median(results[name]) - forward) * 1e3
+        module_ms = (statistics.median(results[f"module {name}"]) - forward) * 1e3
+        r_external = ratio(module_ms, external_ms)
+        rows.append({
+            "metric": f"run_model tiny model ({name}), worker started by the Redis module (WORKERS 1): median "
+                      "overhead over forward, lower is better (baseline: the external worker, python -m "
+                      "smartredis_io.worker, in the same rounds; ceiling: bare redis-py echo)",
+            "ours": module_ms, "baseline": external_ms, "ceiling": floor_ms, "unit": "ms",
+            "ratio": r_external, "ratio_ceiling": ratio(module_ms, floor_ms), "forward_ms": forward * 1e3,
+            "spread": f"p90 {np.percentile(results[f'module {name}'], 90) * 1e3:.3f} ms",
+            "bar": f"<= {MODULE_WORKER_BAR}x external worker",
+            "ok": r_external is not None and r_external <= MODULE_WORKER_BAR,
+        })
     return rows
 
 
@@ -375,8 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += [throughput(client, raw, size, "standalone", args.rounds, theirs) for size in args.sizes]
         rows.append(copies(client, raw))
         raw.close()
-        with tempfile.TemporaryDirectory(prefix="bench-models-") as scratch:
-            rows += run_model_overhead(client, orchestrator.address, args.calls, args.rounds, Path(scratch), theirs)
+        with tempfile.TemporaryDirectory(prefix="bench-models-") as scratch, \
+                RedisServer(module_args=module_worker_args()) as module_server, \
+                Client(False, module_server.address) as module_client:
+            rows += run_model_overhead(client, orchestrator.address, args.calls, args.rounds, Path(scratch), theirs,
+                                       module_client)
     if not args.no_cluster:
         with RedisCluster(shards=3) as cluster, Client(True, cluster.address) as client:
             raw = raw_client(cluster.address, cluster=True)
