@@ -474,18 +474,21 @@ class Orchestrator:
 
     ``password``, ``users``, ``tls``, ``host``, ``module`` and ``module_args`` are those of
     :class:`RedisServer`: the database loads the smartredis_io Redis module, so that SmartRedis
-    clients in C, C++, Fortran and Python use it too.
+    clients in C, C++, Fortran and Python use it too (its workers are these, the module starts
+    none); ``server_env`` is more environment for redis-server (``RedisServer``'s ``env``).
     """
 
     def __init__(self, shards: int = 1, workers: int = 1, *, device: str = "cpu", threads: int = 1,
                  host: str = "127.0.0.1", worker_env: dict[str, str] | None = None,
                  worker_user: str | None = None, allow_root_workers: bool = False,
                  password: str | None = None, users: Sequence[AclUser] = (), tls: TlsFiles | None = None,
-                 module: bool | str = True, module_args: Sequence[str] = ()) -> None:
+                 module: bool | str = True, module_args: Sequence[str] = (),
+                 server_env: dict[str, str] | None = None) -> None:
         if shards not in (1,) and shards < 3:
             raise ValueError(f"shards must be 1 (standalone) or >= 3 (cluster), got {shards}")
         self.cluster = shards > 1
-        auth = {"password": password, "users": users, "tls": tls, "module": module, "module_args": module_args}
+        auth = {"password": password, "users": users, "tls": tls, "module": module, "module_args": module_args,
+                "env": server_env}
         self.database: RedisServer | RedisCluster = (
             RedisCluster(shards, host, **auth) if self.cluster else RedisServer(host, **auth)
         )

@@ -16,6 +16,7 @@ from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
 from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
+from tests.support.srio_sanitizers import sanitized  # noqa: E402
 
 # The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
 # looks in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
@@ -52,13 +53,14 @@ def gcs_bucket(gcs_emulator: FakeGcsServer) -> str:
 
 @pytest.fixture(scope="session")
 def redis_server():
-    """A standalone redis-server on loopback."""
-    with RedisServer() as server:
+    """A standalone redis-server on loopback, with the Redis module's sanitizer build: every test on
+    it checks the module too, and the sanitizers must report nothing."""
+    with sanitized() as module, RedisServer(**module) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def redis_cluster():
-    """A real 3-shard Redis Cluster on loopback."""
-    with RedisCluster(shards=3) as cluster:
+    """A real 3-shard Redis Cluster on loopback, with the Redis module's sanitizer build."""
+    with sanitized() as module, RedisCluster(shards=3, **module) as cluster:
         yield cluster

@@ -80,6 +80,27 @@ static const char *parse_modelexecute(RedisModuleString **argv, int argc, Parsed
     return NULL;
 }
 
+/* AI.SCRIPTEXECUTE's counted scopes, with RedisAI's messages */
+static const struct {
+    const char *word;
+    int positive;      /* the count may not be 0 */
+    const char *again, *count, *negative, *short_;
+} SCOPES[] = {
+    {"KEYS", 1, "ERR Already Encountered KEYS scope in AI.SCRIPTEXECUTE command",
+     "ERR Invalid argument for keys count in AI.SCRIPTEXECUTE", "ERR Invalid or negative value found in number of KEYS",
+     "ERR number of keys to AI.SCRIPTEXECUTE command does not match the number of given arguments"},
+    {"INPUTS", 0, "ERR Already Encountered INPUTS scope in AI.SCRIPTEXECUTE command",
+     "ERR Invalid argument for inputs count in AI.SCRIPTEXECUTE", "ERR Invalid argument for inputs count in AI.SCRIPTEXECUTE",
+     "ERR number of inputs to AI.SCRIPTEXECUTE command does not match the number of given arguments"},
+    {"ARGS", 0, "ERR Already Encountered ARGS scope in AI.SCRIPTEXECUTE command",
+     "ERR Invalid argument for args count in AI.SCRIPTEXECUTE", "ERR Invalid argument for args count in AI.SCRIPTEXECUTE",
+     "ERR number of args to AI.SCRIPTEXECUTE command does not match the number of given arguments"},
+    {"OUTPUTS", 0, "ERR Already Encountered OUTPUTS scope in AI.SCRIPTEXECUTE command",
+     "ERR Invalid argument for outputs count in AI.SCRIPTEXECUTE",
+     "ERR Invalid argument for outputs count in AI.SCRIPTEXECUTE",
+     "ERR number of outputs to AI.SCRIPTEXECUTE command does not match the number of given arguments"},
+};
+
 /* AI.SCRIPTEXECUTE key function [KEYS n key...] [INPUTS n input...] [ARGS n arg...] [OUTPUTS m output...] [TIMEOUT ms] */
 static const char *parse_scriptexecute(RedisModuleString **argv, int argc, Parsed *p) {
     if (argc < 4) return "ERR wrong number of arguments for 'AI.SCRIPTEXECUTE' command";
@@ -88,47 +109,26 @@ static const char *parse_scriptexecute(RedisModuleString **argv, int argc, Parse
     p->fn = argv[2];
     if (!SRIO_Is(argv[3], "KEYS") && !SRIO_Is(argv[3], "INPUTS"))
         return "ERR KEYS or INPUTS scope must be provided first for AI.SCRIPTEXECUTE command";
-    int pos = 3, keys = 0, inputs = 0, args = 0, outputs = 0;
-    const char *error = NULL;
-    while (pos < argc && !error) {
+    RedisModuleString ***names[] = {&p->keys, &p->inputs, &p->args, &p->outputs};
+    int *counts[] = {&p->nkeys, &p->ninputs, &p->nargs, &p->noutputs}, seen[4] = {0};
+    int pos = 3;
+    while (pos < argc) {
         RedisModuleString *word = argv[pos++];
         if (SRIO_Is(word, "TIMEOUT")) {
-            if ((error = parse_timeout(argv, argc, &pos, &p->timeout_ms))) return error;
+            const char *error = parse_timeout(argv, argc, &pos, &p->timeout_ms);
+            if (error) return error;
             if (pos != argc) return "ERR Invalid AI.SCRIPTEXECUTE command: TIMEOUT must come last";
             break;
-        } else if (SRIO_Is(word, "KEYS")) {
-            if (keys++) return "ERR Already Encountered KEYS scope in AI.SCRIPTEXECUTE command";
-            error = parse_counted(argv, argc, &pos, 1, &p->keys, &p->nkeys,
-                                  "ERR Invalid argument for keys count in AI.SCRIPTEXECUTE",
-                                  "ERR Invalid or negative value found in number of KEYS",
-                                  "ERR number of keys to AI.SCRIPTEXECUTE command does not match the number of given "
-                                  "arguments");
-        } else if (SRIO_Is(word, "INPUTS")) {
-            if (inputs++) return "ERR Already Encountered INPUTS scope in AI.SCRIPTEXECUTE command";
-            error = parse_counted(argv, argc, &pos, 0, &p->inputs, &p->ninputs,
-                                  "ERR Invalid argument for inputs count in AI.SCRIPTEXECUTE",
-                                  "ERR Invalid argument for inputs count in AI.SCRIPTEXECUTE",
-                                  "ERR number of inputs to AI.SCRIPTEXECUTE command does not match the number of given "
-                                  "arguments");
-        } else if (SRIO_Is(word, "ARGS")) {
-            if (args++) return "ERR Already Encountered ARGS scope in AI.SCRIPTEXECUTE command";
-            error = parse_counted(argv, argc, &pos, 0, &p->args, &p->nargs,
-                                  "ERR Invalid argument for args count in AI.SCRIPTEXECUTE",
-                                  "ERR Invalid argument for args count in AI.SCRIPTEXECUTE",
-                                  "ERR number of args to AI.SCRIPTEXECUTE command does not match the number of given "
-                                  "arguments");
-        } else if (SRIO_Is(word, "OUTPUTS")) {
-            if (outputs++) return "ERR Already Encountered OUTPUTS scope in AI.SCRIPTEXECUTE command";
-            error = parse_counted(argv, argc, &pos, 0, &p->outputs, &p->noutputs,
-                                  "ERR Invalid argument for outputs count in AI.SCRIPTEXECUTE",
-                                  "ERR Invalid argument for outputs count in AI.SCRIPTEXECUTE",
-                                  "ERR number of outputs to AI.SCRIPTEXECUTE command does not match the number of "
-                                  "given arguments");
-        } else {
-            return "ERR Invalid AI.SCRIPTEXECUTE command. Unexpected argument";
         }
+        int scope = 0;
+        while (scope < 4 && !SRIO_Is(word, SCOPES[scope].word)) scope++;
+        if (scope == 4) return "ERR Invalid AI.SCRIPTEXECUTE command. Unexpected argument";
+        if (seen[scope]++) return SCOPES[scope].again;
+        const char *error = parse_counted(argv, argc, &pos, SCOPES[scope].positive, names[scope], counts[scope],
+                                          SCOPES[scope].count, SCOPES[scope].negative, SCOPES[scope].short_);
+        if (error) return error;
     }
-    return error;
+    return NULL;
 }
 
 /* AI.SCRIPTRUN key function INPUTS input... [$ input...] OUTPUTS output... [TIMEOUT ms] (names, no counts) */

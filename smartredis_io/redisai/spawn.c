@@ -181,7 +181,8 @@ static void check_refusal(RedisModuleCtx *ctx) {
 }
 
 /* The environment of the supervisor: the server's, with PYTHONPATH led by the directory that holds
- * the smartredis_io package this module belongs to (when it is there), and no secret. */
+ * the smartredis_io package this module belongs to (when it is there), without the secret and
+ * LD_PRELOAD. */
 static char **worker_environment(void) {
     size_t n = 0;
     while (environ[n]) n++;
@@ -196,7 +197,10 @@ static char **worker_environment(void) {
     const char *old = getenv("PYTHONPATH");
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
-        if (!strncmp(environ[i], "PYTHONPATH=", 11) || !strncmp(environ[i], "SRIO_WORKER_SECRET=", 19)) continue;
+        /* LD_PRELOAD is meant for redis-server (an allocator, the sanitizers), not for Python */
+        if (!strncmp(environ[i], "PYTHONPATH=", 11) || !strncmp(environ[i], "SRIO_WORKER_SECRET=", 19) ||
+            !strncmp(environ[i], "LD_PRELOAD=", 11))
+            continue;
         env[k++] = RedisModule_Strdup(environ[i]);
     }
     if (is_file(init, R_OK)) {

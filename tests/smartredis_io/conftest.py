@@ -10,6 +10,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from smartredis_io import Client, Orchestrator
+from tests.support.srio_sanitizers import sanitized
 
 CLIENT_ENV = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT", "SR_CONN_TIMEOUT", "SR_CONN_INTERVAL", "SR_CMD_TIMEOUT",
               "SR_MODEL_TIMEOUT", "SR_USERNAME", "SR_PASSWORD", "SR_TLS", "SR_TLS_CA_CERT", "SR_TLS_CERT", "SR_TLS_KEY",
@@ -49,8 +50,10 @@ def any_client(request: pytest.FixtureRequest) -> Client:
 
 @pytest.fixture(scope="session")
 def orchestrator():
-    """redis-server plus two execution workers, shared by the worker and Lightning tests."""
-    with Orchestrator(shards=1, workers=2) as orch:
+    """redis-server plus two execution workers, shared by the worker and Lightning tests; the module is
+    its sanitizer build, which must report nothing."""
+    with sanitized() as module, Orchestrator(shards=1, workers=2, module=module["module"],
+                                             server_env=module["env"]) as orch:
         yield orch
 
 
