@@ -23,8 +23,8 @@
 #define HEARTBEAT_TTL_MS 3000   /* a worker silent this long is dead */
 #define REAP_INTERVAL_MS 250    /* how often silent workers and stale requests are looked for */
 #define BATCH_SCAN_LIMIT 1024   /* queued requests one SRIO.POP / SRIO.TAKE looks at */
-#define MAX_WAIT_MS (24LL * 3600 * 1000) /* the longest SRIO.POP / SRIO.TAKE wait */
-#define MAX_TAKE 65536          /* the most requests one SRIO.TAKE gathers */
+#define MAX_WAIT_MS (24LL * 3600 * 1000) /* SRIO.POP / SRIO.TAKE wait at most this long */
+#define MAX_TAKE 65536          /* SRIO.TAKE gathers at most this many requests */
 #define ERROR_MAX 512
 
 enum { KIND_MODEL, KIND_SCRIPT, KIND_SCRIPT_LISTS };

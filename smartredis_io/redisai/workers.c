@@ -221,13 +221,16 @@ static void reap(RedisModuleCtx *ctx, void *data) {
 
 /* ---- worker commands ----------------------------------------------------------------------- */
 
-/* An integer argument in [min, max]; otherwise replies with the error and returns 0. */
+/* An integer argument of at least `min`, as `max` when larger (a batch size or wait a user stored
+ * in a model reaches the worker commands: it is bounded, not refused); otherwise replies with the
+ * error and returns 0. */
 static int parse_count(RedisModuleCtx *ctx, RedisModuleString *arg, long long min, long long max, long long *out,
                        const char *what) {
-    if (RedisModule_StringToLongLong(arg, out) != REDISMODULE_OK || *out < min || *out > max) {
-        SRIO_ReplyError(ctx, "ERR %s must be an integer from %lld to %lld", what, min, max);
+    if (RedisModule_StringToLongLong(arg, out) != REDISMODULE_OK || *out < min) {
+        SRIO_ReplyError(ctx, "ERR %s must be an integer of at least %lld", what, min);
         return 0;
     }
+    if (*out > max) *out = max;
     return 1;
 }
 

@@ -181,15 +181,19 @@ def test_values_replies_are_bounded_like_tensors(fresh: RedisServer) -> None:
 
 
 def test_the_worker_commands_bound_their_counts_and_waits(fresh: RedisServer) -> None:
+    """A batch size or batch timeout stored with a model reaches SRIO.TAKE: absurd ones are bounded
+    (nothing is allocated for them, no deadline overflows), malformed ones refused."""
     with protocol_client(fresh) as worker:
-        for command, error in [(("SRIO.TAKE", "w", "m", 1 << 62, 0, 0), "max must be"),
-                               (("SRIO.TAKE", "w", "m", 0, 0, 0), "max must be"),
-                               (("SRIO.TAKE", "w", "m", 1, 0, (1 << 63) - 1), "wait-ms must be"),
-                               (("SRIO.POP", "w", (1 << 63) - 1), "block-ms must be"),
+        for command, error in [(("SRIO.TAKE", "w", "m", 0, 0, 0), "max must be an integer of at least 1"),
+                               (("SRIO.TAKE", "w", "m", 1, -1, 0), "min must be"),
+                               (("SRIO.TAKE", "w", "m", 1, 0, "soon"), "wait-ms must be"),
+                               (("SRIO.POP", "w", -1), "block-ms must be"),
                                (("SRIO.REPLY", "w", 1, -1, 0, 0, "OK"), "duration-us must be")]:
             with pytest.raises(redis.ResponseError, match=error):
                 worker.execute_command(*command)
-        assert worker.execute_command("SRIO.TAKE", "w", "m", 65536, 1, 0) == []  # nothing sized by what it asks
+        assert worker.execute_command("SRIO.TAKE", "w", "m", (1 << 63) - 1, 0, (1 << 63) - 1) == []
+        assert worker.execute_command("SRIO.TAKE", "w", "m", 1 << 62, 1 << 62, 0) == []
+        assert worker.execute_command("SRIO.POP", "w", 0) is None
         assert worker.ping()
 
 
