@@ -71,7 +71,10 @@ def _second_environment(root: Path) -> Path:
         text=True,
     ).stdout.strip()
     shared = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
-    Path(purelib, "shared_packages.pth").write_text("\n".join(dict.fromkeys(shared)) + "\n")
+    # As site directories, so that their own .pth files run too (setuptools' distutils for DeepSpeed
+    # on Python 3.12, where the standard library has none).
+    lines = [f"import site; site.addsitedir({path!r})" for path in dict.fromkeys(shared)]
+    Path(purelib, "shared_packages.pth").write_text("\n".join(lines) + "\n")
     return python
 
 
