@@ -38,14 +38,27 @@ def per_tensor_torch_calls() -> Iterator[collections.Counter[str]]:
     watched = per_tensor_functions()
     calls: collections.Counter[str] = collections.Counter()
 
+    active = True
+
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code in watched:
+        if not active:  # a thread started inside the block, called after it: stop watching it
+            sys.setprofile(None)
+        elif event == "call" and frame.f_code in watched:
             calls[watched[frame.f_code]] += 1
 
-    sys.setprofile(profile)
-    threading.setprofile(profile)
+    # Python 3.12 sets and clears the hook of every thread at once (threads the block started too).
+    every_thread = getattr(threading, "setprofile_all_threads", None)
+    if every_thread is not None:
+        every_thread(profile)
+    else:
+        sys.setprofile(profile)
+        threading.setprofile(profile)
     try:
         yield calls
     finally:
-        sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        active = False
+        if every_thread is not None:
+            every_thread(None)
+        else:
+            sys.setprofile(None)
+            threading.setprofile(None)  # type: ignore[arg-type]
