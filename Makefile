@@ -61,7 +61,7 @@ export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
 setup: setup-newest setup-oldest setup-middle
 
-setup-newest: apt-packages tools module $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed
+setup-newest: apt-packages tools module $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed $(VENV)/.smartsim-installed
 setup-oldest: apt-packages tools module $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
 setup-middle: apt-packages tools module $(VENV_MIDDLE)/.installed $(VENV_MIDDLE)/.async-io-built
 tools: $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION) $(TOOLS_BIN)/toxiproxy-$(TOXIPROXY_VERSION)
@@ -126,6 +126,22 @@ $(PEER_DIR)/.installed: benchmarks/lightning_peer.py | $(VENV)/.installed
 	@echo ">> installing the peer package into $(PEER_DIR)"
 	$(PY) -m pip install -q --no-deps --upgrade --target $(PEER_DIR) \
 		$$($(PY) -c "from benchmarks.lightning_peer import PEER_PINS; print(*PEER_PINS)")
+	@touch $@
+
+# SmartSim, for the tests that run its Experiments on the Redis module (its wheels, like smartredis's,
+# stop at Python 3.11). It cannot be an extra: it pins protobuf<=3.20.3, which it imports only for
+# TensorFlow, while google-api-core 2.44 (google-cloud-storage 3, gcsfs) needs protobuf>=6.33.5, and
+# pip's resolver backtracks without end between the two. So it is installed without its dependencies,
+# then each of them but protobuf, as its metadata lists them.
+SMARTSIM_PIN := smartsim==0.8.0
+SMARTSIM_DEPS = $(PY) -c 'import importlib.metadata as m; from packaging.requirements import Requirement; \
+	rs = [Requirement(r) for r in m.requires("smartsim")]; \
+	print(*(f"{r.name}{r.specifier}" for r in rs if r.name != "protobuf" and (r.marker is None or r.marker.evaluate({"extra": ""}))))'
+$(VENV)/.smartsim-installed: | $(VENV)/.installed
+	@if $(PY) -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then \
+		echo ">> installing $(SMARTSIM_PIN) (without protobuf) into $(VENV)"; \
+		$(PY) -m pip install -q --no-deps $(SMARTSIM_PIN) && $(PY) -m pip install -q $$($(SMARTSIM_DEPS)); \
+	fi
 	@touch $@
 
 # DeepSpeed's async_io op, compiled once per environment into a directory of that environment
