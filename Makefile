@@ -9,8 +9,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 # The oldest supported Python for the oldest-supported environment, where pyenv has it.
 PYTHON_OLDEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3) $(PYTHON))
-# The middle environment's Python: the newest one we support (3.12), where pyenv has it.
-PYTHON_MIDDLE ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(PYTHON))
+PYTHON_MIDDLE ?= $(PYTHON)
 VENV := .venv
 VENV_OLDEST := .venv-oldest
 VENV_MIDDLE := .venv-middle
