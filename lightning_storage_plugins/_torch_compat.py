@@ -66,6 +66,12 @@ _LOAD_PRIVATE_APIS: tuple[tuple[Any, str], ...] = (
     (_utils, "_element_size"),
     (_utils, "set_tensor_metadata"),
     (torch._guards, "detect_fake_mode"),
+    (torch._C, "StorageBase"),
+    (torch.storage, "_dtype_to_storage_type_map"),
+    (torch.storage, "_new_dtypes"),
+    (torch, "_neg_view"),
+    (_utils, "_get_obj_state"),
+    (_serialization, "DEFAULT_PROTOCOL"),
 )
 
 
