@@ -46,6 +46,7 @@ from fastpersist import FastPersistContext, _deepspeed_compat, fastpersist_load,
 from fastpersist.aio import aio_unavailable_reason
 from fastpersist.engines import Transfer, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty
+from lightning_storage_plugins._torch_compat import mirror_verdicts
 
 log = logging.getLogger("benchmarks.fastpersist")
 
@@ -543,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n({args.repeat} interleaved rounds on {args.device}; extra RSS allowance = {args.io_buffer_mb} MiB buffer + {RSS_ALLOWANCE_MB} MiB)"
     )
+    off = [name for name, holds in mirror_verdicts().items() if not holds]
+    print(f"torch {torch.__version__}: fast paths off: {', '.join(off) if off else 'none'}")
     if args.json:
         write_json(args.json, summary)
     return 0
