@@ -43,12 +43,6 @@ MIDDLE_PINS := torch==2.11.0 lightning==2.6.1 pytorch-lightning==2.6.1 deepspeed
 MIDDLE_TESTS := tests/fastpersist tests/test_fast_paths.py tests/lightning_storage_plugins/test_torch_compat.py \
 	tests/dcp/test_storage.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
 	tests/test_checkpoint_io.py
-# torch 2.11's dcp.load catches what a storage reader's read_metadata raises and fails with "metadata is
-# None" instead (torch 2.6 and 2.15 pass it on): the load is still refused, but these tests' typed
-# errors (a refused global, a missing checkpoint, a missing bucket) do not reach the caller there.
-MIDDLE_DESELECT := tests/dcp/test_storage.py::test_metadata_with_a_foreign_global_is_refused \
-	tests/dcp/test_storage.py::test_bad_paths_are_refused_with_the_path_named \
-	tests/dcp/test_storage.py::test_a_missing_bucket_is_named_by_saves_and_loads
 # Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
 # gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
 # $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
@@ -177,7 +171,7 @@ test-oldest: setup-oldest
 	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(PYTEST_ARGS)
 
 test-middle: setup-middle
-	$(PY_MIDDLE) -m pytest -p no:cacheprovider $(MIDDLE_TESTS) $(addprefix --deselect ,$(MIDDLE_DESELECT)) $(PYTEST_ARGS)
+	$(PY_MIDDLE) -m pytest -p no:cacheprovider $(MIDDLE_TESTS) $(PYTEST_ARGS)
 
 lint: setup-newest
 	$(PY) -m ruff check .

@@ -550,6 +550,7 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         self.weights_only = weights_only
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._metadata_error: Exception | None = None  # why the last global metadata read failed
 
     @abc.abstractmethod
     def _read(self, name: str) -> bytes | None:
@@ -573,9 +574,22 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
             FileNotFoundError: there is no complete checkpoint at the path.
             pickle.UnpicklingError: the metadata holds something other than DCP metadata.
         """
-        if kwargs.get("rank") is not None:  # newer torch asks after the global metadata failed
+        if kwargs.get("rank") is not None:
+            # Newer torch asks for rank-local metadata after the global read failed, and some releases
+            # (2.11) then drop both errors for "metadata is None": the reason is logged here so that
+            # the caller still learns it.
+            if self._metadata_error is not None:
+                log.warning("cannot load the checkpoint: %s", self._metadata_error)
             raise FileNotFoundError(f"{type(self).__name__} reads one {METADATA_NAME} for all ranks, "
-                                    f"not rank-local metadata ({self.checkpoint_id})")
+                                    f"not rank-local metadata ({self.checkpoint_id})") from self._metadata_error
+        self._metadata_error = None
+        try:
+            return self._read_global_metadata()
+        except Exception as error:
+            self._metadata_error = error
+            raise
+
+    def _read_global_metadata(self) -> Metadata:
         where = f"{self.checkpoint_id}/{METADATA_NAME}"
         data = self._read(METADATA_NAME)
         if data is None:
