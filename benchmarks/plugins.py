@@ -122,8 +122,9 @@ class Services:
         # name the proxy, so that those requests cross the model too: its port is chosen first.
         public_port = free_port() if proxy is not None else None
         public_url = f"http://127.0.0.1:{public_port}" if public_port else None
-        xml = self.stack.enter_context(_xml_server(emulator.url, public_url))
-        pids = {"fake-gcs-server": emulator.pid, "xml-multipart-server": xml.pid}
+        xml = self.stack.enter_context(_xml_server(emulator, public_url))
+        pids = {"fake-gcs-server": emulator.emulator_pid, "fake-gcs-server-front": emulator.pid,
+                "xml-multipart-server": xml.pid}
         front = xml.url
         if proxy is not None:
             pids["toxiproxy-server"] = proxy.pid
@@ -159,11 +160,13 @@ class Services:
         raise ValueError(f"unknown storage {storage!r}; choose from {', '.join(STORAGES)}")
 
 
-def _xml_server(upstream: str, public_url: str | None) -> Any:
-    """The XML multipart server in front of ``upstream``, handing out ``public_url`` where given."""
+def _xml_server(emulator: Any, public_url: str | None) -> Any:
+    """The XML multipart server in front of ``emulator`` (a ``FakeGcsServer``), handing out ``public_url``
+    where given. Given the server rather than its URL, it reads from fake-gcs-server directly and leaves
+    the precondition checks to the server's front, so that a load is one hop, as on GCS."""
     from dataflux_ckpt.xml_server import XmlMultipartServer
 
-    return XmlMultipartServer(upstream, public_url=public_url)
+    return XmlMultipartServer(emulator, public_url=public_url)
 
 
 def fsspec_size(path: str, checkpoint_io: Any) -> int:
