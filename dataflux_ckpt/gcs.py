@@ -523,7 +523,12 @@ class Gcs:
     def resumable_start(self, path: GcsPath, deadline: Deadline, *, if_generation_match: int | None = None) -> str:
         """Open a resumable upload session for ``path``; its URL.
 
-        The generation precondition is evaluated when the session finishes.
+        GCS evaluates the generation precondition when the session finishes; a server that evaluates
+        it already here fails the same way.
+
+        Raises:
+            BucketNotFoundError: the bucket does not exist.
+            ConcurrentWriteError: ``if_generation_match`` did not hold.
         """
         what = f"start of the resumable upload of {path}"
         url = self.host + paths.upload_url_path(path.bucket, path.key, "resumable")
@@ -533,10 +538,12 @@ class Gcs:
 
         def post() -> str:
             response = self.request("POST", url, what, deadline,
-                                    ok=(200, 201, 404), params=params, json={"contentType": OCTET_STREAM},
+                                    ok=(200, 201, 404, 412), params=params, json={"contentType": OCTET_STREAM},
                                     headers={"X-Upload-Content-Type": OCTET_STREAM})
             if response.status_code == 404:
                 raise self._not_found(path, deadline)
+            if response.status_code == 412:  # nothing was started, so a retry cannot have caused it
+                raise ConcurrentWriteError(path.uri, what)
             location = response.headers.get("Location")
             if not location:
                 raise HttpStatusError(response.status_code, what, "no session URL (Location) in the answer")

@@ -34,7 +34,7 @@ It also enforces the JSON API's ``ifGenerationMatch`` precondition, which fake-g
 applies to ``uploadType=multipart`` uploads only and ignores everywhere else: on every object write
 (media, multipart and resumable uploads, compose, copy and rewrite destinations, delete), a request
 whose precondition does not hold gets ``412``, as from GCS (a resumable upload's is checked at its
-last request). Every write to an object, conditional or not, holds that object's lock from the
+last request; a delete that finds no object gets ``404``, whatever it required). Every write to an object, conditional or not, holds that object's lock from the
 check until the write is done, so concurrent writers see GCS's compare-and-swap behaviour. A compose
 onto an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
 
@@ -508,7 +508,8 @@ class _ProxyHandler(_HandlerBase):
         compose = self.command == "POST" and urlsplit(self.path).path.endswith("/compose")
         with self._state.object_locks.held(bucket, name):
             current = self._state.generation(bucket, name) if required is not None or compose else 0
-            if required is not None and current != required:
+            # A delete that finds no object is answered 404 by GCS, whatever it required (upstream does too).
+            if required is not None and current != required and not (self.command == "DELETE" and not current):
                 self._drain()
                 return self._precondition_failed(bucket, name, required, current)
             if compose and current:

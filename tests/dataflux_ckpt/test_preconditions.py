@@ -15,6 +15,7 @@ request or precondition the cases above do not cover fails here.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from urllib.parse import parse_qs, urlsplit
@@ -24,9 +25,11 @@ import requests
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dataflux_ckpt import DatafluxCheckpointIO, DatafluxStorageWriter
+from dataflux_ckpt import ConcurrentWriteError, DatafluxCheckpointIO, DatafluxStorageWriter
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
+from dataflux_ckpt.gcs import Gcs
 from dataflux_ckpt.paths import bucket_url_path, object_url_path, upload_url_path
+from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 from tests.support.gcs import FAST_RETRY, FaultProxy, Request, client_for
 
@@ -142,6 +145,21 @@ def test_a_write_under_a_generation_precondition_succeeds_once(kind, preconditio
     assert _generation(url, gcs_bucket, name) == written, "the refused request changed the object"
 
 
+def test_a_conditional_delete_of_no_object_is_not_found(stack, gcs_bucket):
+    """GCS answers ``404`` to a delete that finds no object, whatever precondition it carries: there is
+    no generation to compare (the lock or part object a writer deletes may be gone already)."""
+    _, url = stack
+    name = f"pre/gone-{uuid.uuid4().hex[:6]}"
+    generation = _put(url, gcs_bucket, name)
+    assert requests.delete(url + object_url_path(gcs_bucket, name), timeout=TIMEOUT_S).status_code in (200, 204)
+    for required in (generation, generation + 1, 0):
+        answer = requests.delete(url + object_url_path(gcs_bucket, name), params={"ifGenerationMatch": required},
+                                 timeout=TIMEOUT_S)
+        assert answer.status_code == 404, f"ifGenerationMatch={required}: {answer.status_code} {answer.text}"
+    deadline = Deadline(TIMEOUT_S, "delete", f"gs://{gcs_bucket}/{name}")
+    assert Gcs(client_for(url)).delete(gcs_bucket, name, deadline, if_generation_match=generation) is False
+
+
 # Our code's requests ---------------------------------------------------------------------------------
 def _precondition_cases(requests_seen: list[Request]) -> set[tuple[str, str, str]]:
     """(request kind, precondition parameter, "0" or "N") of every request that carried a precondition."""
@@ -164,6 +182,23 @@ def _precondition_cases(requests_seen: list[Request]) -> set[tuple[str, str, str
             kind = seen.method.lower()
         found |= {(kind, key, "0" if value == "0" else "N") for key, value in conditions.items()}
     return found
+
+
+def test_a_resumable_upload_refused_when_it_starts_is_a_concurrent_write(gcs_emulator, gcs_bucket):
+    """GCS evaluates a resumable upload's precondition when the upload finishes; a server that refuses
+    it already at the start (``412`` to the request that opens the session) has the save fail as any
+    other failed precondition does, naming the object, with nothing published."""
+    path = f"gs://{gcs_bucket}/early/{uuid.uuid4().hex[:6]}.ckpt"
+    with FaultProxy(gcs_emulator.url) as proxy:
+        proxy.fault = lambda r, seen: 412 if r.method == "POST" and "uploadType=resumable" in r.path else None
+        plugin = DatafluxCheckpointIO(storage_client=client_for(proxy.url), use_transfer_manager=False,
+                                      stream_chunk_size=C, retry=FAST_RETRY)
+        with pytest.raises(ConcurrentWriteError, match=re.escape(path)) as refused:
+            plugin.save_checkpoint({"w": torch.zeros(4)}, path)
+        assert refused.value.target == path and "start of the resumable upload" in str(refused.value)
+        assert proxy.count("POST", "uploadType=resumable") == 1  # a failed precondition is not retried
+        assert plugin.list_checkpoints(f"gs://{gcs_bucket}/early/") == []
+        plugin.teardown()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group exists
