@@ -125,7 +125,7 @@ def test_services_die_with_their_parent(sig):
         from smartredis_io.server import RedisServer
         from dataflux_ckpt.emulator import FakeGcsServer
         with RedisServer() as redis, FakeGcsServer() as gcs:
-            print(redis.pids[0], gcs.pid, flush=True)
+            print(redis.pids[0], gcs.pid, gcs.emulator_pid, flush=True)
             time.sleep(120)
         """
     )
@@ -134,7 +134,8 @@ def test_services_die_with_their_parent(sig):
     )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        # redis-server, FakeGcsServer's front and the fake-gcs-server behind it: three processes
+        assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
         parent.send_signal(sig)
         parent.wait(timeout=30)
         assert all(_gone(pid) for pid in pids), f"orphans left after {sig!r}: {pids}"
