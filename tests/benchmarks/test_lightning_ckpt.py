@@ -194,10 +194,10 @@ def test_both_upload_modes_each_with_its_own_ceiling(tmp_path):
 
 @pytest.mark.slow
 def test_cloud_model_holds_every_connection_to_its_bandwidth(tmp_path):
-    mbps = 20.0  # a 56 MB object takes at least 2.8 s on one connection
+    mbps = 40.0  # a 56 MB object takes at least 1.4 s on one connection
     out, _, rows, _ = _run(tmp_path, "--types", "dataflux-no-tm,dataflux-tm", "--network", f"cloud:{mbps:g},4")
     by_type, ceilings = _by_kind(rows)
-    assert "cloud model: 20 MB/s per connection in each direction, 4 ms round trip" in out
+    assert "cloud model: 40 MB/s per connection in each direction, 4 ms round trip" in out
     assert all(r["network"] == "cloud" and r["network_mbps"] == mbps for r in rows)
     # One connection cannot beat the model's bandwidth (one upload request; one GET); parallel ranges can.
     assert ceilings["single"]["save_median_mbps"] <= 1.05 * mbps
@@ -207,7 +207,7 @@ def test_cloud_model_holds_every_connection_to_its_bandwidth(tmp_path):
 
 @pytest.mark.slow
 def test_cloud_model_covers_resumable_upload_sessions(tmp_path):
-    mbps = 20.0
+    mbps = 40.0
     _, _, rows, _ = _run(tmp_path, "--types", "torch-gcsfs,dataflux-no-tm", "--network", f"cloud:{mbps:g},4")
     by_type, _ = _by_kind(rows)
     # Both save through a resumable-upload session on one connection: every request of it crosses the model.
