@@ -43,11 +43,16 @@ MIDDLE_PINS := torch==2.11.0 lightning==2.6.1 pytorch-lightning==2.6.1 deepspeed
 MIDDLE_TESTS := tests/fastpersist tests/test_fast_paths.py tests/lightning_storage_plugins/test_torch_compat.py \
 	tests/dcp/test_storage.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
 	tests/test_checkpoint_io.py
-# FastPersist's example scripts and benchmark runner drive the same save and load paths as the tests
-# beside them: they run in the newest environment only (about two minutes less across the other two).
+# Run in the newest environment only, as they exercise our code the same way on every torch: FastPersist's
+# example scripts and benchmark runner (drivers of the save and load paths tested beside them), the
+# GCS load's memory bound, and (in the oldest) the 4-2-1-2 resharding chain, where torch's planner
+# reshards over the same storage calls that the 2-rank killed-rank test makes there. About three
+# minutes less across the other two environments.
 OLDER_ENV_DESELECT := $(addprefix --deselect=tests/fastpersist/test_examples_and_benchmark.py::,\
 	test_store_then_load_scripts_report_throughput_and_validate test_gpu_and_gds_scripts_refuse_cleanly_without_cuda \
-	test_benchmark_tensor_workload_on_tiny_sizes test_benchmark_deepspeed_workload_compares_durable_with_durable)
+	test_benchmark_tensor_workload_on_tiny_sizes test_benchmark_deepspeed_workload_compares_durable_with_durable) \
+	--deselect=tests/dataflux_ckpt/test_load_views.py::test_a_load_holds_about_one_checkpoint_of_extra_memory
+OLDEST_DESELECT := $(OLDER_ENV_DESELECT) --deselect=tests/dcp/test_ranks.py::test_reshard_4_to_2_to_1_to_2
 # Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
 # gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
 # $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
@@ -173,7 +178,7 @@ test-newest: setup-newest
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-oldest: setup-oldest
-	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(OLDER_ENV_DESELECT) $(PYTEST_ARGS)
+	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(OLDEST_DESELECT) $(PYTEST_ARGS)
 
 test-middle: setup-middle
 	$(PY_MIDDLE) -m pytest -p no:cacheprovider $(MIDDLE_TESTS) $(OLDER_ENV_DESELECT) $(PYTEST_ARGS)
