@@ -34,9 +34,10 @@ It also enforces the JSON API's ``ifGenerationMatch`` precondition, which fake-g
 applies to ``uploadType=multipart`` uploads only and ignores everywhere else: on every object write
 (media, multipart and resumable uploads, compose, copy and rewrite destinations, delete), a request
 whose precondition does not hold gets ``412``, as from GCS (a resumable upload's is checked at its
-last request; a delete that finds no object gets ``404``, whatever it required). Every write to an object, conditional or not, holds that object's lock from the
-check until the write is done, so concurrent writers see GCS's compare-and-swap behaviour. A compose
-onto an existing object gets a new generation, as on GCS (fake-gcs-server would keep the old one).
+last request; a delete that finds no object gets ``404``, whatever it required). Every write to an
+object, conditional or not, holds that object's lock from the check until the write is done, so
+concurrent writers see GCS's compare-and-swap behaviour. A compose onto an existing object gets a new
+generation, as on GCS (fake-gcs-server would keep the old one).
 
 The same server, with ``serve_multipart=False``, is the front that
 :class:`~dataflux_ckpt.testing.FakeGcsServer` puts before fake-gcs-server: preconditions enforced,

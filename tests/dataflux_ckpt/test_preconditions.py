@@ -193,12 +193,14 @@ def test_a_resumable_upload_refused_when_it_starts_is_a_concurrent_write(gcs_emu
         proxy.fault = lambda r, seen: 412 if r.method == "POST" and "uploadType=resumable" in r.path else None
         plugin = DatafluxCheckpointIO(storage_client=client_for(proxy.url), use_transfer_manager=False,
                                       stream_chunk_size=C, retry=FAST_RETRY)
-        with pytest.raises(ConcurrentWriteError, match=re.escape(path)) as refused:
-            plugin.save_checkpoint({"w": torch.zeros(4)}, path)
-        assert refused.value.target == path and "start of the resumable upload" in str(refused.value)
-        assert proxy.count("POST", "uploadType=resumable") == 1  # a failed precondition is not retried
-        assert plugin.list_checkpoints(f"gs://{gcs_bucket}/early/") == []
-        plugin.teardown()
+        try:
+            with pytest.raises(ConcurrentWriteError, match=re.escape(path)) as refused:
+                plugin.save_checkpoint({"w": torch.zeros(4)}, path)
+            assert refused.value.target == path and "start of the resumable upload" in str(refused.value)
+            assert proxy.count("POST", "uploadType=resumable") == 1  # a failed precondition is not retried
+            assert plugin.list_checkpoints(f"gs://{gcs_bucket}/early/") == []
+        finally:
+            plugin.teardown()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP warns that no process group exists
