@@ -145,7 +145,8 @@ class RedisServer:
             ``password``, one is generated for the launcher's own use.
         users: ACL users (see :class:`AclUser`).
         tls: serve TLS only, with these files.
-        extra_args: more redis-server arguments.
+        extra_args: more redis-server arguments; with `--cluster-enabled` and no `--cluster-port`, the
+            cluster bus gets a free port of its own.
         startup_timeout_s: how long to wait for the server to answer.
         module: load the smartredis_io Redis module (RedisAI's commands for SmartRedis clients;
             see :mod:`smartredis_io.redis_module`): ``True`` (default) the one of this package,
@@ -193,6 +194,9 @@ class RedisServer:
         self._password = password or (secrets.token_urlsafe(24) if users else None)
         self._persistence = persistence
         self._extra_args = tuple(extra_args)
+        if "--cluster-enabled" in self._extra_args and "--cluster-port" not in self._extra_args:
+            # redis-server's default bus port is ours + 10000, which does not exist above port 55535
+            self._extra_args += ("--cluster-port", str(free_port("127.0.0.1")))
         self._startup_timeout_s = startup_timeout_s
         self._binary = find_binary("redis-server", BINARY_ENV_VAR, install_hint=INSTALL_HINT)
         if module is True:
@@ -352,7 +356,7 @@ class RedisCluster:
             cluster_args += ("--tls-cluster", "yes")
         self._nodes = [
             RedisServer(host, password=password, users=users, tls=tls,
-                        extra_args=(*cluster_args, "--cluster-port", str(free_port("127.0.0.1"))),
+                        extra_args=cluster_args,
                         startup_timeout_s=startup_timeout_s, module=module, module_args=module_args,
                         worker_secret=worker_secret, env=env)
             for _ in range(shards)
