@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 import threading
@@ -24,6 +23,7 @@ from smartredis_io import (
     TlsFiles,
 )
 from smartredis_io.error import RedisConnectionError, RedisReplyError
+from tests.support.ports import is_free
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
 from tests.support.srio_workers import busy_worker, protocol_client, registry
 
@@ -59,19 +59,10 @@ def test_a_failed_start_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
 
 def test_a_cluster_node_starts_above_port_55535() -> None:
     """redis-server's default cluster bus port is its own + 10000, which does not exist up there."""
-    port = next(port for port in range(65535, 55535, -1) if _is_free(port))
+    port = next(port for port in range(65535, 55535, -1) if is_free(port))
     with RedisServer(port=port, extra_args=("--cluster-enabled", "yes"), module=False) as server:
         with redis.Redis(host=server.host, port=server.port) as client:
             assert client.cluster("info")["cluster_state"] == "fail"  # up, and no slots assigned yet
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_a_password_protected_server(uid: str, monkeypatch) -> None:

@@ -12,7 +12,6 @@ then its own ``create_cluster`` and ``check_cluster_status``.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -25,6 +24,7 @@ from lightning_storage_plugins.services import free_port
 from smartredis_io.redis_module import module_path
 from smartredis_io.smartsim_setup import DEP_PATH_ENV, lay_out
 from tests.support import smartsim_app
+from tests.support.ports import is_free
 from tests.support.srio_models import PUBLISHED_SKIP
 from tests.support.srio_workers import wait_until
 
@@ -119,17 +119,8 @@ def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 higher, as SmartSim leaves it) is free too."""
     while True:
         port = free_port()
-        if port <= 55535 and _is_free(port + 10000):
+        if port <= 55535 and is_free(port + 10000):
             return port
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _create_cluster(ports: list[int]) -> None:
