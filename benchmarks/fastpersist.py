@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from fastpersist.aio import aio_unavailable_reason
 from fastpersist.engines import Transfer, open_file
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty
 from lightning_storage_plugins._torch_compat import mirror_verdicts
+from lightning_storage_plugins.services import free_port
 
 log = logging.getLogger("benchmarks.fastpersist")
 
@@ -380,11 +380,8 @@ def single_process_group(device: str) -> Iterator[None]:
 
     import deepspeed
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
     )
     # One process needs no shared-memory allreduce op (a minutes-long JIT build on CPU).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,15 +12,10 @@ import pytest
 import torch
 
 from fastpersist import FastPersistCheckpointEngine, enable_fastpersist
+from lightning_storage_plugins.services import free_port
 from tests.support.fp_compare import assert_same
 
 deepspeed = pytest.importorskip("deepspeed")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
