@@ -138,7 +138,7 @@ class Services:
     def redis_address(self) -> str:
         """``host:port`` of the embedded redis-server (started on first use)."""
         if self._redis_address is None:
-            from smartredis_io.server import RedisServer
+            from smartredis_io import RedisServer
 
             self._redis_address = self.stack.enter_context(RedisServer()).address
         return self._redis_address
@@ -262,7 +262,7 @@ PLUGINS: dict[str, Plugin] = {
         Plugin("fastpersist", "FastPersistCheckpointIO (local)", "local", _fastpersist_io,
                requires="fastpersist.checkpoint_io"),
         Plugin("smartredis", "SmartRedisCheckpointIO (redis)", "redis", _smartredis_io,
-               requires="smartredis_io.lightning", size=_smartredis_size),
+               requires="smartredis_io.lightning.checkpoint_io", size=_smartredis_size),
     ]
 }
 

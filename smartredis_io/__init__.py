@@ -8,15 +8,15 @@ modules ``error``, ``util``, ``dataset_utils``, ``srobject``, ``logger``, ``logc
 
 from lightning_storage_plugins.lazy import lazy_exports
 from smartredis_io import error
+from smartredis_io._client.wire import bfloat16
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.dataset import Dataset
 from smartredis_io.dataset_utils import DatasetConverter
+from smartredis_io.launchers.server import AclUser, Orchestrator, RedisCluster, RedisServer, TlsFiles
 from smartredis_io.logcontext import LogContext
 from smartredis_io.logger import LLDebug, LLDeveloper, LLInfo, LLQuiet, log_data, log_error, log_warning
-from smartredis_io.server import AclUser, Orchestrator, RedisCluster, RedisServer, TlsFiles
 from smartredis_io.srobject import SRObject
-from smartredis_io.wire import bfloat16
 
 __all__ = [
     "AclUser",
@@ -46,5 +46,5 @@ __all__ = [
 
 # Lightning is imported on first use only: clients and workers start without it.
 __getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(
-    ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher"), "smartredis_io.lightning"),
+    ("SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher"), "smartredis_io.lightning.checkpoint_io"),
     __all__)

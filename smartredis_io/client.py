@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from smartredis_io._helpers import typecheck
-from smartredis_io.admin_commands import AdminCommands
+from smartredis_io._client.admin_commands import AdminCommands
+from smartredis_io._client.connection import ConnectionSettings, Database
+from smartredis_io._client.dataset_commands import DatasetCommands
+from smartredis_io._client.helpers import typecheck
+from smartredis_io._client.list_commands import ListCommands
+from smartredis_io._client.model_commands import ModelCommands
+from smartredis_io._client.multigpu_commands import MultiGPUCommands
+from smartredis_io._client.node_commands import NodeCommands
+from smartredis_io._client.tensor_commands import TensorCommands
 from smartredis_io.configoptions import ConfigOptions
-from smartredis_io.connection import ConnectionSettings, Database
-from smartredis_io.dataset_commands import DatasetCommands
 from smartredis_io.error import RedisConnectionError
-from smartredis_io.list_commands import ListCommands
-from smartredis_io.model_commands import ModelCommands
-from smartredis_io.multigpu_commands import MultiGPUCommands
-from smartredis_io.node_commands import NodeCommands
 from smartredis_io.srobject import SRObject
-from smartredis_io.tensor_commands import TensorCommands
 
 __all__ = ["Client"]
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from smartredis_io._helpers import typecheck
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
 
 __all__ = ["ConfigOptions", "create_managed_instance", "managed", "typecheck"]

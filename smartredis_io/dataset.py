@@ -12,9 +12,9 @@ import struct
 
 import numpy as np
 
-from smartredis_io import _redispy, wire
-from smartredis_io._helpers import typecheck
-from smartredis_io.connection import Database
+from smartredis_io._client import _redispy, wire
+from smartredis_io._client.connection import Database
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
 from smartredis_io.srobject import SRObject
 
@@ -340,7 +340,7 @@ class Dataset(SRObject):
 # hash at ``<base>.meta`` holding each metadata field serialized (a type byte, then the values: scalars
 # little-endian, strings each as a 64-bit length and its bytes), the tensor names in the string field
 # ``.tensor_names`` and ``.COMPLETE`` = ``1`` once the dataset is whole; each tensor at
-# ``<base>.<tensor>``, a tensor value of smartredis_io.wire (what AI.TENSORSET stores). ``<base>`` is
+# ``<base>.<tensor>``, a tensor value of smartredis_io._client.wire (what AI.TENSORSET stores). ``<base>`` is
 # ``<prefix>{<name>}``, so every key of a dataset lives on one cluster slot.
 ACK_FIELD = b".COMPLETE"
 TENSOR_NAMES_FIELD = b".tensor_names"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from smartredis_io._helpers import typecheck, typecheck_stringlist
+from smartredis_io._client.helpers import typecheck, typecheck_stringlist
 from smartredis_io.dataset import Dataset
 from smartredis_io.error import RedisRuntimeError
 

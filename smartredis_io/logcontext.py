@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from smartredis_io._helpers import typecheck
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.srobject import SRObject
 
 __all__ = ["LogContext"]

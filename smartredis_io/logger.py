@@ -18,7 +18,7 @@ import enum
 import logging
 import os
 
-from smartredis_io._helpers import typecheck
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.error import RedisRuntimeError
 
 __all__ = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from smartredis_io import logger
-from smartredis_io._helpers import typecheck
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.logger import SRLoggingLevel
 
 __all__ = ["SRObject"]

@@ -10,7 +10,7 @@ import numpy as np
 import redis
 
 from smartredis_io import error
-from smartredis_io._helpers import typecheck
+from smartredis_io._client.helpers import typecheck
 
 __all__ = ["Dtypes", "exception_handler", "init_default", "typecheck"]
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
 from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
-from smartredis_io.server import RedisCluster, RedisServer  # noqa: E402
+from smartredis_io import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.srio_sanitizers import sanitized  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The one place that knows how ``smartredis_io`` starts a database and its execution workers.
 
-The standard deployment is ``smartredis_io.server.Orchestrator`` (standalone or an N-shard cluster
+The standard deployment is ``smartredis_io.Orchestrator`` (standalone or an N-shard cluster
 on loopback, plus workers). Two cases it does not cover are assembled from its parts: a colocated
 deployment (a standalone server on a Unix-domain socket) and workers for a database given by
 ``--address``, both through ``python -m smartredis_io.worker``.
@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from smartredis_io.server import Orchestrator, RedisServer
-from smartredis_io.worker_protocol import SECRET_ENV
+from smartredis_io import Orchestrator, RedisServer
+from smartredis_io.worker.worker_protocol import SECRET_ENV
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from lightning_storage_plugins.services import (
     ServiceStartError,
     find_binary,
 )
-from smartredis_io.server import RedisServer
+from smartredis_io import RedisServer
 from tests.support.processes import foreground_sigint
 
 
@@ -122,7 +122,7 @@ def test_services_die_with_their_parent(sig):
     script = textwrap.dedent(
         """
         import sys, time
-        from smartredis_io.server import RedisServer
+        from smartredis_io import RedisServer
         from dataflux_ckpt.emulator import FakeGcsServer
         with RedisServer() as redis, FakeGcsServer() as gcs:
             print(redis.pids[0], gcs.pid, gcs.emulator_pid, flush=True)

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_storage_plugins.services import ServiceStartError
-from smartredis_io import Client, SmartRedisCheckpointIO, protocol, wire
+from smartredis_io import Client, RedisServer, SmartRedisCheckpointIO
+from smartredis_io._client import protocol, wire
 from smartredis_io.error import RedisInternalError, RedisRuntimeError
-from smartredis_io.server import RedisServer
 from tests.support.srio_models import SCRIPT
 from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import protocol_client, registry, wait_until

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.extra import numpy as hnp
 from redis.cluster import key_slot
 
-from smartredis_io import Client, ConfigOptions, bfloat16, error, wire
+from smartredis_io import Client, ConfigOptions, bfloat16, error
+from smartredis_io._client import wire
 from smartredis_io.error import (
     RedisConnectionError,
     RedisInternalError,

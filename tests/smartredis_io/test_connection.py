@@ -9,7 +9,7 @@ from redis.cluster import RedisCluster as PyCluster
 from redis.cluster import key_slot
 
 from smartredis_io import Client
-from smartredis_io.connection import Database
+from smartredis_io._client.connection import Database
 
 
 @pytest.fixture(params=["standalone", "cluster"])

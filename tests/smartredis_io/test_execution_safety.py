@@ -16,7 +16,8 @@ import redis
 import torch
 
 from lightning_storage_plugins.services import ManagedProcess
-from smartredis_io import Client, ConfigOptions, Orchestrator, wire
+from smartredis_io import Client, ConfigOptions, Orchestrator
+from smartredis_io._client import wire
 from smartredis_io.error import RedisInternalError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within
 from tests.support.srio_models import SCRIPT

@@ -10,7 +10,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import Client, _redispy, wire
+from smartredis_io import Client
+from smartredis_io._client import _redispy, wire
 
 SCRATCH = _redispy.SCRATCH_BYTES
 HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -19,14 +19,8 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import (
-    Client,
-    ConfigOptions,
-    Orchestrator,
-    RedisServer,
-    SmartRedisCheckpointIO,
-    wire,
-)
+from smartredis_io import Client, ConfigOptions, Orchestrator, RedisServer, SmartRedisCheckpointIO
+from smartredis_io._client import wire
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT

@@ -25,9 +25,8 @@ from smartredis_io import (
     SmartRedisCheckpointIO,
     SmartRedisModelCheckpoint,
     SmartRedisModelPublisher,
-    protocol,
-    wire,
 )
+from smartredis_io._client import protocol, wire
 from smartredis_io.error import RedisReplyError
 from tests.support.srio_models import TinyRegressor
 

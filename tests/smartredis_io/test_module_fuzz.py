@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from redis.cluster import RedisCluster as PlainCluster
 
-from smartredis_io import wire
-from smartredis_io.server import RedisCluster, RedisServer
+from smartredis_io import RedisCluster, RedisServer
+from smartredis_io._client import wire
 from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import protocol_client
 

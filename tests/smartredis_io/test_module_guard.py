@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import redis
 
-from smartredis_io import Client
-from smartredis_io.redis_module import module_path
-from smartredis_io.server import RedisServer
+from smartredis_io import Client, RedisServer
+from smartredis_io.launchers.redis_module import module_path
 from tests.support.srio_models import SCRIPT
 from tests.support.srio_workers import wait_until
 

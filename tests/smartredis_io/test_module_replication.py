@@ -13,7 +13,7 @@ import pytest
 import redis
 import torch
 
-from smartredis_io.server import RedisServer
+from smartredis_io import RedisServer
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
 from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import wait_until

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from smartredis_io import Client, Orchestrator
-from smartredis_io.devices import model_device
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError
-from smartredis_io.worker import worker_device
+from smartredis_io.worker.devices import model_device
+from smartredis_io.worker.supervisor import worker_device
 from tests.support.srio_models import torchscript_bytes
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)

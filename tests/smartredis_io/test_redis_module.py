@@ -19,9 +19,9 @@ import pytest
 import redis
 from redis.cluster import RedisCluster as PlainCluster
 
-from smartredis_io import Client, protocol, wire
-from smartredis_io import redis_module as locator
-from smartredis_io.server import RedisServer
+from smartredis_io import Client, RedisServer
+from smartredis_io._client import protocol, wire
+from smartredis_io.launchers import redis_module as locator
 from tests.support.srio_models import linear, torchscript_bytes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from smartredis_io import _redispy
+from smartredis_io._client import _redispy
 
 CHANGED = "redis-py changed under smartredis_io._redispy: "
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import smartredis_io
-from smartredis_io import AclUser, ConfigOptions, RedisCluster, RedisServer, wire
+from smartredis_io import AclUser, ConfigOptions, RedisCluster, RedisServer
+from smartredis_io._client import wire
 from smartredis_io.error import RedisReplyError
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
 

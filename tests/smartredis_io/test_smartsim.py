@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from lightning_storage_plugins.services import free_port
-from smartredis_io.redis_module import module_path
-from smartredis_io.smartsim_setup import DEP_PATH_ENV, lay_out
+from smartredis_io.launchers.redis_module import module_path
+from smartredis_io.launchers.smartsim_setup import DEP_PATH_ENV, lay_out
 from tests.support import smartsim_app
 from tests.support.ports import is_free
 from tests.support.srio_models import PUBLISHED_SKIP

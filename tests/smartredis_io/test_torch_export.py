@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from smartredis_io import Client, Orchestrator, _torch_export, export_policy, protocol
-from smartredis_io.connection import Database
+from smartredis_io import Client, Orchestrator
+from smartredis_io._client import export_policy, protocol
+from smartredis_io._client.connection import Database
+from smartredis_io._client.torchscript_policy import RefusedGraph
 from smartredis_io.error import RedisReplyError
-from smartredis_io.torchscript_policy import RefusedGraph
+from smartredis_io.worker import _torch_export
 from tests.support.srio_export import (
     BatchRows,
     edit,

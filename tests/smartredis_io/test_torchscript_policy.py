@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from smartredis_io import Client, Orchestrator, _torchscript, protocol, torchscript_policy
-from smartredis_io.connection import Database
+from smartredis_io import Client, Orchestrator
+from smartredis_io._client import protocol, torchscript_policy
+from smartredis_io._client.connection import Database
+from smartredis_io._client.torchscript_policy import RefusedGraph
 from smartredis_io.error import RedisReplyError
-from smartredis_io.torchscript_policy import RefusedGraph
+from smartredis_io.worker import _torchscript
 from tests.support.srio_models import (
     MAPS_A_FILE_SCRIPT,
     MapsAFile,

@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import Client, Orchestrator, protocol, wire
+from smartredis_io import Client, Orchestrator
+from smartredis_io._client import protocol, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
 from tests.support.srio_workers import WorkerEntry, protocol_client, registry, wait_until, worker_env

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from smartredis_io import export_policy
+from smartredis_io._client import export_policy
 
 
 class BatchRows(torch.nn.Module):

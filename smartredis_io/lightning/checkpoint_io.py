@@ -21,11 +21,12 @@ from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.preflight import storage_plugin
-from smartredis_io import filesystem, wire
+from smartredis_io._client import wire
+from smartredis_io._client.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.client import Client
 from smartredis_io.configoptions import ConfigOptions
-from smartredis_io.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError, RedisTimeoutError
+from smartredis_io.lightning import filesystem
 
 __all__ = ["SmartRedisCheckpointIO", "SmartRedisModelCheckpoint", "SmartRedisModelPublisher", "checkpoint_key"]
 
@@ -358,7 +359,7 @@ class SmartRedisModelCheckpoint(RemoteModelCheckpoint):
     in a ``redis://`` directory or keyed by a local one.
 
     For ``ckpt_path="last"``, stock ``ModelCheckpoint`` lists its directory through fsspec. A
-    ``redis://`` listing goes through :mod:`smartredis_io.filesystem`, but Lightning passes the URLs
+    ``redis://`` listing goes through :mod:`smartredis_io.lightning.filesystem`, but Lightning passes the URLs
     through ``os.path.normpath``, which turns ``redis://run1/last.ckpt`` into a local path
     (``redis:/run1/last.ckpt``). A local directory whose checkpoints are keyed in the database holds
     no files (with ``save_last="link"``, only links to checkpoints that are not local files). Either

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from redis.crc import key_slot
 
-from smartredis_io.connection import Database
+from smartredis_io._client.connection import Database
 from smartredis_io.error import RedisInternalError, RedisKeyError, RedisRuntimeError
 
 MiB = 1 << 20

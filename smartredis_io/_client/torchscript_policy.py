@@ -15,7 +15,7 @@ It is applied three times:
 
 Only the last two are a defence: a client is not trusted to check its own models. This module needs
 no torch (the client checks without importing it); the graph walk lives in
-:mod:`smartredis_io._torchscript`.
+:mod:`smartredis_io.worker._torchscript`.
 """
 
 from __future__ import annotations

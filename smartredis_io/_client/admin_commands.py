@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from smartredis_io._helpers import typecheck
-from smartredis_io.client_base import ClientBase, command, poll
+from smartredis_io._client.client_base import ClientBase, command, poll
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.error import RedisRuntimeError
 
 __all__ = ["AdminCommands"]

@@ -1,6 +1,6 @@
 """One connection layer over a standalone Redis or a Redis Cluster, with the zero-copy tensor paths.
 
-Everything goes through redis-py except the hot paths (see :mod:`smartredis_io._redispy`): a tensor
+Everything goes through redis-py except the hot paths (see :mod:`smartredis_io._client._redispy`): a tensor
 put is sent as the header followed by a memoryview of the caller's array, a tensor get reads the
 reply body straight into the caller's array, and the run_model request/reply exchanges are sent and
 read on a pooled connection without redis-py's pipeline machinery (``Database.exchange``).
@@ -23,8 +23,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
 from lightning_storage_plugins.messages import plain_text, warn
-from smartredis_io import _redispy
-from smartredis_io._redispy import Command, ReadPlan
+from smartredis_io._client import _redispy
+from smartredis_io._client._redispy import Command, ReadPlan
 from smartredis_io.configoptions import ConfigOptions
 from smartredis_io.error import RedisConnectionError
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from smartredis_io._helpers import check_file, checked_model, function_source, names, typecheck
-from smartredis_io.client_base import command
+from smartredis_io._client.client_base import command
+from smartredis_io._client.helpers import check_file, checked_model, function_source, names, typecheck
+from smartredis_io._client.model_commands import ModelCommands
 from smartredis_io.error import (
     MissingKeyRuntimeError,
     RedisKeyError,
@@ -23,7 +24,6 @@ from smartredis_io.error import (
     RedisRuntimeError,
     RedisTimeoutError,
 )
-from smartredis_io.model_commands import ModelCommands
 
 __all__ = ["MultiGPUCommands"]
 

@@ -1,5 +1,5 @@
-"""What the worker supervisor (:mod:`smartredis_io.worker`) and its worker processes
-(:mod:`smartredis_io.executor`) agree on: why a worker exited, and where it finds the secret it
+"""What the worker supervisor (:mod:`smartredis_io.worker.supervisor`) and its worker processes
+(:mod:`smartredis_io.worker.executor`) agree on: why a worker exited, and where it finds the secret it
 shows the Redis module (``SRIO.HELLO``) before it may take requests."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ batches them. docs/smartredis.md describes the protocol.
 Safety, per request:
 
 - **Deadline.** A watchdog thread ends the process (exit status
-  ``smartredis_io.worker_protocol.EXIT_DEADLINE``) when a run outlives its request's deadline:
+  ``smartredis_io.worker.worker_protocol.EXIT_DEADLINE``) when a run outlives its request's deadline:
   TorchScript and ATen release the GIL while they compute, so the watchdog runs even inside a
   ``while True`` loop of a stored script, and per request it costs two attribute writes. The module has already answered the caller; the supervisor that started the
   worker starts a new one.
@@ -22,8 +22,8 @@ Safety, per request:
   (torch's deterministic mode), so no output carries bytes of an earlier request; the random
   generators are reseeded from ``os.urandom`` before every run.
 
-Only TorchScript that passes :mod:`smartredis_io.torchscript_policy` runs (and ``torch.export``
-programs that pass :mod:`smartredis_io.export_policy`).
+Only TorchScript that passes :mod:`smartredis_io._client.torchscript_policy` runs (and ``torch.export``
+programs that pass :mod:`smartredis_io._client.export_policy`).
 """
 
 from __future__ import annotations
@@ -45,20 +45,18 @@ import numpy as np
 import redis
 import torch
 
-from smartredis_io import (
-    _redispy,
-    _torch_export,
-    _torchscript,
-    devices,
-    export_policy,
-    protocol,
-    torchscript_policy,
-    wire,
+from smartredis_io._client import _redispy, export_policy, protocol, torchscript_policy, wire
+from smartredis_io._client.connection import (
+    Command,
+    ConnectionSettings,
+    Database,
+    parse_address,
+    plain_client,
 )
-from smartredis_io.connection import Command, ConnectionSettings, Database, parse_address, plain_client
+from smartredis_io._client.protocol import Manifest, Request
 from smartredis_io.error import RedisConnectionError, RedisKeyError, RedisReplyError
-from smartredis_io.protocol import Manifest, Request
-from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
+from smartredis_io.worker import _torch_export, _torchscript, devices
+from smartredis_io.worker.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
 
 log = logging.getLogger("smartredis_io.worker")
 

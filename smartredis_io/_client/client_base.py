@@ -1,9 +1,9 @@
 """What every command group of :class:`smartredis_io.Client` shares.
 
 The client is composed, as redis-py composes its commands, of one mixin per data type
-(:mod:`~smartredis_io.tensor_commands`, :mod:`~smartredis_io.dataset_commands`,
-:mod:`~smartredis_io.model_commands`, :mod:`~smartredis_io.list_commands`,
-:mod:`~smartredis_io.admin_commands`). Each mixin relies on the state defined here: the
+(:mod:`~smartredis_io._client.tensor_commands`, :mod:`~smartredis_io._client.dataset_commands`,
+:mod:`~smartredis_io._client.model_commands`, :mod:`~smartredis_io._client.list_commands`,
+:mod:`~smartredis_io._client.admin_commands`). Each mixin relies on the state defined here: the
 connection (``_db``) and the key prefixing that SmartRedis applies for ensembles (``SSKEYIN`` /
 ``SSKEYOUT``, switched per data type with ``use_*_ensemble_prefix``).
 """
@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import redis
 
 from smartredis_io import dataset as ds_layout
-from smartredis_io._helpers import names, typecheck
-from smartredis_io.connection import Database
+from smartredis_io._client.connection import Database
+from smartredis_io._client.helpers import names, typecheck
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["ClientBase", "command", "names", "poll"]

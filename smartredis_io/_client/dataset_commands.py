@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from smartredis_io import dataset as ds_layout
-from smartredis_io._helpers import typecheck
-from smartredis_io.client_base import ClientBase, command, poll
+from smartredis_io._client.client_base import ClientBase, command, poll
+from smartredis_io._client.helpers import typecheck
 from smartredis_io.dataset import Dataset
 from smartredis_io.error import MissingKeyRuntimeError
 

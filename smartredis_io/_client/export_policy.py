@@ -15,7 +15,7 @@ therefore checked here, statically, before any of it is loaded:
 * every symbolic expression is arithmetic on symbols and numbers (parsed with :mod:`ast`, never
   evaluated); the program has no guards code, no subgraphs and no custom objects.
 
-The worker checks the loaded graph again (:mod:`smartredis_io._torch_export`). This module needs no
+The worker checks the loaded graph again (:mod:`smartredis_io.worker._torch_export`). This module needs no
 torch: the client checks a program at ``set_model`` without importing it.
 """
 
@@ -29,9 +29,9 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
-from smartredis_io import torchscript_policy
+from smartredis_io._client import torchscript_policy
+from smartredis_io._client.torchscript_policy import RefusedGraph, check_ops
 from smartredis_io.error import RedisReplyError
-from smartredis_io.torchscript_policy import RefusedGraph, check_ops
 
 __all__ = [
     "ALLOWED_BUILTINS",

@@ -5,7 +5,7 @@ where ``<prefix>`` is a short binary string whose hash slot is the lowest slot o
 (the inverse CRC16 of ``RedisCluster::_get_crc16_prefix``); it reads it from the shard that serves
 slot 0 and runs it on any shard. With the smartredis_io Redis module loaded, ``smartredis_io`` does
 the same through RedisAI's commands, so that models and scripts stored by either kind of client are
-the same objects. Without the module a cluster keeps them at ``<name>`` (``smartredis_io.protocol``).
+the same objects. Without the module a cluster keeps them at ``<name>`` (``smartredis_io._client.protocol``).
 On a standalone server both kinds of client use ``<name>``.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import redis
 
-from smartredis_io import protocol
-from smartredis_io.connection import Database
+from smartredis_io._client import protocol
+from smartredis_io._client.connection import Database
 from smartredis_io.error import RedisKeyError
 
 __all__ = ["delete", "exists", "first_shard_key", "get_blob", "key_on_shard", "module_loaded", "shard_keys",

@@ -13,7 +13,7 @@ import os
 import textwrap
 from collections.abc import Callable
 
-from smartredis_io import export_policy
+from smartredis_io._client import export_policy
 from smartredis_io.error import RedisRuntimeError
 
 __all__ = ["check_file", "checked_model", "function_source", "names", "typecheck", "typecheck_list",

@@ -14,7 +14,7 @@ Credentials, TLS and deadlines come from the environment as for a SmartRedis cli
 The database must have the smartredis_io Redis module loaded (our launchers load it).
 
 The command is a supervisor: it runs no model and imports no torch, and starts ``--workers`` worker
-processes (:mod:`smartredis_io.executor`), each serving every server of the database (a module's
+processes (:mod:`smartredis_io.worker.executor`), each serving every server of the database (a module's
 own workers: the server that started them, in a cluster its shard). A worker that
 exits while the supervisor is not stopping (killed, crashed, or stopped by its deadline watchdog
 because a run outlived its deadline) is started again at once, then after pauses that grow to
@@ -47,8 +47,8 @@ from typing import Any
 import redis
 
 from lightning_storage_plugins.services import die_with_parent
-from smartredis_io.connection import ConnectionSettings, detect_cluster, parse_address, plain_client
-from smartredis_io.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
+from smartredis_io._client.connection import ConnectionSettings, detect_cluster, parse_address, plain_client
+from smartredis_io.worker.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _serve(options: WorkerOptions, device: str, name: str) -> None:
     try:
         import torch
 
-        from smartredis_io import executor
+        from smartredis_io.worker import executor
 
         torch.set_num_threads(options.threads)
         if options.interop_threads:
@@ -392,6 +392,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     lifeline = sys.stdin.fileno() if args.secret_stdin else None
     return _Supervisor(options, base, args.workers, lifeline).run()
 
-
-if __name__ == "__main__":
-    _exit(main())

@@ -14,10 +14,10 @@ from typing import Any
 
 import redis
 
-from smartredis_io import _redispy, placement
-from smartredis_io._helpers import typecheck, typecheck_list
-from smartredis_io.client_base import ClientBase, command
-from smartredis_io.connection import parse_address
+from smartredis_io._client import _redispy, placement
+from smartredis_io._client.client_base import ClientBase, command
+from smartredis_io._client.connection import parse_address
+from smartredis_io._client.helpers import typecheck, typecheck_list
 from smartredis_io.error import MissingKeyRuntimeError, RedisConnectionError, RedisRuntimeError
 
 __all__ = ["NodeCommands"]
@@ -153,7 +153,7 @@ class NodeCommands(ClientBase):
         typecheck(reset_stat, "reset_stat", bool)
         for node in address:
             self._node_pool(node)
-        # In a cluster with the module the model has a copy on every shard (smartredis_io.placement),
+        # In a cluster with the module the model has a copy on every shard (smartredis_io._client.placement),
         # each with its own statistics: their sums are the database's.
         copies = placement.shard_keys(self._db, key) if self._sharded() else [key]
         replies = [self._db.exchange([("AI.INFO", copy, *(["RESETSTAT"] if reset_stat else []))],

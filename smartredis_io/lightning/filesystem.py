@@ -22,9 +22,9 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 from redis.cluster import RedisCluster
 
-from smartredis_io import wire
+from smartredis_io._client import wire
+from smartredis_io._client.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.configoptions import ConfigOptions
-from smartredis_io.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.error import RedisKeyError
 
 __all__ = ["PROTOCOL", "RedisFileSystem", "url_key"]

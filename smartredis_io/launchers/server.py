@@ -30,8 +30,8 @@ from lightning_storage_plugins.services import (
     free_port,
     is_loopback,
 )
-from smartredis_io.connection import ConnectionSettings, plain_client
-from smartredis_io.worker_protocol import SECRET_ENV
+from smartredis_io._client.connection import ConnectionSettings, plain_client
+from smartredis_io.worker.worker_protocol import SECRET_ENV
 
 __all__ = ["AclUser", "Orchestrator", "RedisCluster", "RedisServer", "TlsFiles"]
 
@@ -149,7 +149,7 @@ class RedisServer:
             cluster bus gets a free port of its own.
         startup_timeout_s: how long to wait for the server to answer.
         module: load the smartredis_io Redis module (RedisAI's commands for SmartRedis clients;
-            see :mod:`smartredis_io.redis_module`): ``True`` (default) the one of this package,
+            see :mod:`smartredis_io.launchers.redis_module`): ``True`` (default) the one of this package,
             a path for another build, ``False`` for a plain Redis.
         module_args: the module's arguments (``NAME value`` pairs, e.g. ``("MODEL_CHUNK_SIZE", "1048576")``).
             The module starts no execution worker of its own unless they name ``WORKERS``.
@@ -160,7 +160,7 @@ class RedisServer:
 
     Raises:
         ValueError: a non-loopback ``host`` without authentication, or two users of one name.
-        smartredis_io.redis_module.RedisModuleNotFoundError: ``module=True`` and the module is not built.
+        smartredis_io.launchers.redis_module.RedisModuleNotFoundError: ``module=True`` and the module is not built.
     """
 
     def __init__(
@@ -202,7 +202,7 @@ class RedisServer:
         if module is True:
             # imported here: `python -m smartredis_io.redis_module` runs that module as __main__, which runpy
             # warns about when importing the package has already imported it
-            from smartredis_io.redis_module import module_path
+            from smartredis_io.launchers.redis_module import module_path
 
             module = module_path()
         self.module = os.fspath(module) if module else None

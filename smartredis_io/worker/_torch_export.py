@@ -1,6 +1,6 @@
 """The torch internals the workers use to load and run a ``torch.export`` program safely and quickly.
 
-Loading: after :mod:`smartredis_io.export_policy` has checked the archive, a pt2 archive (torch 2.7
+Loading: after :mod:`smartredis_io._client.export_policy` has checked the archive, a pt2 archive (torch 2.7
 and newer) is loaded with ``torch.export.load`` once its sample inputs are known to load with
 ``weights_only=True`` (so the loader's fallback to a full unpickler never runs); an archive of the
 older layout (torch 2.6) has its tensor pickles loaded here with ``weights_only=True`` and handed to
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from smartredis_io import export_policy
+from smartredis_io._client import export_policy
+from smartredis_io._client.torchscript_policy import RefusedGraph, check_ops
 from smartredis_io.error import RedisReplyError
-from smartredis_io.torchscript_policy import RefusedGraph, check_ops
 
 __all__ = ["ExportedModel", "load", "op_kinds", "warm_up"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from smartredis_io import wire
-from smartredis_io.connection import Database
+from smartredis_io._client import wire
+from smartredis_io._client.connection import Database
 from smartredis_io.error import RedisKeyError
 
 MANIFEST_PREFIX = b'{"kind": '  # how a stored manifest (json.dumps of Manifest) starts

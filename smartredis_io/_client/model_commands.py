@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import redis
 
-from smartredis_io import placement, protocol, torchscript_policy
-from smartredis_io._helpers import check_file, checked_model, function_source, names, typecheck
-from smartredis_io.client_base import ClientBase, command, poll
+from smartredis_io._client import placement, protocol, torchscript_policy
+from smartredis_io._client.client_base import ClientBase, command, poll
+from smartredis_io._client.helpers import check_file, checked_model, function_source, names, typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
@@ -54,7 +54,7 @@ class ModelCommands(ClientBase):
     _model_chunk_bytes: int | None = None
 
     #: whether models and scripts go on every shard, as SmartRedis puts them (a cluster with the
-    #: smartredis_io Redis module; see ``smartredis_io.placement``); None: not asked yet
+    #: smartredis_io Redis module; see ``smartredis_io._client.placement``); None: not asked yet
     _on_every_shard: bool | None = None
 
     def _sharded(self) -> bool:
@@ -147,8 +147,8 @@ class ModelCommands(ClientBase):
         :raises RedisRuntimeError: if the batching arguments are inconsistent
         :raises RedisReplyError: if no worker runs the backend, the model is neither a TorchScript
             nor a torch.export archive, it uses an op that touches files, processes or the network
-            (see ``smartredis_io.torchscript_policy``), loading it would run code from it (see
-            ``smartredis_io.export_policy``), or it fails to set
+            (see ``smartredis_io._client.torchscript_policy``), loading it would run code from it (see
+            ``smartredis_io._client.export_policy``), or it fails to set
         """
         typecheck(name, "name", str)
         typecheck(model, "model", (bytes, bytearray, memoryview))
@@ -328,7 +328,7 @@ class ModelCommands(ClientBase):
         :type device: str
         :raises TypeError: if an argument has the wrong type or the device is unknown
         :raises RedisReplyError: if the script uses an op that touches files, processes or the
-            network (see ``smartredis_io.torchscript_policy``), or it fails to set
+            network (see ``smartredis_io._client.torchscript_policy``), or it fails to set
         """
         typecheck(name, "name", str)
         typecheck(script, "script", str)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from smartredis_io import wire
-from smartredis_io._helpers import typecheck
-from smartredis_io.client_base import ClientBase, command, poll
+from smartredis_io._client import wire
+from smartredis_io._client.client_base import ClientBase, command, poll
+from smartredis_io._client.helpers import typecheck
 
 __all__ = ["TensorCommands"]
 
