@@ -12,7 +12,7 @@ configure_gcsfs_for_emulator()
 
 import pytest  # noqa: E402
 
-from dataflux_ckpt.emulator import FakeGcsServer  # noqa: E402
+from dataflux_ckpt.testing import FakeGcsServer  # noqa: E402
 from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402

@@ -71,7 +71,7 @@ def test_lookup_order_is_env_var_then_path_then_providers(tmp_path, monkeypatch)
 
 
 def test_fake_gcs_server_error_tells_a_pip_user_what_to_do(monkeypatch, tmp_path):
-    from dataflux_ckpt.emulator import find_fake_gcs_server
+    from dataflux_ckpt.testing import find_fake_gcs_server
 
     monkeypatch.delenv("FAKE_GCS_SERVER_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -123,7 +123,7 @@ def test_services_die_with_their_parent(sig):
         """
         import sys, time
         from smartredis_io import RedisServer
-        from dataflux_ckpt.emulator import FakeGcsServer
+        from dataflux_ckpt.testing import FakeGcsServer
         with RedisServer() as redis, FakeGcsServer() as gcs:
             print(redis.pids[0], gcs.pid, gcs.emulator_pid, flush=True)
             time.sleep(120)
