@@ -29,7 +29,13 @@ from dataflux_ckpt.options import (
 )
 from dataflux_ckpt.paths import GcsPath, check_bucket_name, parse_gcs_path, parse_gcs_prefix
 from dataflux_ckpt.retry import Deadline, RetryPolicy
-from dataflux_ckpt.upload import PARTS_SUFFIX, ObjectWriter, StreamingWriter, sweep_stale_parts
+from dataflux_ckpt.upload import (
+    PARTS_SUFFIX,
+    ObjectWriter,
+    StreamingWriter,
+    sweep_dead_uploads,
+    sweep_stale_parts,
+)
 from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
@@ -141,7 +147,22 @@ class DatafluxModelCheckpoint(RemoteModelCheckpoint):
     last checkpoints it finds for ``ckpt_path="last"`` lose their ``gs://`` (Lightning reads
     ``bucket/run1/last.ckpt`` as a local path), so the run trains from scratch with only a warning.
     This keeps the URLs. It takes ``ModelCheckpoint``'s arguments.
+
+    With :class:`~dataflux_ckpt.TieredCheckpointIO`, the local tier's ``last`` checkpoints of the
+    directory are candidates too (as local files), so that a ``last.ckpt`` saved after its newest
+    upload, or never uploaded, is found; Lightning resumes from the candidate modified last.
     """
+
+    @override
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        from dataflux_ckpt.tiered import TieredCheckpointIO  # it builds on this module
+        from lightning_storage_plugins.preflight import storage_plugin
+
+        found = super()._find_last_checkpoints(trainer)
+        plugin = storage_plugin(trainer.strategy.checkpoint_io)
+        if isinstance(plugin, TieredCheckpointIO) and self.dirpath is not None:
+            found |= set(plugin.last_checkpoints(str(self.dirpath)).values())
+        return found
 
 
 class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
@@ -344,6 +365,9 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
     def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
         """Check each ``ModelCheckpoint`` directory before the first step: a ``gs://`` path whose
         bucket exists, and no ``save_last="link"`` (Lightning makes links only in local filesystems).
+        Then remove the part objects that saves killed in the middle left in those directories
+        (see :func:`~dataflux_ckpt.upload.sweep_dead_uploads`; never those of a save still running),
+        within ``cleanup_timeout_s``; a clean-up that fails is logged, and training goes on.
 
         Raises:
             ValueError: a local directory, a path that is not ``gs://bucket/...``, an invalid
@@ -372,6 +396,19 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
             if self.gcs.bucket_exists(prefix.bucket, self._deadline("look-up", prefix.uri)) is False:
                 raise BucketNotFoundError(
                     f"bucket {prefix.bucket!r} of ModelCheckpoint's directory {dirpath} does not exist")
+            self._sweep_directory(prefix)
+
+    def _sweep_directory(self, prefix: GcsPath) -> None:
+        """Remove the part objects of uploads under ``prefix`` that are over; log a failure."""
+        directory = GcsPath(prefix.bucket, prefix.key.rstrip("/") + "/" if prefix.key.strip("/") else "")
+        deadline = Deadline(self.cleanup_timeout_s, "removal of part objects left by killed saves", directory.uri)
+        try:
+            removed = sweep_dead_uploads(self.gcs, directory, deadline)
+        except Exception as exc:
+            log.warning("could not remove the part objects killed saves left under %s: %s", directory.uri, exc)
+            return
+        if removed:
+            log.info("removed %d part objects that killed saves left under %s", removed, directory.uri)
 
     def list_checkpoints(self, prefix: str | os.PathLike[str]) -> list[str]:
         """The ``gs://`` paths of the objects under ``prefix`` (``gs://bucket/dir/``), sorted; part

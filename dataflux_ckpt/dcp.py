@@ -18,8 +18,9 @@ crc32c before it is used. Checkpoints written by torch's ``FsspecWriter`` (``tor
 Concurrent saves: a save's coordinator holds the object ``.dcp-save.lock`` under the prefix, created
 with ``ifGenerationMatch=0`` and renewed (again under a generation precondition) every quarter of its
 lease. A second save finds it held and fails with ``ConcurrentWriteError`` before writing anything; a
-lock not renewed for its lease (by the server's clock) belongs to a dead save and is taken over under
-a precondition on its generation. ``.metadata`` is published under a precondition on the generation
+lock not renewed for its lease (by the server's clock), or whose recorded process is certainly gone
+(killed on this machine, or in an earlier attempt of this Slurm job), belongs to a dead save and is
+taken over under a precondition on its generation. ``.metadata`` is published under a precondition on the generation
 seen when the lock was taken, so a save that lost its lock publishes nothing.
 """
 
@@ -76,6 +77,7 @@ from lightning_storage_plugins.dcp import (
     narrow,
 )
 from lightning_storage_plugins.errors import CheckpointMetadataError
+from lightning_storage_plugins.owners import Owner
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,9 @@ class _GcsCheckpoint:
 class _GcsSaveLock(SaveLock):
     """A save's lock on a checkpoint: the object ``<prefix>/.dcp-save.lock``, created under
     ``ifGenerationMatch=0`` and renewed by a background thread every quarter of its lease, each time
-    under a precondition on the generation this lock wrote last.
+    under a precondition on the generation this lock wrote last. It records its process
+    (:class:`~lightning_storage_plugins.owners.Owner`): a lock whose process is certainly gone is
+    taken over at once, one whose lease ran out too.
 
     Args:
         gcs: the writer's GCS operations.
@@ -173,6 +177,7 @@ class _GcsSaveLock(SaveLock):
 
     def __init__(self, gcs: Gcs, path: GcsPath, checkpoint: str, owner: str, lease_s: float, deadline_s: float) -> None:
         self._gcs, self._path, self._checkpoint, self._owner = gcs, path, checkpoint, owner
+        self._process = Owner.current()
         self._lease_s, self._deadline_s = lease_s, min(deadline_s, lease_s / 2)
         self._generation = 0
         self._writes = 0
@@ -188,7 +193,8 @@ class _GcsSaveLock(SaveLock):
 
     def _write(self, if_generation_match: int) -> None:
         self._writes += 1
-        body = json.dumps({"save": self._owner, "write": self._writes, "lease_s": self._lease_s}).encode()
+        body = json.dumps({"save": self._owner, "write": self._writes, "lease_s": self._lease_s,
+                           "owner": self._process.token()}).encode()
         sent = time.monotonic()
         info = self._gcs.upload_object(self._path, memoryview(body), crc32c_extend(0, body), self._deadline(),
                                        if_generation_match=if_generation_match)
@@ -217,23 +223,30 @@ class _GcsSaveLock(SaveLock):
         if held is None:  # let go of since our attempt
             self._write(0)
             return
-        lease_s = self._recorded_lease(held.generation)
+        lease_s, holder = self._recorded()
         now = time.time() if now is None else now
-        if now <= held.created + lease_s:
+        # A holder certainly gone (killed on this machine, or in an earlier attempt of this Slurm job)
+        # publishes nothing more: its lock is taken over at once, not after its lease.
+        gone = holder.gone() if holder is not None else None
+        if gone is None and now <= held.created + lease_s:
             raise ConcurrentWriteError(self._checkpoint, f"another save to this checkpoint is in progress (it "
                                        f"holds {LOCK_NAME}, renewed {max(now - held.created, 0):.0f} s ago); "
                                        "this save wrote nothing")
-        log.warning("%s: taking over the save lock of a save that is over (not renewed for %.0f s)",
-                    self._checkpoint, now - held.created)
+        log.warning("%s: taking over the save lock of a save that is over (%s)", self._checkpoint,
+                    gone or f"not renewed for {now - held.created:.0f} s")
         self._write(held.generation)
 
-    def _recorded_lease(self, generation: int) -> float:
+    def _recorded(self) -> tuple[float, Owner | None]:
+        """The lease and the owner the lock object records (the default lease where unreadable)."""
         data = _read_small(self._gcs, self._path, self._deadline())
         try:
-            lease_s = float(json.loads(data or b"{}").get("lease_s", LOCK_LEASE_S))
+            record = json.loads(data or b"{}")
+            lease_s = float(record.get("lease_s", LOCK_LEASE_S))
+            owner = record.get("owner")
         except (ValueError, TypeError, AttributeError):
-            lease_s = LOCK_LEASE_S
-        return min(max(lease_s, 1.0), 24 * 3600.0) if math.isfinite(lease_s) else LOCK_LEASE_S
+            lease_s, owner = LOCK_LEASE_S, None
+        lease_s = min(max(lease_s, 1.0), 24 * 3600.0) if math.isfinite(lease_s) else LOCK_LEASE_S
+        return lease_s, Owner.from_token(owner) if isinstance(owner, str) else None
 
     def _renew_until_stopped(self) -> None:
         while not self._stop.wait(self._lease_s / 4):

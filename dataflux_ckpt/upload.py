@@ -19,11 +19,15 @@ completions take no preconditions (the last completion wins). The crc32c of what
 checked from the publishing request's own answer, and a damaged object is deleted only in the
 generation this writer created.
 
-Temporary part objects are named ``<key>.dataflux-parts/<upload id>-<lease>s/<n>.dataflux-part``:
+Temporary part objects are named ``<key>.dataflux-parts/<upload id>-<lease>s-<owner>/<n>.dataflux-part``:
 the lease is the writer's deadline plus its clean-up budget, after which the writer is certainly
-finished; the suffix lets a bucket lifecycle rule find them. Every save
-removes the part objects of uploads to its path whose lease ran out (by the server's clock) after
-their newest part: those of writers that died without cleaning up, never those of a live writer.
+finished; the owner is the writer's process (see :class:`~lightning_storage_plugins.owners.Owner`);
+the suffix lets a bucket lifecycle rule find them. An upload is over, and its part objects are
+removed, once its owner is certainly gone (its process on this machine has exited, or it ran in an
+earlier attempt of this Slurm job) or its lease ran out (by the server's clock) after its newest
+part: those of writers that died without cleaning up, never those of a live writer. Every save
+removes those of uploads to its path; a restart (``DatafluxCheckpointIO.preflight``) those of
+uploads to every object of its checkpoint directories.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import os
 import queue
 import re
 import time
@@ -43,9 +48,10 @@ from typing import Any, Protocol
 
 from dataflux_ckpt.checksums import BytesLike, crc32c_b64, crc32c_combine, crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError, DeadlineExceededError, HttpStatusError, TransferError
-from dataflux_ckpt.gcs import Gcs, ObjectInfo
+from dataflux_ckpt.gcs import Gcs, ListedObject, ObjectInfo
 from dataflux_ckpt.paths import GcsPath
 from dataflux_ckpt.retry import Deadline
+from lightning_storage_plugins.owners import Owner
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,8 @@ DEADLINE_S = 1800.0
 CLEANUP_TIMEOUT_S = 30.0
 # Part objects under a prefix without a lease tag are removed once they are this old.
 UNTAGGED_UPLOAD_LEASE_S = 24 * 3600.0
-_UPLOAD_DIR_RE = re.compile(r"^(?P<id>[0-9a-f]{32})-(?P<lease>\d+)s$")
+# An upload's directory: "<upload id>-<lease>s-<owner>" (uploads before owners were recorded: no owner).
+_UPLOAD_DIR_RE = re.compile(r"^(?P<id>[0-9a-f]{32})-(?P<lease>\d+)s(?:-(?P<owner>[0-9a-z.]+))?$")
 
 
 def parts_prefix(path: GcsPath) -> str:
@@ -71,33 +78,72 @@ def parts_prefix(path: GcsPath) -> str:
     return path.key + PARTS_SUFFIX
 
 
-def sweep_stale_parts(gcs: Gcs, path: GcsPath, deadline: Deadline) -> int:
-    """Delete the part objects of uploads to ``path`` whose writers are certainly gone.
+def upload_prefix(path: GcsPath, lease_s: float, owner: Owner) -> str:
+    """Where the part objects of a new upload to ``path`` go: its own directory, named by a fresh
+    upload id, the upload's lease and its owner."""
+    return f"{parts_prefix(path)}{uuid.uuid4().hex}-{math.ceil(lease_s)}s-{owner.token()}/"
 
-    An upload is gone once the server's clock is past its newest part's creation plus its lease
-    (see the module docstring); each object is deleted only in the generation that was listed.
+
+def sweep_stale_parts(gcs: Gcs, path: GcsPath, deadline: Deadline) -> int:
+    """Delete the part objects of uploads to ``path`` that are over (see the module docstring);
+    each object only in the generation that was listed.
 
     Returns:
         How many part objects were deleted.
     """
-    objects, now = gcs.list_objects(path.bucket, parts_prefix(path), deadline)
-    if not objects:
+    return _sweep(gcs, path.bucket, parts_prefix(path), deadline)
+
+
+def sweep_dead_uploads(gcs: Gcs, directory: GcsPath, deadline: Deadline) -> int:
+    """Delete the part objects of every upload that is over to an object under ``directory``
+    (``gs://bucket/prefix/``; what saves killed in the middle left there).
+
+    Returns:
+        How many part objects were deleted.
+
+    Raises:
+        BucketNotFoundError: the bucket does not exist.
+        DeadlineExceededError: the listing or a deletion did not finish by ``deadline``.
+    """
+    return _sweep(gcs, directory.bucket, directory.key, deadline)
+
+
+def _sweep(gcs: Gcs, bucket: str, prefix: str, deadline: Deadline) -> int:
+    """Delete the part objects listed under ``prefix`` whose uploads are over."""
+    objects, now = gcs.list_objects(bucket, prefix, deadline)
+    uploads: dict[tuple[str, str], list[ListedObject]] = {}
+    for item in objects:
+        key, suffix, rest = item.name.partition(PARTS_SUFFIX)
+        if suffix:
+            uploads.setdefault((key, rest.partition("/")[0]), []).append(item)
+    if not uploads:
         return 0
     now = time.time() if now is None else now
-    uploads: dict[str, list[Any]] = {}
-    for item in objects:
-        upload_dir = item.name[len(parts_prefix(path)):].partition("/")[0]
-        uploads.setdefault(upload_dir, []).append(item)
+    observer = Owner.current()
     deleted = 0
-    for upload_dir, items in uploads.items():
-        match = _UPLOAD_DIR_RE.match(upload_dir)
-        lease_s = float(match["lease"]) if match else UNTAGGED_UPLOAD_LEASE_S
-        if now <= max(item.created for item in items) + lease_s:
+    for (key, upload_dir), items in uploads.items():
+        reason = _upload_over(upload_dir, max(item.created for item in items), now, observer)
+        if reason is None:
             continue
-        log.info("removing %d part objects of a dead upload to %s (%s)", len(items), path, upload_dir)
+        log.warning("removing %d part objects of an upload to gs://%s/%s that is over: %s (%s)",
+                    len(items), bucket, key, reason, upload_dir)
         for item in items:
-            deleted += gcs.delete(path.bucket, item.name, deadline, if_generation_match=item.generation)
+            deleted += gcs.delete(bucket, item.name, deadline, if_generation_match=item.generation)
     return deleted
+
+
+def _upload_over(upload_dir: str, newest: float, now: float, observer: Owner) -> str | None:
+    """Why the upload whose parts are in ``upload_dir`` (newest created at ``newest``, by the
+    server's clock, which reads ``now``) is certainly over, or ``None`` when it may be running."""
+    match = _UPLOAD_DIR_RE.match(upload_dir)
+    owner = Owner.from_token(match["owner"]) if match and match["owner"] else None
+    reason = owner.gone(observer) if owner is not None else None
+    if reason is not None:
+        return reason
+    lease_s = float(match["lease"]) if match else UNTAGGED_UPLOAD_LEASE_S
+    if now <= newest + lease_s:
+        return None
+    return f"its lease of {lease_s:.0f} s ran out {now - newest - lease_s:.0f} s ago"
 
 
 class _PartEngine(Protocol):
@@ -120,7 +166,7 @@ class _CompositeEngine:
         self._gcs, self._path, self._executor = gcs, path, executor
         self._expected_generation = expected_generation
         self._cleanup_timeout_s = cleanup_timeout_s
-        self._prefix = f"{parts_prefix(path)}{uuid.uuid4().hex}-{math.ceil(lease_s)}s/"
+        self._prefix = upload_prefix(path, lease_s, Owner.current())
 
     def upload_part(self, number: int, data: memoryview, crc: int, deadline: Deadline) -> tuple[str, int]:
         name = f"{self._prefix}{number:06d}{PART_OBJECT_SUFFIX}"
@@ -587,3 +633,57 @@ class StreamingWriter(_ChunkingWriter):
         except Exception as exc:
             log.debug("cancelling the resumable upload of %s: %s", self.path, exc)
         self._shutdown()
+
+
+class UploadStopped(Exception):
+    """:func:`upload_file` was stopped by its caller before it published anything."""
+
+
+FILE_READ_BYTES = 8 * 2**20
+
+
+def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, expected_crc32c: int | None = None,
+                stop: Callable[[], bool] | None = None) -> int | None:
+    """Upload the first ``size`` bytes of the file open at ``fd`` through ``writer``, and publish them.
+
+    The file is read once, block by block, into the writer's parts (the writer's own parallelism,
+    integrity checks, atomic publish and generation precondition apply); nothing is serialized.
+    Before publishing, the crc32c of what was read is compared with ``expected_crc32c``: a file that
+    changed since that checksum was taken is never published.
+
+    Args:
+        writer: a fresh writer for the destination (it is closed or aborted here).
+        fd: an open, readable file descriptor (read with ``pread``: its offset is not used).
+        size: how many bytes to upload.
+        expected_crc32c: the crc32c the bytes must have (``None``: not checked).
+        stop: asked between blocks; when it answers ``True`` the upload is aborted.
+
+    Returns:
+        The generation published (``None`` where the server did not say).
+
+    Raises:
+        UploadStopped: ``stop`` answered ``True`` (nothing published).
+        DataCorruptionError: the file is shorter than ``size`` or its bytes do not match
+            ``expected_crc32c`` (nothing published).
+        DeadlineExceededError, ConcurrentWriteError, TransferError, BucketNotFoundError: as the writer's
+            ``close()``.
+    """
+    block = bytearray(min(FILE_READ_BYTES, max(size, 1)))
+    view = memoryview(block)
+    with writer:
+        crc = offset = 0
+        while offset < size:
+            if stop is not None and stop():
+                raise UploadStopped(f"upload of {writer.path} stopped after {offset} of {size} bytes")
+            got = os.preadv(fd, [view[: min(len(block), size - offset)]], offset)
+            if got == 0:
+                raise DataCorruptionError(f"{writer.path}: the local file ends after {offset} of {size} bytes")
+            crc = crc32c_extend(crc, view[:got])
+            writer.write(view[:got])
+            offset += got
+        if expected_crc32c is not None and crc != expected_crc32c:
+            raise DataCorruptionError(f"{writer.path}: the local file's bytes have crc32c {crc32c_b64(crc)}, "
+                                      f"not the {crc32c_b64(expected_crc32c)} they were written with")
+        if stop is not None and stop():
+            raise UploadStopped(f"upload of {writer.path} stopped before its publish")
+    return writer.generation
