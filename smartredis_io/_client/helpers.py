@@ -13,11 +13,9 @@ import os
 import textwrap
 from collections.abc import Callable
 
-from smartredis_io._client import export_policy
 from smartredis_io.error import RedisRuntimeError
 
-__all__ = ["check_file", "checked_model", "function_source", "names", "typecheck", "typecheck_list",
-           "typecheck_stringlist"]
+__all__ = ["check_file", "function_source", "names", "typecheck", "typecheck_list", "typecheck_stringlist"]
 
 
 def typecheck(arg: object, name: str, _type: type | tuple[type, ...]) -> None:
@@ -77,15 +75,6 @@ def function_source(function: Callable) -> str:
     if not callable(function):
         raise TypeError(f"Argument provided for function, {type(function)}, is not callable")
     return textwrap.dedent(inspect.getsource(function))
-
-
-def checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
-    """The model's bytes, once its name is known not to be empty and the model safe to load."""
-    if not name:
-        raise ValueError("name is a required parameter of set_model.")
-    blob = bytes(model)
-    export_policy.check_model(blob, f"model {name!r}", method)
-    return blob
 
 
 def check_file(path: str) -> str:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import redis
 
-from smartredis_io._client import placement, protocol, torchscript_policy
+from smartredis_io._client import export_policy, placement, protocol, torchscript_policy
 from smartredis_io._client.client_base import ClientBase, command, poll
-from smartredis_io._client.helpers import check_file, checked_model, function_source, names, typecheck
+from smartredis_io._client.helpers import check_file, function_source, names, typecheck
 from smartredis_io.error import RedisKeyError, RedisReplyError, RedisRuntimeError, RedisTimeoutError
 
 __all__ = ["BACKENDS", "EXECUTABLE_BACKENDS", "ModelCommands"]
@@ -18,6 +18,15 @@ BACKENDS = ("TF", "TFLITE", "TORCH", "ONNX")
 EXECUTABLE_BACKENDS = ("TORCH",)
 
 log = logging.getLogger(__name__)
+
+
+def checked_model(name: str, model: bytes | bytearray | memoryview, method: str) -> bytes:
+    """The model's bytes, once its name is known not to be empty and the model safe to load."""
+    if not name:
+        raise ValueError("name is a required parameter of set_model.")
+    blob = bytes(model)
+    export_policy.check_model(blob, f"model {name!r}", method)
+    return blob
 
 
 def _check_device(device: str) -> str:

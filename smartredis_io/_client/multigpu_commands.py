@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from smartredis_io._client.client_base import command
-from smartredis_io._client.helpers import check_file, checked_model, function_source, names, typecheck
-from smartredis_io._client.model_commands import ModelCommands
+from smartredis_io._client.helpers import check_file, function_source, names, typecheck
+from smartredis_io._client.model_commands import ModelCommands, checked_model
 from smartredis_io.error import (
     MissingKeyRuntimeError,
     RedisKeyError,
