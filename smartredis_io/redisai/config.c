@@ -7,14 +7,17 @@
  *
  * Execution workers the module starts (spawn.c): WORKERS <n> (0: none, external workers only;
  * RedisAI's THREADS_PER_QUEUE sets it when WORKERS is not given), WORKER_PYTHON <path>, WORKER_DEVICE
- * cpu|cuda|cuda:N, WORKER_USER <name> (or $SRIO_WORKER_USER), INTRA_OP_PARALLELISM <n> and
- * INTER_OP_PARALLELISM <n> (their torch threads), WORKER_STARTUP_MS <ms> (how long requests wait for
- * starting workers). Requests: MODEL_EXECUTION_TIMEOUT <ms> caps a run's deadline, QUEUE_TIMEOUT <ms>
- * fails a request no worker takes that long (0: only its own deadline).
+ * cpu|cuda|cuda:N, WORKER_USER <name> (or $SRIO_WORKER_USER for a server running as root; an existing
+ * user other than root, checked here: the module refuses to load otherwise), INTRA_OP_PARALLELISM <n>
+ * and INTER_OP_PARALLELISM <n> (their torch threads), WORKER_STARTUP_MS <ms> (how long requests wait
+ * for the replacement of a worker that died). Requests: MODEL_EXECUTION_TIMEOUT <ms> caps a run's
+ * deadline, QUEUE_TIMEOUT <ms> fails a request no worker takes that long (0: only its own deadline).
  *
  * The worker secret that SRIO.HELLO must say: the first line of WORKER_SECRET_FILE <path> (or
- * $SRIO_WORKER_SECRET_FILE), a file others may not read or write; else a random one made here,
- * which only the workers the module starts receive.
+ * $SRIO_WORKER_SECRET_FILE), a file only its owner may read or write, holding 16 to 256 bytes of
+ * printable ASCII without spaces; else 32 random bytes from the kernel (getrandom, or /dev/urandom),
+ * in hex, which only the workers the module starts receive. The module refuses to load when the
+ * file breaks a rule or no random bytes can be had.
  *
  * RedisAI's TORCH, TF, TFLITE, ONNX and BACKEND_MEMORY_LIMIT are accepted and logged as not
  * applicable (models of TF, TFLITE and ONNX are refused when stored).
@@ -23,9 +26,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,6 +49,8 @@ SRIO_Settings SRIO_Config = {
     .workers = DEFAULT_WORKERS,
     .queue_timeout_ms = DEFAULT_QUEUE_TIMEOUT_MS,
     .startup_ms = DEFAULT_STARTUP_MS,
+    .worker_uid = -1,
+    .worker_gid = -1,
 };
 
 static uint64_t proto_max_bulk_len = SRIO_DEFAULT_BULK_LIMIT;
@@ -105,14 +112,27 @@ static int is_plain(const char *s) {
     return 1;
 }
 
+int SRIO_SecretValid(const unsigned char *s, size_t len) {
+    if (len < SRIO_SECRET_MIN || len > SRIO_SECRET_MAX) return 0;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] < 0x21 || s[i] > 0x7e) return 0;
+    }
+    return 1;
+}
+
 static void set_secret(const unsigned char *bytes, size_t len) {
     memcpy(SRIO_Config.secret, bytes, len);
     SRIO_Config.secret_len = len;
 }
 
-/* The first line of `path`, stripped, as the secret; REDISMODULE_ERR after logging why not. */
+/* The whitespace stripped around a secret's line, as worker_protocol.SECRET_STRIP. */
+static int is_strip(unsigned char c) { return c == ' ' || c == '\t' || c == '\v' || c == '\f' || c == '\r'; }
+
+/* The first line of `path`, stripped, as the secret; REDISMODULE_ERR after logging why not. The
+ * file must be a regular file only its owner may read or write: the secret lets a connection take
+ * every user's requests and write their outputs. */
 static int read_secret_file(RedisModuleCtx *ctx, const char *path) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
         RedisModule_Log(ctx, "warning", "worker secret file %s: %s", path, strerror(errno));
         return REDISMODULE_ERR;
@@ -123,38 +143,97 @@ static int read_secret_file(RedisModuleCtx *ctx, const char *path) {
         close(fd);
         return REDISMODULE_ERR;
     }
-    if (st.st_mode & (S_IROTH | S_IWOTH)) {
-        RedisModule_Log(ctx, "warning", "worker secret file %s may be read or written by any user (mode %03o): "
-                        "refused; make it readable by its owner only (chmod 600)", path, (unsigned)(st.st_mode & 0777));
+    if (st.st_mode & (S_IRWXG | S_IRWXO)) {
+        RedisModule_Log(ctx, "warning", "worker secret file %s may be used by its group or other users (mode %04o): "
+                        "refused; make it its owner's only (chmod 600)", path, (unsigned)(st.st_mode & 07777));
         close(fd);
         return REDISMODULE_ERR;
     }
-    char buf[SECRET_FILE_MAX_BYTES];
-    ssize_t n = read(fd, buf, sizeof buf - 1);
+    unsigned char buf[SECRET_FILE_MAX_BYTES];
+    size_t n = 0;
+    for (ssize_t got; n < sizeof buf && (got = read(fd, buf + n, sizeof buf - n)) != 0; n += (size_t)got) {
+        if (got < 0 && errno == EINTR) got = 0;
+        else if (got < 0) {
+            RedisModule_Log(ctx, "warning", "worker secret file %s: %s", path, strerror(errno));
+            close(fd);
+            return REDISMODULE_ERR;
+        }
+    }
     close(fd);
-    if (n < 0) n = 0;
-    buf[n] = '\0';
-    size_t end = strcspn(buf, "\r\n"), start = 0;
-    while (start < end && isspace((unsigned char)buf[start])) start++;
-    while (end > start && isspace((unsigned char)buf[end - 1])) end--;
-    if (end == start || end - start > SRIO_SECRET_MAX) {
-        RedisModule_Log(ctx, "warning", "worker secret file %s: its first line must hold a secret of 1 to %d bytes",
-                        path, SRIO_SECRET_MAX);
+    size_t end = 0, start = 0;
+    while (end < n && buf[end] != '\n') end++;
+    while (start < end && is_strip(buf[start])) start++;
+    while (end > start && is_strip(buf[end - 1])) end--;
+    if (!SRIO_SecretValid(buf + start, end - start)) {
+        RedisModule_Log(ctx, "warning", "worker secret file %s: its first line must hold a secret of %d to %d bytes of "
+                        "printable ASCII without spaces (it holds %zu bytes%s); e.g. `openssl rand -hex 32`", path,
+                        SRIO_SECRET_MIN, SRIO_SECRET_MAX, end - start,
+                        end - start >= SRIO_SECRET_MIN && end - start <= SRIO_SECRET_MAX ? ", not all of them such" : "");
         return REDISMODULE_ERR;
     }
-    set_secret((const unsigned char *)buf + start, end - start);
+    set_secret(buf + start, end - start);
     return REDISMODULE_OK;
 }
 
-static void random_secret(void) {
+/* `n` random bytes from the kernel: getrandom(2), else /dev/urandom; 0 if neither gives them. */
+static int kernel_random(RedisModuleCtx *ctx, unsigned char *out, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = getrandom(out + got, n - got, 0);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    if (got == n) return 1;
+    int first = errno;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    got = 0;
+    while (fd >= 0 && got < n) {
+        ssize_t r = read(fd, out + got, n - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    if (fd >= 0) close(fd);
+    if (got == n) return 1;
+    RedisModule_Log(ctx, "warning", "cannot make a worker secret: getrandom: %s; /dev/urandom: %s; give one with the "
+                    "module argument WORKER_SECRET_FILE", strerror(first), fd < 0 ? strerror(errno) : "short read");
+    return 0;
+}
+
+static int random_secret(RedisModuleCtx *ctx) {
     static const char HEX[] = "0123456789abcdef";
     unsigned char bytes[SECRET_RANDOM_BYTES], text[2 * SECRET_RANDOM_BYTES];
-    RedisModule_GetRandomBytes(bytes, sizeof bytes);
+    if (!kernel_random(ctx, bytes, sizeof bytes)) return REDISMODULE_ERR;
     for (size_t i = 0; i < sizeof bytes; i++) {
         text[2 * i] = (unsigned char)HEX[bytes[i] >> 4];
         text[2 * i + 1] = (unsigned char)HEX[bytes[i] & 15];
     }
     set_secret(text, sizeof text);
+    memset(bytes, 0, sizeof bytes);
+    return REDISMODULE_OK;
+}
+
+/* Check WORKER_USER: an existing user other than root, its ids kept for spawn.c; REDISMODULE_ERR
+ * after logging why not. */
+static int check_worker_user(RedisModuleCtx *ctx) {
+    const char *user = SRIO_Config.worker_user;
+    if (!user) return REDISMODULE_OK;
+    errno = 0;
+    struct passwd *entry = getpwnam(user);
+    if (!entry) {
+        RedisModule_Log(ctx, "warning", "WORKER_USER %s: %s; name an existing unprivileged user (e.g. nobody)", user,
+                        errno ? strerror(errno) : "no such user");
+        return REDISMODULE_ERR;
+    }
+    if (entry->pw_uid == 0) {
+        RedisModule_Log(ctx, "warning", "WORKER_USER %s is root (uid 0): refused, the workers run the models clients "
+                        "store; name an unprivileged user (e.g. nobody)", user);
+        return REDISMODULE_ERR;
+    }
+    SRIO_Config.worker_uid = entry->pw_uid;
+    SRIO_Config.worker_gid = entry->pw_gid;
+    return REDISMODULE_OK;
 }
 
 /* RedisAI's arguments that do not apply here */
@@ -241,9 +320,12 @@ int SRIO_Configure(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         RedisModule_Log(ctx, "notice", "THREADS_PER_QUEUE %lld: %d execution workers", threads_per_queue,
                         SRIO_Config.workers);
     }
-    if (!SRIO_Config.worker_user && getenv("SRIO_WORKER_USER") && is_plain(getenv("SRIO_WORKER_USER"))) {
+    /* the variable is for a server started as root (SmartSim's, through smartsim_setup's script);
+     * a server of another user runs its workers as itself */
+    if (!SRIO_Config.worker_user && geteuid() == 0 && getenv("SRIO_WORKER_USER") && is_plain(getenv("SRIO_WORKER_USER"))) {
         SRIO_Config.worker_user = dup_cstr(getenv("SRIO_WORKER_USER"));
     }
+    if (check_worker_user(ctx) != REDISMODULE_OK) return REDISMODULE_ERR;
     if (!SRIO_Config.worker_python && getenv("SRIO_WORKER_PYTHON") && is_plain(getenv("SRIO_WORKER_PYTHON"))) {
         SRIO_Config.worker_python = dup_cstr(getenv("SRIO_WORKER_PYTHON"));
     }
@@ -252,6 +334,5 @@ int SRIO_Configure(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         secret_file = getenv("SRIO_WORKER_SECRET_FILE");
     }
     if (secret_file) return read_secret_file(ctx, secret_file);
-    random_secret();
-    return REDISMODULE_OK;
+    return random_secret(ctx);
 }

@@ -131,19 +131,31 @@ void SRIO_ClaimsInit(void);
 void SRIO_InflightAdd(Request *r);
 /* How many workers are registered. */
 unsigned long long SRIO_WorkerCount(void);
-/* Whether requests may wait for a worker to register (the module's workers are starting, or the
- * last worker died and is being replaced); else a request with no worker fails at once. */
-int SRIO_WorkersStarting(void);
-/* Open the start-up window: requests wait up to SRIO_Config.startup_ms for a worker. */
-void SRIO_WorkersStartingNow(void);
+/* Whether a request with no worker registered fails at once (the module's workers cannot start,
+ * or no worker is coming), rather than waiting for one: the module's workers are starting (within
+ * the request's deadline), or the last worker died and is being replaced (WORKER_STARTUP_MS). */
+int SRIO_NoWorkerComing(void);
 /* Why no worker is registered, for the error a request then gets. */
 const char *SRIO_NoWorkerHint(void);
 
-/* ---- spawn.c ------------------------------------------------------------------------------- */
+/* ---- spawn.c: the workers the module starts ------------------------------------------------- */
 
-/* Why the module starts no worker ("" when it does), and the supervisor's pid (0: none). */
-const char *SRIO_SpawnRefusal(void);
+/* Whether the module's workers are starting: none of them registered yet, and nothing failed or
+ * refused; requests wait for them within their own deadline. */
+int SRIO_SpawnStarting(void);
+/* Why the module's workers cannot start ("" when nothing failed): a refusal, for good, or the last
+ * start's error, until one of its workers registers. */
+const char *SRIO_SpawnError(void);
+/* Whether the module's last start failed (not refused) and none of its workers registered since. */
+int SRIO_SpawnFailed(void);
+/* For INFO srio: off (WORKERS 0), refused, failed, replica, starting or ok. */
+const char *SRIO_SpawnState(void);
+/* The interpreter of the last start ("" before the first). */
+const char *SRIO_SpawnPython(void);
+/* The supervisor's pid (0: none). */
 long long SRIO_SupervisorPid(void);
+/* A worker registered with this pid (one of the module's, when its parent is the supervisor). */
+void SRIO_SpawnWorkerSeen(long long pid);
 
 /* ---- registration -------------------------------------------------------------------------- */
 

@@ -253,7 +253,7 @@ static int execute(RedisModuleCtx *ctx, RedisModuleString **argv, int argc, int 
     }
     RedisModuleString *user_name = allowed_user(ctx, &p, what);
     if (user_name == NULL) goto done;
-    if (SRIO_WorkerCount() == 0 && !SRIO_WorkersStarting()) {
+    if (SRIO_NoWorkerComing()) {
         RedisModule_FreeString(NULL, user_name);
         SRIO_ReplyError(ctx, "ERR no execution worker is registered on this server%s", SRIO_NoWorkerHint());
         goto done;

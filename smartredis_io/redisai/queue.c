@@ -230,7 +230,10 @@ void SRIO_Requeue(Request *r, int died, const char *why) {
 
 void SRIO_QueueExpire(void) {
     long long now = SRIO_Now(), limit = SRIO_Config.queue_timeout_ms;
-    int none = SRIO_WorkerCount() == 0 && !SRIO_WorkersStarting();
+    int none = SRIO_NoWorkerComing();
+    /* the module's first workers may take long to start (torch's import on a busy CPU): requests
+     * wait for them within their own deadline */
+    if (SRIO_WorkerCount() == 0 && SRIO_SpawnStarting()) limit = 0;
     Request *r = queue_head;
     while (r) {
         Request *next = r->next;

@@ -45,7 +45,10 @@
 
 /* ---- settings (config.c): the module's load-time arguments -------------------------------- */
 
-#define SRIO_SECRET_MAX 256        /* bytes of a worker secret */
+/* A worker secret is 16 to 256 bytes of printable ASCII without spaces (0x21 to 0x7e), the rule
+ * smartredis_io's worker_protocol.check_secret applies on the Python side. */
+#define SRIO_SECRET_MIN 16
+#define SRIO_SECRET_MAX 256
 #define SRIO_MAX_WORKERS 64
 
 typedef struct SRIO_Settings {
@@ -57,6 +60,7 @@ typedef struct SRIO_Settings {
     char *worker_python;           /* WORKER_PYTHON, $SRIO_WORKER_PYTHON; NULL: found next to the module */
     char *worker_device;           /* WORKER_DEVICE: cpu, cuda or cuda:N */
     char *worker_user;             /* WORKER_USER, $SRIO_WORKER_USER; NULL: the server's own user */
+    long long worker_uid, worker_gid; /* worker_user's ids, checked at load (-1: no worker_user) */
     int threads;                   /* INTRA_OP_PARALLELISM: the workers' --threads (0: their default) */
     int interop_threads;           /* INTER_OP_PARALLELISM: --interop-threads (0: their default) */
     long long execution_timeout_ms; /* MODEL_EXECUTION_TIMEOUT: caps a run's deadline (0: none) */
@@ -67,6 +71,9 @@ typedef struct SRIO_Settings {
 } SRIO_Settings;
 
 extern SRIO_Settings SRIO_Config;
+
+/* Whether `len` bytes at `s` make a worker secret (see SRIO_SECRET_MIN). */
+int SRIO_SecretValid(const unsigned char *s, size_t len);
 
 /* Parse the module's arguments (NAME value pairs, keywords case-insensitive) into SRIO_Config and
  * read or make the worker secret; REDISMODULE_ERR after logging why. */

@@ -57,11 +57,74 @@ static int secret_matches(RedisModuleString *given) {
     return diff == 0;
 }
 
+/* ---- failed SRIO.HELLOs: answered late, and logged a few times a minute ------------------- */
+
+#define HELLO_DELAY_MIN_MS 100     /* a failed SRIO.HELLO is answered after this, */
+#define HELLO_DELAY_MAX_MS 5000    /* doubling with each failure of the window, up to this */
+#define HELLO_WINDOW_MS 10000      /* failures are counted, and logged, per window */
+
+static long long hello_window_start, hello_window_failures, hello_failures_total, hello_logged;
+static char hello_latest[96];      /* the address of the latest failure */
+static int hello_log_pending;
+
+static void client_address(RedisModuleCtx *ctx, char *out, size_t size) {
+    RedisModuleClientInfo ci = REDISMODULE_CLIENTINFO_INITIALIZER_V1;
+    unsigned long long id = RedisModule_GetClientId(ctx);
+    if (RedisModule_GetClientInfoById(&ci, id) != REDISMODULE_OK) snprintf(out, size, "client id %llu", id);
+    else if (ci.flags & REDISMODULE_CLIENTINFO_FLAG_UNIXSOCKET) snprintf(out, size, "the unix socket (client id %llu)", id);
+    else snprintf(out, size, "%.46s:%u (client id %llu)", ci.addr, (unsigned)ci.port, id);
+}
+
+static void hello_log(RedisModuleCtx *ctx, void *data) {
+    (void)data;
+    hello_log_pending = 0;
+    long long n = hello_failures_total - hello_logged;
+    if (n <= 0) return;
+    hello_logged = hello_failures_total;
+    RedisModule_Log(ctx, "warning", "%lld SRIO.HELLO with a wrong worker secret, the latest from %s: a client that is "
+                    "no worker of this module tried to become one (answers are delayed up to %d ms)", n, hello_latest,
+                    HELLO_DELAY_MAX_MS);
+}
+
+/* Count a failure; the delay of its answer. The first failure of a window is logged at once, the
+ * others at the window's end, together. */
+static long long hello_failed(RedisModuleCtx *ctx) {
+    long long now = SRIO_Now();
+    if (now - hello_window_start >= HELLO_WINDOW_MS) {
+        hello_window_start = now;
+        hello_window_failures = 0;
+    }
+    hello_failures_total++;
+    client_address(ctx, hello_latest, sizeof hello_latest);
+    if (hello_window_failures == 0) {
+        hello_log(ctx, NULL);
+    } else if (!hello_log_pending) {
+        hello_log_pending = 1;
+        RedisModule_CreateTimer(ctx, hello_window_start + HELLO_WINDOW_MS - now, hello_log, NULL);
+    }
+    long long shift = hello_window_failures < 6 ? hello_window_failures : 6;
+    hello_window_failures++;
+    long long delay = (long long)HELLO_DELAY_MIN_MS << shift;
+    return delay < HELLO_DELAY_MAX_MS ? delay : HELLO_DELAY_MAX_MS;
+}
+
+static int hello_refused(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    (void)argv;
+    (void)argc;
+    return RedisModule_ReplyWithError(ctx, "NOPERM wrong worker secret");
+}
+
 static int cmd_hello(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 2) return RedisModule_WrongArity(ctx);
-    if (!secret_matches(argv[1])) return SRIO_ReplyError(ctx, "NOPERM wrong worker secret");
+    /* a failed one is answered late: inside MULTI nothing can wait, so none is taken there */
+    if (RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_DENY_BLOCKING)
+        return SRIO_ReplyError(ctx, "ERR SRIO.HELLO cannot run inside MULTI");
     unsigned long long id = RedisModule_GetClientId(ctx);
     if (id == 0) return SRIO_ReplyError(ctx, "NOPERM SRIO.HELLO needs a client connection");
+    if (!secret_matches(argv[1])) {
+        RedisModule_BlockClient(ctx, NULL, hello_refused, NULL, hello_failed(ctx));
+        return REDISMODULE_OK;
+    }
     RedisModule_DictReplaceC(greeted, &id, sizeof id, (void *)1);
     return RedisModule_ReplyWithSimpleString(ctx, "OK");
 }
@@ -70,24 +133,31 @@ static int cmd_hello(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 
 unsigned long long SRIO_WorkerCount(void) { return workers ? RedisModule_DictSize(workers) : 0; }
 
-int SRIO_WorkersStarting(void) { return SRIO_Now() < starting_until; }
+int SRIO_NoWorkerComing(void) {
+    if (SRIO_WorkerCount()) return 0;
+    if (SRIO_SpawnFailed()) return 1;
+    return !SRIO_SpawnStarting() && SRIO_Now() >= starting_until;
+}
 
-void SRIO_WorkersStartingNow(void) {
+/* Requests wait up to SRIO_Config.startup_ms for the replacement of a worker that died. */
+static void replacement_window(void) {
     long long until = SRIO_Now() + SRIO_Config.startup_ms;
     if (until > starting_until) starting_until = until;
 }
 
 const char *SRIO_NoWorkerHint(void) {
-    static char hint[ERROR_MAX];
-    const char *refusal = SRIO_SpawnRefusal();
-    if (*refusal) {
-        snprintf(hint, sizeof hint, ": the module starts none: %s", refusal);
+    static char hint[ERROR_MAX + 128];
+    const char *error = SRIO_SpawnError();
+    if (SRIO_SpawnFailed()) {
+        snprintf(hint, sizeof hint, ": the module's workers cannot start: %s", error);
+    } else if (*error) {
+        snprintf(hint, sizeof hint, ": the module starts none: %s", error);
     } else if (SRIO_Config.workers == 0) {
         snprintf(hint, sizeof hint, ": load the module with WORKERS n, or start workers with `python -m "
                  "smartredis_io.worker --address HOST:PORT --secret-file FILE` (the module's WORKER_SECRET_FILE)");
     } else {
-        snprintf(hint, sizeof hint, ": the module's workers did not register within %lld s of starting (their log is "
-                 "the server's)", SRIO_Config.startup_ms / 1000);
+        snprintf(hint, sizeof hint, ": no worker replaced the last one within %lld s (WORKER_STARTUP_MS; the workers' "
+                 "log is the server's)", SRIO_Config.startup_ms / 1000);
     }
     return hint;
 }
@@ -103,6 +173,7 @@ static Worker *touch_worker(RedisModuleCtx *ctx, RedisModuleString *name, long l
         w->name = SRIO_Hold(name);
         RedisModule_DictSetC(workers, (void *)key, len, w);
     }
+    if (pid > 0 && w->pid != pid) SRIO_SpawnWorkerSeen(pid);
     if (pid >= 0) w->pid = pid;
     w->beat = SRIO_Now();
     unsigned long long id = RedisModule_GetClientId(ctx);
@@ -128,7 +199,7 @@ static void forget_worker(RedisModuleString *name, int died) {
     if (w) {
         RedisModule_FreeString(NULL, w->name);
         RedisModule_Free(w);
-        if (died && SRIO_WorkerCount() == 0) SRIO_WorkersStartingNow();
+        if (died && SRIO_WorkerCount() == 0) replacement_window();
     }
 }
 
@@ -472,6 +543,19 @@ static int cmd_workers(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     return REDISMODULE_OK;
 }
 
+/* A text as an INFO field's value: one line; a comma where an equals sign is too would make clients
+ * (redis-py) read the value as a list of key=value pairs, so such commas become semicolons. */
+static char *info_text(const char *text) {
+    static char out[ERROR_MAX];
+    snprintf(out, sizeof out, "%s", text);
+    int pairs = strchr(out, '=') != NULL;
+    for (char *c = out; *c; c++) {
+        if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = ' ';
+        else if (pairs && *c == ',') *c = ';';
+    }
+    return out;
+}
+
 /* INFO srio: what an operator (or a test) sees without the worker secret. */
 static void info(RedisModuleInfoCtx *ctx, int for_crash_report) {
     (void)for_crash_report;
@@ -480,7 +564,10 @@ static void info(RedisModuleInfoCtx *ctx, int for_crash_report) {
     RedisModule_InfoAddFieldLongLong(ctx, "supervisor_pid", SRIO_SupervisorPid());
     RedisModule_InfoAddFieldLongLong(ctx, "queued", SRIO_QueueLength());
     RedisModule_InfoAddFieldULongLong(ctx, "running", RedisModule_DictSize(inflight));
-    RedisModule_InfoAddFieldCString(ctx, "worker_start", *SRIO_SpawnRefusal() ? "refused" : "ok");
+    RedisModule_InfoAddFieldCString(ctx, "worker_start", SRIO_SpawnState());
+    RedisModule_InfoAddFieldCString(ctx, "worker_start_error", info_text(SRIO_SpawnError()));
+    RedisModule_InfoAddFieldCString(ctx, "worker_python", info_text(SRIO_SpawnPython()));
+    RedisModule_InfoAddFieldLongLong(ctx, "failed_hellos", hello_failures_total);
 }
 
 int SRIO_RegisterWorkerCommands(RedisModuleCtx *ctx) {
