@@ -84,10 +84,12 @@ apt-packages:
 	fi
 
 # cc -O2 -Werror, then cc -fsanitize=address,undefined: a few seconds each; build.py skips a build
-# whose sources and compiler command ($$CC, $$CFLAGS) are unchanged; any Python 3 runs it
+# whose sources and compiler command ($$CC, $$CFLAGS) are unchanged; any Python 3 runs it. --python
+# records the checkout's environment as the interpreter of the module's workers (this checkout's
+# module sits in no site-packages directory, where they would find theirs).
 module:
-	$(PYTHON) $(MODULE_DIR)/build.py
-	$(PYTHON) $(MODULE_DIR)/build.py --sanitize
+	$(PYTHON) $(MODULE_DIR)/build.py --python $(abspath $(PY))
+	$(PYTHON) $(MODULE_DIR)/build.py --sanitize --python $(abspath $(PY))
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

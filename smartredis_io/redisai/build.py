@@ -12,7 +12,14 @@ running this again costs nothing.
 loads only into a redis-server started with the sanitizers' runtimes preloaded
 (``tests/support/srio_sanitizers.py``).
 
-    python smartredis_io/redisai/build.py [--out PATH] [--force] [--sanitize]
+``--python PATH`` records the interpreter the module's workers run with when nothing else names one
+(no ``WORKER_PYTHON``, and the module sits in no site-packages directory): a source checkout's
+environment, for the module built in place (``make module`` passes the checkout's ``.venv``). A
+build in place that names none keeps the one recorded before, so that ``pip install -e .``, which
+builds in place from whichever environment runs it, leaves it; ``--python ''`` records none. A build
+with ``--out`` (a wheel's) records only what it is given: installed code never refers to a checkout.
+
+    python smartredis_io/redisai/build.py [--out PATH] [--force] [--sanitize] [--python PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ CFLAGS = ["-O2", "-g", "-std=gnu11", "-fPIC", "-fvisibility=hidden", "-Wall", "-
 SANITIZE_CFLAGS = ["-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-DSRIO_SANITIZE",
                    "-Wno-format-truncation"]
 LDFLAGS = ["-shared"]
+PYTHON_DEFINE = "-DSRIO_BUILD_PYTHON="
 
 
 def sources() -> list[Path]:
@@ -45,13 +53,22 @@ def sources() -> list[Path]:
     return sorted(HERE.glob("*.c"))
 
 
-def command(out: Path, *, sanitize: bool = False) -> list[str]:
-    """The compiler command that builds the module into ``out`` (``$CC``, default ``cc``, and ``$CFLAGS``)."""
+def command(out: Path, *, sanitize: bool = False, python: str | None = None) -> list[str]:
+    """The compiler command that builds the module into ``out`` (``$CC``, default ``cc``, and ``$CFLAGS``),
+    recording ``python`` as the workers' interpreter when given.
+
+    Raises:
+        ValueError: ``python`` is not an absolute path, or holds a quote, a backslash or a control character.
+    """
     cc = shlex.split(os.environ.get("CC", "cc"))
     # Debug information names sources relative to these directories, so a module built in a checkout
     # or a build directory carries no path of that machine into a wheel.
     prefix_maps = [f"-ffile-prefix-map={where}=." for where in (ROOT, Path.cwd())]
     flags = [*CFLAGS, *(SANITIZE_CFLAGS if sanitize else [])]
+    if python:
+        if not os.path.isabs(python) or any(c in python for c in '"\\') or not python.isprintable():
+            raise ValueError(f"--python {python!r}: an absolute path without quotes, backslashes or control characters")
+        flags.append(f'{PYTHON_DEFINE}"{python}"')
     return [*cc, *flags, *prefix_maps, *shlex.split(os.environ.get("CFLAGS", "")), "-I", str(HERE),
             *map(str, sources()), *LDFLAGS, *(["-fsanitize=address,undefined"] if sanitize else []), "-o", str(out)]
 
@@ -59,6 +76,17 @@ def command(out: Path, *, sanitize: bool = False) -> list[str]:
 def _stamp(out: Path) -> Path:
     """Where the command that built ``out`` is kept, to rebuild when it changes."""
     return out.with_name(f"{out.name}.flags")
+
+
+def recorded_python(out: Path) -> str | None:
+    """The interpreter the build of ``out`` recorded (from its stamp), or None."""
+    stamp = _stamp(out)
+    if not stamp.is_file():
+        return None
+    for arg in shlex.split(stamp.read_text()):
+        if arg.startswith(PYTHON_DEFINE):
+            return arg[len(PYTHON_DEFINE):].strip('"')
+    return None
 
 
 def _up_to_date(out: Path, cmd: list[str]) -> bool:
@@ -76,12 +104,28 @@ def check_header() -> Path:
     return HEADER
 
 
-def build(out: Path | None = None, *, force: bool = False, sanitize: bool = False) -> Path:
+def build(out: Path | None = None, *, force: bool = False, sanitize: bool = False, python: str | None = None) -> Path:
     """Compile the module into ``out`` (default: next to the sources, or ``SANITIZED_OUT`` with
-    ``sanitize``) unless it is up to date."""
+    ``sanitize``) unless it is up to date.
+
+    Args:
+        out: where to write it; None: in place (or ``SANITIZED_OUT``).
+        force: compile even when it is up to date.
+        sanitize: the AddressSanitizer + UndefinedBehaviorSanitizer build.
+        python: the interpreter to record for the workers (see the module's docstring); None: the one
+            recorded before, for a build in place, else none; ``""``: none.
+
+    Raises:
+        ValueError: ``python`` cannot be recorded (see :func:`command`).
+        SystemExit: ``redismodule.h`` is not the pinned one.
+        subprocess.CalledProcessError: the compiler failed.
+    """
+    in_place = out is None
     out = Path(out) if out else SANITIZED_OUT if sanitize else HERE / MODULE_NAME
     check_header()
-    cmd = command(out, sanitize=sanitize)
+    if python is None and in_place:
+        python = recorded_python(out)
+    cmd = command(out, sanitize=sanitize, python=python)
     if not force and _up_to_date(out, cmd):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,8 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="compile even when the module is up to date")
     parser.add_argument("--sanitize", action="store_true",
                         help="build the AddressSanitizer + UndefinedBehaviorSanitizer variant (tests only)")
+    parser.add_argument("--python", default=None,
+                        help="record this interpreter for the module's workers when nothing else names one (a "
+                             "checkout's environment; a build in place keeps the one recorded before; '' records none)")
     args = parser.parse_args(argv)
-    print(build(args.out, force=args.force, sanitize=args.sanitize))
+    try:
+        print(build(args.out, force=args.force, sanitize=args.sanitize, python=args.python))
+    except ValueError as exc:
+        parser.error(str(exc))
     return 0
 
 
