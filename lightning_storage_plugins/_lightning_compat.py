@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = [
     "LAUNCHER_HANDBACK_NAME",
-    "checkpoint_filesystem",
+    "checkpoint_directory",
     "fsdp_state_dict_type",
     "is_launcher_handback_path",
     "saves_distributed_checkpoint",
@@ -70,6 +70,12 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
     return bool(_private(strategy, "_save_distributed_checkpoint"))
 
 
-def checkpoint_filesystem(callback: Any) -> Any:
-    """The fsspec filesystem a ``ModelCheckpoint`` lists, checks and removes its checkpoints through."""
-    return _private(callback, "_fs")
+def checkpoint_directory(callback: Any, trainer: Any) -> str:
+    """The directory a ``ModelCheckpoint`` saves in for ``trainer``, as Lightning resolves it in the
+    callback's ``setup``: its ``dirpath``, else ``<save_dir>/<name>/<version>/checkpoints`` of the
+    first logger (``default_root_dir`` for a logger without a ``save_dir``), else
+    ``<default_root_dir>/checkpoints``. Known before ``setup`` too (Lightning finds the checkpoint of
+    ``ckpt_path="last"`` before it)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return str(_private(callback, f"_{ModelCheckpoint.__name__}__resolve_ckpt_dir")(trainer))

@@ -15,9 +15,10 @@ import lightning.pytorch as pl
 import numpy as np
 import redis
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
-from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.preflight import storage_plugin
@@ -372,13 +373,13 @@ class SmartRedisModelCheckpoint(RemoteModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         found = super()._find_last_checkpoints(trainer)
-        if isinstance(checkpoint_filesystem(self), filesystem.RedisFileSystem):
-            return found
+        # Lightning asks before this callback's setup: the directory may come from default_root_dir.
+        directory = self.checkpoint_directory(trainer)
         plugin = storage_plugin(trainer.strategy.checkpoint_io)
-        if not isinstance(plugin, SmartRedisCheckpointIO) or self.dirpath is None:
+        if not isinstance(url_to_fs(directory)[0], LocalFileSystem) or not isinstance(plugin, SmartRedisCheckpointIO):
             return found
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
-        return found | plugin.stored_checkpoint_urls(self.dirpath, lambda name: bool(last.match(name)))
+        return found | plugin.stored_checkpoint_urls(directory, lambda name: bool(last.match(name)))
 
 
 EXPORT_MAX_BATCH = 1 << 16  # the largest batch a published torch.export program takes

@@ -94,11 +94,27 @@ def test_a_missing_private_name_is_an_error_naming_lightning_and_the_name() -> N
         _lightning_compat._private(fabric_fsdp, "_no_such")
 
 
-def test_model_checkpoint_keeps_its_filesystem_and_finds_last_checkpoints_by_trainer() -> None:
-    from fsspec.implementations.memory import MemoryFileSystem
+def test_model_checkpoint_finds_last_checkpoints_by_trainer() -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_storage_plugins._lightning_compat import checkpoint_filesystem
-
-    assert isinstance(checkpoint_filesystem(ModelCheckpoint(dirpath="memory://run")), MemoryFileSystem)
     assert list(inspect.signature(ModelCheckpoint._find_last_checkpoints).parameters) == ["self", "trainer"]
+
+
+@pytest.mark.parametrize("layout", ["dirpath", "logger", "default_root_dir"])
+def test_checkpoint_directory_is_where_model_checkpoints_setup_puts_it(tmp_path: Path, layout: str) -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_storage_plugins._lightning_compat import checkpoint_directory
+
+    logger = CSVLogger(tmp_path, name="logs", version=2) if layout == "logger" else False
+    trainer = Trainer(default_root_dir=tmp_path, logger=logger, enable_progress_bar=False)
+    callback = ModelCheckpoint(dirpath=tmp_path / "given" if layout == "dirpath" else None)
+    resolved = checkpoint_directory(callback, trainer)  # before setup, as for ckpt_path="last"
+    callback.setup(trainer, BoringModel(), "fit")
+    assert resolved == str(callback.dirpath)
+    expected = {"dirpath": tmp_path / "given", "logger": tmp_path / "logs" / "version_2" / "checkpoints",
+                "default_root_dir": tmp_path / "checkpoints"}[layout]
+    assert resolved == str(expected)
