@@ -16,6 +16,7 @@ from dataflux_ckpt.testing import FakeGcsServer  # noqa: E402
 from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
+from tests.support.slurm import LocalSlurm, slurm_unavailable_reason  # noqa: E402
 from tests.support.srio_sanitizers import sanitized  # noqa: E402
 
 # The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
@@ -63,4 +64,18 @@ def redis_server():
 def redis_cluster():
     """A real 3-shard Redis Cluster on loopback, with the Redis module's sanitizer build."""
     with sanitized() as module, RedisCluster(shards=3, **module) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A private 3-node Slurm cluster with accounting (slurmdbd on a MariaDB server of its own).
+
+    Skipped where Slurm is not installed or the tests do not run as root; where it is installed and
+    does not come up, every test using it errors with the daemon's log tail, never skips.
+    """
+    reason = slurm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with LocalSlurm(nodes=3, accounting=True) as cluster:
         yield cluster
