@@ -23,7 +23,11 @@ TOXIPROXY_VERSION := v2.12.0
 # cannot share an environment with ours (3.x), so it lives in its own directory for the peer's worker
 # (pinned in benchmarks/lightning_peer.py, which also finds it there).
 PEER_DIR := .tools/gcs-torch-dataflux
-APT_PACKAGES := libaio-dev redis-server redis-tools fio openmpi-bin libopenmpi-dev
+# Slurm, with munge and accounting (slurmdbd on MariaDB), for the tests' private cluster
+# (tests/support/slurm.py starts every daemon itself, in its own directory: their system services,
+# which the packages may start, are never used)
+APT_PACKAGES := libaio-dev redis-server redis-tools fio openmpi-bin libopenmpi-dev \
+	slurm-wlm munge slurmdbd mariadb-server
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 # The oldest releases we support, tested in their own environment: FastPersist's validated torch and
 # the Lightning and DeepSpeed releases of its time.
