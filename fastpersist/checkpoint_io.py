@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.reader import fastpersist_load
-from fastpersist.writer import SaveStats, fastpersist_save
+from fastpersist.writer import SaveStats, fastpersist_save, remove_stale_temporaries
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,10 @@ class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
 
     @override
     def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
-        """Before the first step: refuse a ``ModelCheckpoint`` directory of another storage, and
-        create those in which ``save_last="link"`` makes its links.
+        """Before the first step: refuse a ``ModelCheckpoint`` directory of another storage, create
+        those in which ``save_last="link"`` makes its links, and remove the temporary files that
+        saves killed in the middle left in them (never those of a save still running: see
+        :func:`~fastpersist.writer.remove_stale_temporaries`).
 
         Lightning makes a ``last`` link as soon as it has asked for a save; behind
         ``AsyncCheckpointIO`` that save, which creates the directory, may not have run yet.
@@ -103,6 +105,7 @@ class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
             directory = _local_path(checkpoint_dir.dirpath)
             if checkpoint_dir.links:
                 os.makedirs(directory, exist_ok=True)
+            remove_stale_temporaries(directory)
 
     @override
     def _close(self) -> None:

@@ -10,13 +10,10 @@ never run out here: what is removed is removed because its owner is known to be 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -34,6 +31,7 @@ from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
 from dataflux_ckpt.upload import PARTS_SUFFIX
 from lightning_storage_plugins.ordering import CheckpointDir
 from tests.support.gcs import object_names
+from tests.support.held_save import held_save
 
 WAIT_S = 60.0
 SLURM_JOB = {"SLURM_JOB_ID": "9731", "SLURM_CLUSTER_NAME": "testcluster"}
@@ -50,24 +48,6 @@ def _wait_for(condition: Callable[[], bool], what: str, child: subprocess.Popen 
 
 def _parts(url: str, bucket: str, prefix: str) -> list[str]:
     return [name for name in object_names(url, bucket, prefix) if PARTS_SUFFIX in name]
-
-
-@contextmanager
-def held_save(kind: str, url: str, path: str, *, prefix: list[str] = (),
-              env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """A child holding a save of ``path`` in its middle (see tests.support.held_save); killed on exit.
-
-    ``prefix`` runs it under another command (``unshare ...``), ``env`` adds to its environment.
-    """
-    child = subprocess.Popen([*prefix, sys.executable, "-m", "tests.support.held_save", kind, url, path],
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "holding", "the child did not reach the middle of its save"
-        yield child
-    finally:
-        child.kill()
-        child.wait(30)
 
 
 def _kill(child: subprocess.Popen) -> None:

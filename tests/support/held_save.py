@@ -19,8 +19,12 @@ The caller waits for what the save has written (part objects, the temporary file
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from dataflux_ckpt.emulator import activated, configure_gcsfs_for_emulator
@@ -83,7 +87,29 @@ def _nvme_save(path: str) -> None:
 
     from fastpersist import FastPersistCheckpointIO
 
-    FastPersistCheckpointIO().save_checkpoint({"w": torch.ones(4 * 2**20), "hold": Hold()}, path)
+    plugin = FastPersistCheckpointIO(io_buffer_mb=4)
+    plugin.save_checkpoint({"w": torch.ones(4 * 2**20), "hold": Hold()}, path)
+
+
+@contextmanager
+def held_save(kind: str, *args: str, prefix: Sequence[str] = (),
+              env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A child process holding a save in its middle (``kind`` and ``args`` as for this module's
+    command), killed with SIGKILL on exit if it still runs.
+
+    ``prefix`` runs it under another command (``unshare ...``); ``env`` adds to its environment.
+    """
+    child = subprocess.Popen([*prefix, sys.executable, "-m", __name__, kind, *args], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, **(env or {})})
+    try:
+        assert child.stdout is not None
+        while (line := child.stdout.readline()) and line.strip() != "holding":
+            pass  # what the libraries print on import
+        assert line, f"the child exited ({child.wait(30)}) before the middle of its save"
+        yield child
+    finally:
+        child.kill()
+        child.wait(30)
 
 
 def main() -> None:
