@@ -440,11 +440,15 @@ class LocalSlurm:
             states = self.node_states()
             if all(states.get(node) == "idle" for node in self.nodes):
                 return
-            if time.monotonic() > deadline:
+            # a node slurmctld refused (its configuration does not fit the machine) never comes back
+            refused = [node for node, state in states.items() if state.rstrip("*~#!%$@^-") in ("inval", "drain")]
+            if refused or time.monotonic() > deadline:
+                reasons = self.run(["sinfo", "-h", "-R", "-o", "%N: %E"], check=False).stdout.strip()
                 tails = "\n".join(f"--- {d.name}:\n{d.log_tail(1024)}" for d in self._daemons
                                   if d.name.startswith(("slurmctld", "slurmd")))
-                raise ServiceStartError(f"the nodes of the local Slurm cluster were not idle within "
-                                        f"{self._startup_timeout_s:.0f} s (sinfo: {states}); log tails:\n{tails}")
+                what = f"refused {refused}" if refused else f"not idle within {self._startup_timeout_s:.0f} s"
+                raise ServiceStartError(f"the nodes of the local Slurm cluster were {what} (sinfo: {states}; "
+                                        f"reasons: {reasons or 'none'}); log tails:\n{tails}")
             time.sleep(POLL_INTERVAL_S)
 
     def _wait_registered(self) -> None:
