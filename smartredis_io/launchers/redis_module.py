@@ -7,6 +7,14 @@ load it by themselves; for a redis-server of your own::
 
     redis-server --loadmodule "$(python -m smartredis_io.redis_module)"
 
+The module starts its execution workers with the Python installation that holds it (a wheel's), or
+with the one a source checkout recorded when it built the module in place; elsewhere (a copy of the
+module, or a server whose workers should use another environment) ``--args`` prints the module
+arguments that name this interpreter, and ``--conf`` a whole ``loadmodule`` line for ``redis.conf``::
+
+    redis-server --loadmodule "$(python -m smartredis_io.redis_module)" $(python -m smartredis_io.redis_module --args)
+    python -m smartredis_io.redis_module --conf >> redis.conf
+
 Wheels carry the module; a source checkout builds it with ``make setup`` (or
 ``python smartredis_io/redisai/build.py``). ``$SRIO_REDIS_MODULE`` names another build.
 """
@@ -18,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MODULE_ENV", "RedisModuleNotFoundError", "module_path"]
+__all__ = ["MODULE_ENV", "RedisModuleNotFoundError", "module_args", "module_path"]
 
 #: names a module file to use instead of the one shipped with the package
 MODULE_ENV = "SRIO_REDIS_MODULE"
@@ -50,18 +58,54 @@ def module_path() -> str:
     return str(path.resolve())
 
 
+def module_args(python: str | None = None) -> list[str]:
+    """The module arguments that make its workers run with ``python`` (default: this interpreter).
+
+    Args:
+        python: the interpreter, as it should be started (a virtual environment's own ``bin/python``).
+
+    Raises:
+        ValueError: ``python`` is not an absolute path, or holds a control character (the module refuses it).
+    """
+    python = python or sys.executable
+    if not os.path.isabs(python) or not python.isprintable():
+        raise ValueError(f"the workers' interpreter must be an absolute path without control characters: {python!r}")
+    return ["WORKER_PYTHON", python]
+
+
+def _conf_token(token: str) -> str:
+    """A token of redis.conf, quoted so that spaces and quotes survive."""
+    return '"' + token.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the module's path (exit status 1, and why on stderr, when it is missing)."""
+    """Print the module's path (exit status 1, and why on stderr, when it is missing); with ``--args``,
+    the module arguments naming this interpreter for the workers; with ``--conf``, a ``loadmodule`` line."""
     parser = argparse.ArgumentParser(
         prog="python -m smartredis_io.redis_module",
         description="Print the path of the smartredis_io Redis module, for redis-server --loadmodule.",
     )
-    parser.parse_args(argv)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--args", action="store_true",
+                      help="print the module arguments that make its workers run with this interpreter "
+                           "(WORKER_PYTHON PATH), to follow the path on a redis-server command line")
+    what.add_argument("--conf", action="store_true",
+                      help="print a redis.conf line loading the module, its workers run with this interpreter")
+    args = parser.parse_args(argv)
     try:
         path = module_path()
-    except RedisModuleNotFoundError as exc:
+        extra = module_args() if args.args or args.conf else []
+    except (RedisModuleNotFoundError, ValueError) as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
-    sys.stdout.write(f"{path}\n")
+    if args.args and any(c.isspace() for c in extra[1]):
+        sys.stderr.write(f"{extra[1]!r} holds a space, which a command line would split: use --conf\n")
+        return 1
+    if args.args:
+        sys.stdout.write(" ".join(extra) + "\n")
+    elif args.conf:
+        sys.stdout.write("loadmodule " + " ".join(_conf_token(token) for token in (path, *extra)) + "\n")
+    else:
+        sys.stdout.write(f"{path}\n")
     return 0
 

@@ -3,11 +3,14 @@
 ``python -m smartredis_io.worker --address HOST:PORT [--device cpu|cuda:N] [--workers N] [--user NAME | --allow-root]``
 
 The smartredis_io Redis module starts this command by itself (one per server, ``WORKERS`` module
-argument), with ``--secret-stdin``: the first line of its standard input is the secret the workers
-show the module (``SRIO.HELLO``), and the end of its standard input means the server is gone (the
-module holds the pipe's other end for its whole life, so even a SIGKILL of redis-server closes it):
-the workers then get SIGTERM, and SIGKILL ``STOP_GRACE_S`` later. Started by hand (separate pools,
-other machines), it takes the secret from ``--secret-file`` or ``$SRIO_WORKER_SECRET``.
+argument), already as its ``WORKER_USER`` when the server runs as root, with ``--secret-stdin``: its
+standard input is the module's control socket, whose first message is the secret the workers show
+the module (``SRIO.HELLO``), and whose end means the server is gone or stops its workers (the module
+holds the other end for its whole life, so even a SIGKILL of redis-server closes it): the workers
+then get SIGTERM, and SIGKILL ``STOP_GRACE_S`` later. A worker that cannot start tells the module
+why on that socket (``worker_protocol.START_ERROR``): INFO srio and the runs' errors show it. Started
+by hand (separate pools, other machines), it takes the secret from ``--secret-file`` or
+``$SRIO_WORKER_SECRET``, and refuses to start without one.
 
 Credentials, TLS and deadlines come from the environment as for a SmartRedis client (``SR_USERNAME``,
 ``SR_PASSWORD``, ``SR_TLS``..., ``SR_CMD_TIMEOUT``), or from a ``redis://user:password@`` address.
@@ -16,15 +19,17 @@ The database must have the smartredis_io Redis module loaded (our launchers load
 The command is a supervisor: it runs no model and imports no torch, and starts ``--workers`` worker
 processes (:mod:`smartredis_io.worker.executor`), each serving every server of the database (a module's
 own workers: the server that started them, in a cluster its shard). A worker that
-exits while the supervisor is not stopping (killed, crashed, or stopped by its deadline watchdog
-because a run outlived its deadline) is started again at once, then after pauses that grow to
-``RESTART_BACKOFF_MAX_S`` while workers keep dying young. Each SIGTERM / SIGINT the supervisor gets
+exits while the supervisor is not stopping (killed, even by a signal, crashed, or stopped by its
+deadline watchdog because a run outlived its deadline) is started again at once when it had run
+``HEALTHY_AFTER_S``, else after pauses that double up to ``RESTART_BACKOFF_MAX_S`` while workers keep
+dying young. A worker whose server closes its connection logs it in one line and exits
+(``EXIT_SERVER_GONE``), to be started again likewise. Each SIGTERM / SIGINT the supervisor gets
 is passed to every worker once: an idle worker stops at once, a busy one finishes its request, and
 a second signal stops it anyway (its request then runs on another worker). Workers are in a process
 group of their own, so a signal to the supervisor's group reaches them once, through it.
 
-A worker started as root refuses to run unless it drops to ``--user`` once connected, or is told
-``--allow-root``.
+A worker started by hand as root refuses to run unless it drops to ``--user`` once connected and
+warmed up, or is told ``--allow-root``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,14 @@ import redis
 
 from lightning_storage_plugins.services import die_with_parent
 from smartredis_io._client.connection import ConnectionSettings, detect_cluster, parse_address, plain_client
-from smartredis_io.worker.worker_protocol import EXIT_DEADLINE, EXIT_STOPPED, SECRET_ENV
+from smartredis_io.error import RedisConnectionError
+from smartredis_io.worker.worker_protocol import (
+    EXIT_DEADLINE,
+    EXIT_SERVER_GONE,
+    SECRET_ENV,
+    START_ERROR,
+    secret_from_line,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +68,7 @@ RESTART_BACKOFF_MAX_S = 10.0  # longest pause before starting a worker again
 HEALTHY_AFTER_S = 30.0  # a worker that ran this long resets the pause
 STOP_GRACE_S = 2.0  # once the server is gone: SIGTERM to the workers, SIGKILL this much later
 SECRET_WAIT_S = 30.0  # how long --secret-stdin waits for the secret's line
+START_ERROR_MAX_BYTES = 400  # of a reason a worker could not start, sent to the module
 CLUSTER_POLL_S = 0.2  # how often a worker started before its cluster formed asks again
 
 
@@ -93,12 +106,9 @@ class WorkerOptions:
         threads: torch intra-op threads per worker.
         interop_threads: torch inter-op threads per worker (None: torch's default).
         user: the user a worker started as root becomes once connected.
-        secret: what the workers show the Redis module (``SRIO.HELLO``); None for a module without one.
+        secret: what the workers show the Redis module (``SRIO.HELLO``); None: ``$SRIO_WORKER_SECRET`` as they find it.
         own_server: in a cluster, take requests only from the server at the address (a module's own
             workers serve their shard), instead of from every primary.
-        register_early: register before warming up to drop privileges (seconds of torch imports),
-            so that the module holds requests for the worker meanwhile instead of answering that it
-            has none; launchers that wait for registration to mean "serving" leave it off.
     """
 
     settings: ConnectionSettings
@@ -108,11 +118,22 @@ class WorkerOptions:
     user: str | None = None
     secret: str | None = dataclasses.field(default=None, repr=False)
     own_server: bool = False
-    register_early: bool = False
 
 
-def _serve(options: WorkerOptions, device: str, name: str) -> None:
-    """A worker process: connect, drop privileges if asked, serve until stopped; the process then ends."""
+def _start_error(exc: BaseException) -> str:
+    """Why a worker could not start, in one line for the module (INFO srio, the runs' errors)."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= START_ERROR_MAX_BYTES else text[:START_ERROR_MAX_BYTES - 3] + "..."
+
+
+def _serve(options: WorkerOptions, device: str, name: str,
+           reasons: multiprocessing.connection.Connection | None = None) -> None:
+    """A worker process: connect, drop privileges if asked, serve until stopped; the process then ends.
+
+    A worker that fails before it serves sends why on ``reasons`` (the supervisor passes it on to the
+    module); one whose server closes its connection while it serves says so in one line and exits
+    with ``EXIT_SERVER_GONE``.
+    """
     os.setpgid(0, 0)  # signals to the supervisor's group reach this worker once, through the supervisor
     die_with_parent()
     _configure_logging()
@@ -128,6 +149,7 @@ def _serve(options: WorkerOptions, device: str, name: str) -> None:
     signal.signal(signal.SIGTERM, stop_early)
     signal.signal(signal.SIGINT, stop_early)
     code = 1
+    serving = False
     settings, user = options.settings, options.user
     if options.secret is not None:
         os.environ[SECRET_ENV] = options.secret  # where the connection handshake finds it
@@ -151,16 +173,33 @@ def _serve(options: WorkerOptions, device: str, name: str) -> None:
         if early["stop"]:
             worker.request_stop()
         if dropping:
-            if options.register_early:
-                worker.register()
             executor.warm_up()
             drop_privileges(user)
+        serving = True
         worker.serve()
         code = 0
-    except Exception:  # noqa: BLE001 - logged for the supervisor's log; it starts a new worker
-        log.exception("worker %s failed", name)
+    except (redis.exceptions.ConnectionError, RedisConnectionError) as exc:
+        if not serving:
+            _could_not_start(name, exc, reasons)
+        else:  # the server stopped (or was killed): the supervisor learns it too, or starts another
+            log.info("worker %s: the server closed its connection (%s); leaving", name, exc)
+            code = EXIT_SERVER_GONE
+    except Exception as exc:  # noqa: BLE001 - logged for the supervisor's log; it starts a new worker
+        if not serving:
+            _could_not_start(name, exc, reasons)
+        else:
+            log.exception("worker %s failed", name)
     finally:
         _exit(code)
+
+
+def _could_not_start(name: str, exc: BaseException, reasons: multiprocessing.connection.Connection | None) -> None:
+    log.exception("worker %s could not start", name)
+    if reasons is not None:
+        try:
+            reasons.send(_start_error(exc))
+        except OSError:
+            pass  # the supervisor is gone: nobody to tell
 
 
 def _wait_for_cluster(settings: ConnectionSettings, early: dict[str, Any]) -> bool:
@@ -214,7 +253,8 @@ class _Supervisor:
     """Starts the worker processes, starts again those that exit, and passes stop signals on.
 
     ``lifeline``: a file descriptor whose end (EOF) means the server is gone: the workers are then
-    stopped, by SIGKILL after ``STOP_GRACE_S`` if SIGTERM has not stopped them.
+    stopped, by SIGKILL after ``STOP_GRACE_S`` if SIGTERM has not stopped them. Started by the module,
+    it is the module's control socket, where a worker's reason for not starting goes.
     """
 
     def __init__(self, options: WorkerOptions, base: str, count: int, lifeline: int | None = None) -> None:
@@ -223,7 +263,8 @@ class _Supervisor:
         self._lifeline = lifeline
         self._context = multiprocessing.get_context("spawn")
         self._slots: list[dict[str, Any]] = [
-            {"process": None, "started": 0.0, "pause": 0.0, "due": 0.0, "generation": 0} for _ in range(count)
+            {"process": None, "reasons": None, "started": 0.0, "pause": 0.0, "due": 0.0, "generation": 0}
+            for _ in range(count)
         ]
         self._stopping = False
         self._kill_at: float | None = None  # when workers still running after the server left get SIGKILL
@@ -232,12 +273,14 @@ class _Supervisor:
         slot = self._slots[index]
         name = f"{self._base}.{index}" + (f"-{slot['generation']}" if slot["generation"] else "")
         slot["generation"] += 1
+        reasons, tell = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=_serve, args=(self._options, worker_device(self._options.device, index), name),
+            target=_serve, args=(self._options, worker_device(self._options.device, index), name, tell),
             name=name, daemon=True,
         )
         process.start()
-        slot.update(process=process, started=time.monotonic())
+        tell.close()
+        slot.update(process=process, reasons=reasons, started=time.monotonic())
 
     def _signal_workers(self, signum: int) -> None:
         for slot in self._slots:
@@ -297,21 +340,49 @@ class _Supervisor:
     def _exited(self, index: int, code: int) -> None:
         slot = self._slots[index]
         slot["process"] = None
+        reason = self._reason(slot)
         if self._stopping:
             return
         lived = time.monotonic() - slot["started"]
-        if code in (EXIT_DEADLINE, EXIT_STOPPED) or code < 0 or lived >= HEALTHY_AFTER_S:
-            slot["pause"] = 0.0  # it was serving: a new one starts at once
-        else:  # it failed early (database unreachable, module missing...): wait longer each time
+        if lived >= HEALTHY_AFTER_S:
+            slot["pause"] = 0.0  # it served a while: a new one starts at once
+        else:  # it died young, whatever killed it (a signal too: OOM, a CUDA fault): wait longer each time
             slot["pause"] = min(max(slot["pause"] * 2, 0.5), RESTART_BACKOFF_MAX_S)
         slot["due"] = time.monotonic() + slot["pause"]
+        if reason is not None:
+            self._tell_module(f"worker {index} could not start: {reason}")
+        if code == EXIT_SERVER_GONE:
+            log.info("worker %d left (its server closed the connection); starting a new one in %.1f s", index,
+                     slot["pause"])
+            return
         why = ("a run outlived its deadline" if code == EXIT_DEADLINE
                else f"killed by signal {-code}" if code < 0 else f"exit status {code}")
         log.warning("worker %d exited (%s); starting a new one in %.1f s", index, why, slot["pause"])
 
+    @staticmethod
+    def _reason(slot: dict[str, Any]) -> str | None:
+        """Why the worker of ``slot`` could not start (None: it started, or did not say)."""
+        reasons, slot["reasons"] = slot["reasons"], None
+        try:
+            return reasons.recv() if reasons is not None and reasons.poll() else None
+        except (EOFError, OSError):
+            return None
+        finally:
+            if reasons is not None:
+                reasons.close()
 
-def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> str:
-    """The first line of ``fd`` (the module writes the secret and a newline at once), stripped."""
+    def _tell_module(self, text: str) -> None:
+        """Send the module (on its control socket) why a worker could not start."""
+        if self._lifeline is None:
+            return
+        try:
+            os.write(self._lifeline, START_ERROR + text.encode("utf-8", "replace"))
+        except OSError:
+            pass  # the server is gone: the lifeline says so next
+
+
+def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> bytes:
+    """The first line of ``fd`` (the module sends the secret and a newline in one message)."""
     data = b""
     deadline = time.monotonic() + timeout_s
     while b"\n" not in data:
@@ -321,26 +392,39 @@ def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> str:
         if not chunk:
             break
         data += chunk
-    return data.partition(b"\n")[0].decode().strip()
+    return data
 
 
-def _secret(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
-    """The secret the workers show the module: from standard input, a file, or the environment."""
+NO_SECRET = (
+    "python -m smartredis_io.worker: no worker secret: pass --secret-file FILE, FILE holding the secret the Redis "
+    f"module reads from its WORKER_SECRET_FILE (or set ${SECRET_ENV} to it)"
+)
+
+
+def _secret(args: argparse.Namespace) -> str:
+    """The secret the workers show the module: from standard input, a file, or the environment.
+
+    Raises:
+        SystemExit: none is given, or it breaks the rule of ``worker_protocol.secret_from_line``, with one
+            line saying so.
+    """
     if args.secret_stdin:
-        secret = _read_secret_line(sys.stdin.fileno())
-        origin = "standard input's first line"
+        data, origin = _read_secret_line(sys.stdin.fileno()), "standard input's first line"
     elif args.secret_file:
         try:
-            with open(args.secret_file) as f:
-                secret = f.readline().strip()
+            with open(args.secret_file, "rb") as f:
+                data = f.readline(64 * 1024)
         except OSError as exc:
-            parser.error(f"--secret-file {args.secret_file}: {exc.strerror}")
+            raise SystemExit(f"python -m smartredis_io.worker: --secret-file {args.secret_file}: {exc.strerror}") from None
         origin = f"--secret-file {args.secret_file}"
+    elif os.environ.get(SECRET_ENV):
+        data, origin = os.environb[SECRET_ENV.encode()], f"${SECRET_ENV}"
     else:
-        return os.environ.get(SECRET_ENV) or None
-    if not secret:
-        parser.error(f"the worker secret is empty ({origin})")
-    return secret
+        raise SystemExit(NO_SECRET)
+    try:
+        return secret_from_line(data, origin)
+    except ValueError as exc:
+        raise SystemExit(f"python -m smartredis_io.worker: {exc}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,7 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run models as root (refused without this flag or --user when started as root)")
     secret = parser.add_mutually_exclusive_group()
     secret.add_argument("--secret-file", default=None,
-                        help=f"the module's worker secret is this file's first line (default ${SECRET_ENV})")
+                        help="the module's worker secret is this file's first line: the file the module reads as its "
+                             f"WORKER_SECRET_FILE (default ${SECRET_ENV}; one of them is required)")
     secret.add_argument("--secret-stdin", action="store_true",
                         help="the secret is standard input's first line, and the end of standard input means the "
                              "server is gone: the workers are stopped. How the Redis module starts its workers: "
@@ -379,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "an unprivileged user, or --allow-root if the database's writers are trusted with root")
     if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
         parser.error(f"--user {args.user}: only a worker started as root can change its user")
-    options_secret = _secret(args, parser)
+    options_secret = _secret(args)
     _configure_logging()
     address = args.address
     if address.startswith("unix:") and not address.startswith("unix://"):
@@ -388,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings.with_(cluster=detect_cluster(settings))
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
-                            own_server=args.secret_stdin, register_early=args.secret_stdin)
+                            own_server=args.secret_stdin)
     lifeline = sys.stdin.fileno() if args.secret_stdin else None
     return _Supervisor(options, base, args.workers, lifeline).run()
 

@@ -12,6 +12,7 @@ then its own ``create_cluster`` and ``check_cluster_status``.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import uuid
@@ -51,8 +52,8 @@ def test_the_layout_is_what_smartsim_looks_for(tmp_path: Path, monkeypatch: pyte
     version = subprocess.run([layout.redis_server, "--version"], capture_output=True, text=True, check=True).stdout
     assert version.startswith("Redis server v="), version  # the server, not redis-check-rdb behind Debian's link
     script = layout.redis_server.read_text()
-    assert f'SRIO_WORKER_PYTHON="${{SRIO_WORKER_PYTHON:-{sys.executable}}}"' in script
-    assert 'SRIO_WORKER_USER="${SRIO_WORKER_USER:-nobody}"' in script
+    assert f"SRIO_WORKER_PYTHON={shlex.quote(sys.executable)}" in script
+    assert "SRIO_WORKER_USER=nobody" in script
     assert os.path.realpath(layout.redisai) == module_path()
     assert lay_out(tmp_path / "deps") == layout
     assert "SRIO_WORKER_USER" not in layout.redis_server.read_text(), "laying out again replaces the script"
