@@ -18,12 +18,16 @@ from smartredis_io import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.slurm import LocalSlurm, slurm_unavailable_reason  # noqa: E402
 from tests.support.srio_sanitizers import sanitized  # noqa: E402
+from tests.support.srio_workers import redis_server_reaching_python  # noqa: E402
 
 # The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
 # looks in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.
 for _binary, _env_var in (("fake-gcs-server", "FAKE_GCS_SERVER_BIN"), ("toxiproxy-server", "TOXIPROXY_SERVER_BIN")):
     if (ROOT / ".tools" / "bin" / _binary).exists():
         os.environ.setdefault(_env_var, str(ROOT / ".tools" / "bin" / _binary))
+# As root, the Redis module's workers run as nobody, who must be able to run this environment's Python.
+if (_reaching := redis_server_reaching_python()) is not None:
+    os.environ["REDIS_SERVER_BIN"] = _reaching
 # Child processes (workers, fresh-process readers) import the test-support package too.
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
