@@ -108,7 +108,7 @@ sleep 600 & wait
 TWO_STEPS = """
 srun bash -c 'touch a.started; until [ -e b.ran ] || [ -e a.stop ]; do sleep 0.1; done; [ -e b.ran ] && echo "A saw B"' &
 until [ -e a.started ]; do sleep 0.05; done
-{b_env} srun --immediate=5 bash -c 'touch b.ran; echo "B ran"'
+{b_srun} bash -c 'touch b.ran; echo "B ran"'
 touch a.stop
 wait $!
 """
@@ -117,7 +117,8 @@ wait $!
 @pytest.mark.parametrize("overlap", [True, False], ids=["SLURM_OVERLAP=1", "no-overlap"])
 def test_a_second_step_runs_beside_the_first_only_with_slurm_overlap(slurm_cluster: LocalSlurm, tmp_path,
                                                                     overlap: bool) -> None:
-    script = TWO_STEPS.format(b_env="SLURM_OVERLAP=1" if overlap else "")
+    # without the overlap, step B would wait for step A, which waits for B: it gives up after 2 s
+    script = TWO_STEPS.format(b_srun="SLURM_OVERLAP=1 srun" if overlap else "srun --immediate=2")
 
     result = slurm_cluster.run(["salloc", "-N1", "-n1", "bash", "-c", script], cwd=tmp_path, check=False,
                                timeout=WAIT_S)
