@@ -2,6 +2,7 @@
 
 Names are imported on first use, so that ``import dataflux_ckpt`` (and the emulator and XML
 multipart server processes) need neither torch nor Lightning until a checkpoint class is used.
+``TieredCheckpointIO`` also needs the ``[nvme]`` extra (FastPersist), named when it is used.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ _EXPORTS = {
     "ObjectWriter": "dataflux_ckpt.upload",
     "StreamingWriter": "dataflux_ckpt.upload",
     "TransferOptions": "dataflux_ckpt.options",
+    "LocalTierFullError": "dataflux_ckpt.tiered",
+    "LocalTierInUseError": "dataflux_ckpt.tiered",
+    "TieredCheckpointIO": "dataflux_ckpt.tiered",
+    "TieredCheckpointMonitor": "dataflux_ckpt.tiered",
+    "TieredOptions": "dataflux_ckpt.tiered",
+    "TieredStats": "dataflux_ckpt.tiered",
 }
 
 __all__ = [
@@ -67,10 +74,16 @@ __all__ = [
     "InvalidCheckpointError",
     "InvalidBucketNameError",
     "InvalidObjectNameError",
+    "LocalTierFullError",
+    "LocalTierInUseError",
     "ObjectReader",
     "ObjectWriter",
     "RetryPolicy",
     "StreamingWriter",
+    "TieredCheckpointIO",
+    "TieredCheckpointMonitor",
+    "TieredOptions",
+    "TieredStats",
     "TransferError",
     "TransferOptions",
     "UnsupportedSchemeError",
@@ -108,6 +121,14 @@ if TYPE_CHECKING:
     from dataflux_ckpt.paths import GcsPath, parse_gcs_path, parse_gcs_prefix
     from dataflux_ckpt.retry import Deadline, RetryPolicy
     from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
+    from dataflux_ckpt.tiered import (
+        LocalTierFullError,
+        LocalTierInUseError,
+        TieredCheckpointIO,
+        TieredCheckpointMonitor,
+        TieredOptions,
+        TieredStats,
+    )
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from lightning_storage_plugins.errors import CheckpointExistsError, CheckpointMetadataError
 
