@@ -7,18 +7,31 @@ has not been written yet; that save would publish it afterwards and it would nev
 :class:`SaveOrder` and asks it before and after every save and before every removal; the three
 single-file plugins (``DatafluxCheckpointIO``, ``FastPersistCheckpointIO``, ``SmartRedisCheckpointIO``)
 derive from it and supply only their storage's parsing, writing, reading and deletion.
+
+A signal handler runs on the main thread in the middle of whatever that thread was doing: Lightning's
+Slurm requeue handler saves ``hpc_ckpt_N.ckpt`` from there, possibly while the same plugin is saving
+another checkpoint on that thread, its buffers and connections in use. A save, removal or teardown
+asked for on a thread that is already inside an operation of the plugin is therefore recorded and
+run when that operation ends, before it returns to its caller (the checkpoint's tensors cannot
+change meanwhile: the thread that would change them is the one held in the operation); a load,
+whose caller needs its result now, is refused with
+:class:`~lightning_storage_plugins.reentry.ReentrantOperationError`. Other threads go on as before:
+each storage lets them in or makes them wait its turn.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
 import shutil
 import sys
 import threading
+import time
 import weakref
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
@@ -28,21 +41,35 @@ from typing_extensions import override
 from lightning_storage_plugins import release
 from lightning_storage_plugins.collector import collector_paused
 from lightning_storage_plugins.messages import plain_text
+from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 
-__all__ = ["CheckpointDir", "OrderedCheckpointIO", "SaveOrder", "WeightsOnlyError", "check_weights_only",
-           "live_plugins", "remove_local"]
+__all__ = ["CheckpointDir", "OrderedCheckpointIO", "QueuedSave", "SaveOrder", "WeightsOnlyError",
+           "check_weights_only", "live_plugins", "remove_local"]
 
 log = logging.getLogger(__name__)
 
 Target = TypeVar("Target", bound=Hashable)
+Result = TypeVar("Result")
+
+
+class QueuedSave:
+    """A save of ``key`` recorded to begin later (see :meth:`SaveOrder.queue`); ``turn`` is when it
+    was asked for (see :meth:`SaveOrder.turn`)."""
+
+    __slots__ = ("cancelled", "key", "turn")
+
+    def __init__(self, key: Hashable, turn: int) -> None:
+        self.key = key
+        self.turn = turn
+        self.cancelled = False  # a removal of ``key`` came before the save began
 
 
 class SaveOrder:
     """Cancels saves that a removal of the same path has overtaken.
 
-    A removal of a path whose save is running, or, once saves have been seen on another thread
-    than the remover's, of a path that does not exist yet, cancels that save: a save that has not
-    started is skipped, a running one is removed as soon as it has landed.
+    A removal of a path whose save is running or queued (:meth:`queue`), or, once saves have been
+    seen on another thread than the remover's, of a path that does not exist yet, cancels that
+    save: a save that has not started is skipped, a running one is removed as soon as it has landed.
 
     Args:
         exists: whether a checkpoint is stored at a path now (asked only while saves run on
@@ -55,11 +82,52 @@ class SaveOrder:
         self._saving: dict[Hashable, int] = {}
         self._cancelled: set[Hashable] = set()
         self._save_threads: set[int] = set()
+        self._queued: deque[QueuedSave] = deque()
+        self._turns = itertools.count()
 
-    def begin_save(self, key: Hashable) -> bool:
-        """Whether to go on with a save of ``key`` (``False``: it was removed before it could run)."""
+    def turn(self) -> int:
+        """A number larger than that of every save queued so far: a removal asked for now and made
+        later (:meth:`removing`'s ``queued_before``) cancels only the saves queued before it.
+
+        Takes no lock (one step under the interpreter's lock): safe in a signal handler.
+        """
+        return next(self._turns)
+
+    def queue(self, key: Hashable) -> QueuedSave:
+        """Record a save of ``key`` that begins later (:meth:`begin_save` is given what this returns),
+        so that a removal of ``key`` meanwhile skips it.
+
+        Takes no lock: a signal handler may call it while the thread it interrupted holds this
+        object's lock.
+        """
+        queued = QueuedSave(key, self.turn())
+        self._queued.append(queued)  # one step under the interpreter's lock, like the other deque calls here
+        return queued
+
+    def discard(self, queued: QueuedSave) -> None:
+        """Forget a queued save that will not begin."""
         with self._lock:
-            if key in self._cancelled and key not in self._saving:
+            self._unqueue(queued)
+
+    def _unqueue(self, queued: QueuedSave) -> None:
+        try:
+            self._queued.remove(queued)  # compared by identity
+        except ValueError:
+            pass
+
+    def begin_save(self, key: Hashable, queued: QueuedSave | None = None) -> bool:
+        """Whether to go on with a save of ``key`` (``False``: it was removed before it could run).
+
+        Args:
+            key: what is saved.
+            queued: what :meth:`queue` returned, when the save was queued.
+        """
+        with self._lock:
+            if queued is not None:
+                self._unqueue(queued)
+                if queued.cancelled:
+                    return False
+            elif key in self._cancelled and key not in self._saving:
                 self._cancelled.discard(key)
                 return False
             self._saving[key] = self._saving.get(key, 0) + 1
@@ -78,11 +146,23 @@ class SaveOrder:
                 return True
             return False
 
-    def removing(self, key: Hashable) -> None:
-        """Record a removal of ``key``, cancelling a save of it that is running or still queued."""
+    def removing(self, key: Hashable, queued_before: int | None = None) -> None:
+        """Record a removal of ``key``, cancelling a save of it that is running or still queued.
+
+        Args:
+            key: what is removed.
+            queued_before: the :meth:`turn` at which the removal was asked for, when it is made
+                later: saves queued after that were asked for after it, and are kept.
+        """
         with self._lock:
+            overtaken = False
+            for queued in list(self._queued):  # a copy: a signal handler may queue another meanwhile
+                if queued.key == key and (queued_before is None or queued.turn < queued_before):
+                    queued.cancelled = overtaken = True
             if key in self._saving:
                 self._cancelled.add(key)
+                return
+            if overtaken:  # the save this removal overtook was found: no need to guess at one
                 return
             saves_elsewhere = bool(self._save_threads - {threading.get_ident()})
         if saves_elsewhere and not self._exists(key):
@@ -193,6 +273,11 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
     :class:`WeightsOnlyError`, and makes pickled copies (as spawn-based strategies make) start with
     this process' state left behind.
 
+    A save, removal or teardown asked for on a thread that is inside an operation of this plugin
+    (from a signal handler, such as Lightning's Slurm requeue handler, or from a callback of the
+    operation) runs when that operation ends, before it returns; a load asked for there raises
+    :class:`~lightning_storage_plugins.reentry.ReentrantOperationError`.
+
     Args:
         weights_only: what :meth:`load_checkpoint` passes to the loader when its caller passes
             ``None`` (Lightning before 2.6 always does): ``None`` is torch's default (``True``
@@ -215,10 +300,11 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
     def _start_process_state(self) -> None:
         """Make this process' own state (at construction, and in a pickled copy)."""
         self._order = SaveOrder(self._stored)
+        self._threads = threading.local()  # each thread's _ThreadOperations
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in (*self._process_local, "_order"):
+        for name in (*self._process_local, "_order", "_threads"):
             state[name] = None
         return state
 
@@ -277,6 +363,10 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         """Save ``checkpoint`` at ``path``; the previous checkpoint there is replaced only once this
         one is whole, and a failed save leaves it as it was.
 
+        Asked for on a thread that is inside another operation of this plugin (from a signal
+        handler, or a callback of that operation), the save is made when that operation ends,
+        before it returns to its caller, and this call returns at once.
+
         Args:
             checkpoint: the state to save.
             path: where to save it (a path or URL of this plugin's storage).
@@ -286,20 +376,17 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
             TypeError: ``storage_options`` was given.
             ValueError: ``path`` is not a path of this storage.
             OSError: the storage failed (each plugin's class documents its own errors).
+            DeferredOperationError: a save or removal asked for during this one (see above) failed;
+                this checkpoint was saved.
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not support `storage_options`, got {storage_options!r}")
         target = self._target(path)
-        if not self._order.begin_save(target):
-            log.debug("not saving %s: it was removed before its save ran", target)
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.defer(_Deferred("saving", target, checkpoint, self._order.queue(target)))
             return
-        try:
-            with collector_paused():
-                self._write(checkpoint, target)
-        finally:
-            remove = self._order.end_save(target)
-        if remove:
-            self._delete(target)
+        self._outermost(thread, f"saving {self._describe(target)}", lambda: self._save(checkpoint, target))
 
     @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -319,11 +406,23 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
             FileNotFoundError: no checkpoint at ``path``.
             WeightsOnlyError: weights-only loading refused an object in the checkpoint (the
                 message names the checkpoint and the object).
+            ReentrantOperationError: asked for on a thread that is inside another operation of
+                this plugin (from a signal handler or a callback); that operation goes on.
+            DeferredOperationError: a save or removal asked for during this load failed.
         """
         weights_only = check_weights_only(weights_only)
         target = self._target(path)
         if weights_only is None:
             weights_only = self.weights_only
+        thread = self._this_thread()
+        loading = f"loading {self._describe(target)}"
+        if thread.current is not None:
+            raise ReentrantOperationError(
+                thread.current, loading, "a load cannot wait for that operation to end, as a save does; load "
+                "after it has returned, or with another plugin instance")
+        return self._outermost(thread, loading, lambda: self._load(target, map_location, weights_only))
+
+    def _load(self, target: Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         try:
             with collector_paused():
                 return self._read(target, map_location, weights_only)
@@ -342,18 +441,172 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path`` if there is one, and cancel a save of it not yet written.
 
-        A link at ``path`` is removed itself; what it points to stays.
+        A link at ``path`` is removed itself; what it points to stays. Asked for on a thread that
+        is inside another operation of this plugin, the removal is made when that operation ends
+        (a save of ``path`` asked for before it, and not yet begun, is then skipped).
 
         Raises:
             ValueError: ``path`` is not a path of this storage.
+            DeferredOperationError: a save or removal asked for during this one failed.
         """
         target = self._target(path)
-        self._order.removing(target)
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.cancel_saves(target)
+            thread.defer(_Deferred("removing", target, turn=self._order.turn()))
+            return
+        self._outermost(thread, f"removing {self._describe(target)}", lambda: self._remove(target))
+
+    def _remove(self, target: Target, queued_before: int | None = None) -> None:
+        self._order.removing(target, queued_before)
         self._delete(target)
 
     @override
     def teardown(self) -> None:
         """Forget the saves seen and release this process' connections or buffers (the next use
-        makes new ones)."""
+        makes new ones). Asked for on a thread inside another operation of this plugin, it is done
+        when that operation ends.
+
+        Raises:
+            DeferredOperationError: a save or removal asked for during the teardown failed.
+        """
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.defer(_Deferred("tearing down", None))
+            return
+        self._outermost(thread, f"tearing down {type(self).__name__}", self._tear_down)
+
+    def _tear_down(self) -> None:
         self._order.reset()
         self._close()
+
+    # Operations on one thread ------------------------------------------------------------------
+    # Nothing from the point where a thread is marked inside an operation to the point where it
+    # is marked out again takes a lock a signal handler would take: a handler that interrupts that
+    # span only appends to the thread's deque (and to SaveOrder's, lock-free). A handler landing
+    # just before the mark, or just after it is cleared, runs its operation on the spot, which is
+    # safe: the interrupted operation has not begun, or has ended.
+    def _this_thread(self) -> _ThreadOperations:
+        thread: _ThreadOperations | None = getattr(self._threads, "operations", None)
+        if thread is None:
+            thread = self._threads.operations = _ThreadOperations()
+        return thread
+
+    def _save(self, checkpoint: dict[str, Any], target: Target, queued: QueuedSave | None = None) -> bool:
+        """Save now; ``False`` where a removal came first and nothing was saved."""
+        if not self._order.begin_save(target, queued):
+            log.debug("not saving %s: it was removed before its save ran", self._describe(target))
+            return False
+        try:
+            with collector_paused():
+                self._write(checkpoint, target)
+        finally:
+            remove = self._order.end_save(target)
+        if remove:
+            self._delete(target)
+        return True
+
+    def _outermost(self, thread: _ThreadOperations, operation: str, run: Callable[[], Result]) -> Result:
+        """Run ``operation`` on this thread, then what was asked for during it (see the class)."""
+        thread.current = operation
+        try:
+            result = run()
+        except BaseException as exc:
+            for failure in self._run_deferred(thread, operation):
+                if hasattr(exc, "add_note"):  # Python 3.11+; logged in every version
+                    exc.add_note(str(failure))
+            raise
+        failures = self._run_deferred(thread, operation)
+        if failures:
+            raise failures[0] from failures[0].__cause__
+        return result
+
+    def _run_deferred(self, thread: _ThreadOperations, during: str) -> list[DeferredOperationError]:
+        """Run, in order, what was asked for on this thread during ``during`` (also what is asked for
+        while these run), then mark the thread out of its operation. Each one is attempted; the
+        failures are logged and returned."""
+        failures: list[DeferredOperationError] = []
+        try:
+            while True:
+                while thread.deferred:
+                    failure = self._run_one(thread.deferred.popleft(), during)
+                    if failure is not None:
+                        failures.append(failure)
+                thread.current = None
+                if not thread.deferred:
+                    return failures
+                thread.current = during  # a handler deferred one after the last check, before the line above
+        except BaseException:  # KeyboardInterrupt and the like in a deferred operation: the rest are dropped
+            thread.current = None
+            while thread.deferred:
+                dropped = thread.deferred.popleft()
+                if dropped.queued is not None:
+                    self._order.discard(dropped.queued)
+                log.warning("%s was not done: it was asked for while this thread was %s, and was still waiting "
+                            "when that was interrupted", self._name(dropped), during)
+            raise
+
+    def _name(self, deferred: _Deferred) -> str:
+        if deferred.target is None:
+            return f"{deferred.kind} {type(self).__name__}"
+        return f"{deferred.kind} {self._describe(deferred.target)}"
+
+    def _run_one(self, deferred: _Deferred, during: str) -> DeferredOperationError | None:
+        name = self._name(deferred)
+        log.info("%s now: it was asked for %.3f s ago while this thread was %s (from a signal handler or a "
+                 "callback), and waited for that to end", name, time.monotonic() - deferred.asked_at, during)
+        try:
+            if deferred.kind == "saving":
+                assert deferred.checkpoint is not None
+                if not self._save(deferred.checkpoint, deferred.target, deferred.queued):
+                    log.info("%s skipped: a removal of it came first", name)
+                    return None
+            elif deferred.kind == "removing":
+                self._remove(deferred.target, deferred.turn)
+            else:
+                self._tear_down()
+        except Exception as exc:
+            log.error("%s failed (it was asked for while this thread was %s)", name, during, exc_info=True)
+            failure = DeferredOperationError(name, during, f"{type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            return failure
+        log.info("%s done, %.3f s after it was asked for", name, time.monotonic() - deferred.asked_at)
+        return None
+
+
+class _Deferred:
+    """A save, removal or teardown asked for on a thread inside another operation of the plugin."""
+
+    __slots__ = ("asked_at", "checkpoint", "kind", "queued", "target", "turn")
+
+    def __init__(self, kind: str, target: Any, checkpoint: dict[str, Any] | None = None,
+                 queued: QueuedSave | None = None, turn: int | None = None) -> None:
+        self.kind = kind  # "saving", "removing" or "tearing down", as log lines say it
+        self.target = target
+        self.checkpoint = checkpoint
+        self.queued = queued
+        self.turn = turn  # a removal's SaveOrder.turn(): it cancels the saves queued before it
+        self.asked_at = time.monotonic()
+
+
+class _ThreadOperations:
+    """The operation of one plugin that one thread is inside (``None``: none), and what was asked
+    for on that thread meanwhile."""
+
+    __slots__ = ("current", "deferred")
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self.deferred: deque[_Deferred] = deque()
+
+    def defer(self, deferred: _Deferred) -> None:
+        self.deferred.append(deferred)
+
+    def cancel_saves(self, target: Any) -> None:
+        """Skip the saves of ``target`` deferred so far (a removal of it was asked for after them).
+
+        Only this thread begins them. One it was beginning when the handler asking for the removal
+        interrupted it is saved, then removed by the removal, deferred after it."""
+        for deferred in list(self.deferred):
+            if deferred.queued is not None and deferred.target == target:
+                deferred.queued.cancelled = True
