@@ -12,7 +12,7 @@ Lightning and DeepSpeed's runtime).
 
 
 from fastpersist.aio import AioConfig, get_aio_handle
-from fastpersist.context import FastPersistContext
+from fastpersist.context import ContextInUseError, FastPersistContext
 from fastpersist.memory import get_pinned_buffer, release_pinned_buffer
 from fastpersist.reader import CheckpointFormatError, fastpersist_load
 from fastpersist.writer import SaveStats, fastpersist_save, remove_stale_temporaries
@@ -29,6 +29,9 @@ __all__ = [
     "remove_stale_temporaries",
     "SaveStats",
     "CheckpointFormatError",
+    "ContextInUseError",
+    "ReentrantOperationError",
+    "DeferredOperationError",
     "CheckpointExistsError",
     "CheckpointMetadataError",
     "ConcurrentWriteError",
@@ -46,6 +49,8 @@ _LAZY = {
     "CheckpointExistsError": "lightning_storage_plugins.errors",
     "CheckpointMetadataError": "lightning_storage_plugins.errors",
     "ConcurrentWriteError": "lightning_storage_plugins.errors",
+    "ReentrantOperationError": "lightning_storage_plugins.reentry",
+    "DeferredOperationError": "lightning_storage_plugins.reentry",
     "FastPersistCheckpointIO": "fastpersist.checkpoint_io",
     "FastPersistCheckpointEngine": "fastpersist.deepspeed_engine",
     "enable_fastpersist": "fastpersist.deepspeed_engine",

@@ -9,11 +9,13 @@ passes it to every :func:`~fastpersist.fastpersist_save` / :func:`~fastpersist.f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +35,7 @@ from fastpersist.engines import (
 )
 from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty, get_pinned_buffer, release_pinned_buffer
 from lightning_storage_plugins.messages import warn_once
+from lightning_storage_plugins.reentry import ReentrantOperationError
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +55,29 @@ def check_engine_name(name: str | None) -> str | None:
     return name
 
 
+class ContextInUseError(ReentrantOperationError):
+    """A save or load was asked of a :class:`FastPersistContext` by the thread that is using it for
+    another (from a signal handler, or a callback that runs inside that operation). The handle and
+    staging buffer serve one operation at a time, so it is refused before it touches them, and the
+    operation in progress goes on. ``FastPersistCheckpointIO`` never meets it: it saves after the
+    operation in progress instead.
+
+    Attributes:
+        busy: the operation in progress, e.g. ``"saving /nvme/last.ckpt"``.
+        refused: the one refused, e.g. ``"saving /nvme/hpc_ckpt_1.ckpt"``.
+    """
+
+
 class FastPersistContext:
     """The I/O handle, staging buffer and lock that FastPersist saves and loads use.
 
     Everything is created on first use and owned by the context: :meth:`close` (or leaving a ``with``
     block) frees the buffer it allocated; a handle or buffer passed in stays the caller's. One context
     serves one save or load at a time (its :attr:`lock` is held for the whole operation), so threads
-    sharing a context take turns. Pickling a context keeps its settings and drops handle and buffer.
+    sharing a context take turns. A save or load asked for on the thread that is using the context
+    (a signal handler that interrupted a save, say) raises :class:`ContextInUseError` instead of
+    sharing the handle and buffer in use. Pickling a context keeps its settings and drops handle and
+    buffer.
 
     Args:
         engine: ``"aio"`` (DeepSpeed libaio, the default), ``"python"`` (O_DIRECT + threads, no compiled
@@ -95,6 +114,7 @@ class FastPersistContext:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.RLock()
+        self._holder: tuple[int, str] | None = None  # the thread in an operation, and what it does
         self._aio_handle: Any = None
         self._gds_handle: Any = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -118,6 +138,36 @@ class FastPersistContext:
         """Held for a whole save or load: the handle and buffer serve one operation at a time."""
         self._in_this_process()
         return self._lock
+
+    @contextlib.contextmanager
+    def operation(self, description: str) -> Iterator[None]:
+        """Hold this context for one save or load (or :meth:`close`): another thread asking for it
+        meanwhile waits its turn; the thread holding it is refused.
+
+        Args:
+            description: what the operation is, as errors name it, e.g. ``"saving /nvme/a.pt"``.
+
+        Raises:
+            ContextInUseError: this thread is inside an operation of this context (the new one was
+                asked for from a signal handler or a callback that interrupted it).
+        """
+        lock = self.lock
+        me = threading.get_ident()
+        holder = self._holder
+        if holder is not None and holder[0] == me:
+            raise ContextInUseError(
+                holder[1], description, "the context's aio handle and staging buffer are in use by that "
+                "operation; use another FastPersistContext for this one, or ask for it after that one "
+                "returns (FastPersistCheckpointIO saves it then by itself)")
+        # A signal handler that runs between the check above and the line that marks this thread as
+        # the holder (or after the mark is cleared) takes the lock again, being on the same thread,
+        # and runs its whole operation there: safe, as this one has not begun (or has ended).
+        with lock:
+            self._holder = (me, description)
+            try:
+                yield
+            finally:
+                self._holder = None
 
     def aio_handle(self) -> Any:
         """The DeepSpeed aio handle (the one given, else one created on first use).
@@ -259,8 +309,13 @@ class FastPersistContext:
             return self._pool
 
     def close(self) -> None:
-        """Free the staging buffers and threads this context created (a later use creates new ones)."""
-        with self.lock:
+        """Free the staging buffers and threads this context created (a later use creates new ones).
+
+        Raises:
+            ContextInUseError: called on a thread that is saving or loading with this context (from
+                a signal handler or a callback), whose buffers are in use.
+        """
+        with self.operation("closing the context"):
             for key, buffer in self._buffers.items():
                 if key == "cpu-pinned":
                     release_pinned_buffer(buffer, self._aio_handle)

@@ -442,7 +442,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
                 windows.append([])
             windows[-1].append(pair)
         path = self._file(name)
-        with context.lock:
+        with context.operation(f"loading {path}"):
             halves = _window_buffers(context, windows, staging=self.context is not None)
             file, buffered = _open_for_reading(path, self.checkpoint_id)
             try:

@@ -110,7 +110,12 @@ class FastPersistCheckpointEngine(_deepspeed_compat.checkpoint_engine_base()):  
         log.debug("%s: checkpoint %s about to be saved", ENGINE_NAME, _deepspeed_compat.commit_tag(info))
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Save one checkpoint file atomically (the previous file at ``path`` survives a failure)."""
+        """Save one checkpoint file atomically (the previous file at ``path`` survives a failure).
+
+        Raises:
+            ContextInUseError: asked for on a thread that is saving or loading with this engine's
+                context (from a signal handler that interrupted it); nothing was written.
+        """
         self.stats.append(fastpersist_save(state_dict, path, context=self.context))
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -118,6 +123,10 @@ class FastPersistCheckpointEngine(_deepspeed_compat.checkpoint_engine_base()):  
 
         DeepSpeed checkpoints hold arbitrary objects (configs, enums), so, as DeepSpeed's own engine
         does, this loads without ``weights_only``: load only checkpoints you trust.
+
+        Raises:
+            ContextInUseError: asked for on a thread that is saving or loading with this engine's
+                context (from a signal handler that interrupted it).
         """
         return fastpersist_load(path, map_location, weights_only=False, context=self.context)
 

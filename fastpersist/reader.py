@@ -83,6 +83,8 @@ def fastpersist_load(
             size is not its tensor's (the message says which).
         OSError: a read failed (path and offset in the message).
         pickle.UnpicklingError: ``weights_only`` refused something in the file.
+        ContextInUseError: ``context`` is saving or loading on this thread (this load was asked for
+            from a signal handler or a callback that interrupted that).
     """
     with collector_paused():
         return _load(file_path, map_location, weights_only, aio_handle, pinned_buffer, engine, context)
@@ -124,7 +126,7 @@ def _load(
         else context
     )
     try:
-        with ctx.lock if ctx is not None else contextlib.nullcontext():
+        with ctx.operation(f"loading {path}") if ctx is not None else contextlib.nullcontext():
             read = _start_read(path, entries, following, engine, ctx, _device_of(map_location))
             try:
                 table = _torch_compat.StorageTable(reader, read.locate, read.storages, read.whole)

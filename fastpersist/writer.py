@@ -115,6 +115,8 @@ def fastpersist_save(
         IsADirectoryError: ``file_path`` is a directory.
         ValueError: unknown engine, or a staging buffer too small or on the wrong device.
         OSError: a write failed or was short (ENOSPC when the disk is full), naming path and offset.
+        ContextInUseError: ``context`` is saving or loading on this thread (this save was asked for
+            from a signal handler or a callback that interrupted that); nothing was written.
     """
     return save_file(
         file_path,
@@ -147,7 +149,7 @@ def save_file(
     owned = context is None
     ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
     try:
-        with ctx.lock:
+        with ctx.operation(f"saving {path}"):
             io_engine, buffer = _engine_and_buffer(ctx, engine, os.path.dirname(path))
             remove_stale_temporaries(os.path.dirname(path))
             temp, file = _create_temporary(path)
