@@ -27,7 +27,9 @@
  *   the supervisor has exited;
  * - standard output and error are a pipe the module reads: each line goes on to the server's log
  *   file (its standard output when it has none), and the last one names why a supervisor that exits
- *   before any worker registered could not start (an import error's last line).
+ *   before any worker registered could not start (an import error's last line). Once its own code
+ *   runs, the supervisor writes to the log itself: the module sends it the log's descriptor on the
+ *   control socket, after the secret, so that what it and its workers write outlives the server.
  *
  * A server running as root starts its workers as WORKER_USER (checked at load: an existing user,
  * not root), dropping privileges before the interpreter starts: supplementary groups, group, then
@@ -494,6 +496,30 @@ static void on_control(int fd, void *data, int mask) {
 
 /* ---- starting and stopping ---------------------------------------------------------------- */
 
+/* Hand the supervisor the server's log (a descriptor: the file may be one its user cannot open), for
+ * its output once its own code runs: what it and its workers write then outlives the server (their
+ * last words when it is gone). */
+static void send_log(int socket_fd, int log_fd) {
+    char word[] = "log";
+    struct iovec iov = {.iov_base = word, .iov_len = sizeof word - 1};
+    union {
+        struct cmsghdr header;
+        char space[CMSG_SPACE(sizeof(int))];
+    } control_data;
+    memset(&control_data, 0, sizeof control_data);
+    struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control_data.space,
+                             .msg_controllen = sizeof control_data.space};
+    struct cmsghdr *header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(header), &log_fd, sizeof(int));
+    if (sendmsg(socket_fd, &message, MSG_NOSIGNAL) < 0) {
+        RedisModule_Log(events_ctx, "warning", "could not hand the server's log to the execution workers: %s",
+                        strerror(errno));
+    }
+}
+
 static int resolve_identity(Identity *who, struct passwd **user) {
     memset(who, 0, sizeof *who);
     *user = NULL;
@@ -600,6 +626,7 @@ static void spawn(RedisModuleCtx *ctx) {
     close_output(); /* what an earlier supervisor's workers still wrote is theirs: a new pipe for this one */
     server_setting(ctx, "logfile", logfile, sizeof logfile);
     output_log = logfile[0] ? open(logfile, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644) : -1;
+    send_log(sockets[0], output_log >= 0 ? output_log : STDOUT_FILENO);
     output = out[0];
     fcntl(output, F_SETFL, O_NONBLOCK);
     RedisModule_EventLoopAdd(output, REDISMODULE_EVENTLOOP_READABLE, on_output, NULL);

@@ -44,6 +44,7 @@ import pwd
 import select
 import signal
 import socket
+import stat
 import sys
 import time
 from collections.abc import Sequence
@@ -296,7 +297,7 @@ class _Supervisor:
         self._signal_workers(signum)
 
     def _server_gone(self) -> None:
-        log.warning("the server that started these workers is gone (its pipe closed): stopping %d worker(s)",
+        log.warning("the server that started these workers is gone (its control socket closed): stopping %d worker(s)",
                     sum(slot["process"] is not None for slot in self._slots))
         self._lifeline = None
         self._stopping = True
@@ -395,6 +396,25 @@ def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> bytes:
     return data
 
 
+def _take_log(fd: int, timeout_s: float = SECRET_WAIT_S) -> None:
+    """Write to the server's log from now on, where the module sends its descriptor after the secret
+    (on its control socket): until then the module reads this process' output itself (to tell why one
+    that cannot even import this package does not start), which would end with the server."""
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        return
+    with socket.socket(fileno=os.dup(fd)) as control:
+        if not select.select([control], [], [], timeout_s)[0]:
+            return
+        message, fds, _, _ = socket.recv_fds(control, 16, 1)
+    if message == b"log" and fds:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fds[0], sys.stdout.fileno())
+        os.dup2(fds[0], sys.stderr.fileno())
+    for passed in fds:
+        os.close(passed)
+
+
 NO_SECRET = (
     "python -m smartredis_io.worker: no worker secret: pass --secret-file FILE, FILE holding the secret the Redis "
     f"module reads from its WORKER_SECRET_FILE (or set ${SECRET_ENV} to it)"
@@ -465,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.user and os.geteuid() != 0 and args.user != pwd.getpwuid(os.geteuid()).pw_name:
         parser.error(f"--user {args.user}: only a worker started as root can change its user")
     options_secret = _secret(args)
+    if args.secret_stdin:
+        _take_log(sys.stdin.fileno())
     _configure_logging()
     address = args.address
     if address.startswith("unix:") and not address.startswith("unix://"):
