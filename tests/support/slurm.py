@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import math
 import os
 import re
@@ -28,7 +29,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -63,6 +64,8 @@ KILL_TIMEOUT_S = 10.0
 CLOCK_MARGIN_S = 0.05
 OUTPUT_TAIL_BYTES = 2048
 _MIB = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class SlurmError(RuntimeError):
@@ -175,6 +178,7 @@ class LocalSlurm:
         self._path: Path | None = None
         self._daemons: list[ManagedProcess] = []
         self._ports: dict[str, int] = {}
+        self._db_password = secrets.token_hex(16)
 
     # -- where things are ------------------------------------------------------------------------
 
@@ -231,7 +235,10 @@ class LocalSlurm:
         reason = slurm_unavailable_reason(accounting=self.accounting)
         if reason:
             raise ServiceStartError(reason)
+        started = time.monotonic()
         self._path = Path(tempfile.mkdtemp(prefix="local-slurm-", dir=self._base_dir))
+        log.info("starting a local Slurm cluster in %s: %d node(s), %s accounting", self._path, len(self.nodes),
+                 "with" if self.accounting else "without")
         atexit.register(self.stop)
         try:
             self._layout()
@@ -248,6 +255,7 @@ class LocalSlurm:
         except BaseException:
             self.stop()
             raise
+        log.info("local Slurm cluster %s up in %.1f s", self.conf, time.monotonic() - started)
         return self
 
     def _layout(self) -> None:
@@ -316,6 +324,8 @@ class LocalSlurm:
             "ReturnToService=2",
             # The grace between SIGTERM and SIGKILL: what preemption and requeue tests must see.
             f"KillWait={self.kill_wait_s}",
+            # AuthInfo's cred_expire stays Slurm's 120 s: a requeued job is held that long, as on
+            # users' clusters (requeue_now lifts the hold for one job).
             # Slurm's defaults, kept: shorter RPC deadlines, or a node declared dead sooner, fail
             # healthy daemons on a busy 2-core machine; and finished jobs stay in `scontrol show job`
             # for MinJobAge seconds, which tests read after a job ends.
@@ -345,7 +355,7 @@ class LocalSlurm:
                      "State=UP OverSubscribe=FORCE:4")
         return "\n".join(lines) + "\n"
 
-    def _daemon(self, name: str, argv: Sequence[str], ready) -> ManagedProcess:
+    def _daemon(self, name: str, argv: Sequence[str], ready: Callable[[], bool]) -> ManagedProcess:
         process = ManagedProcess(name, argv, ready, cwd=self.path, env=self.env,
                                  startup_timeout_s=self._startup_timeout_s)
         self._daemons.append(process)
@@ -385,7 +395,6 @@ class LocalSlurm:
                                                    "--skip-test-db"])
         self._daemon("mariadbd", [self._binary("mariadbd"), defaults],
                      lambda: _unix_listening(db / "mysqld.sock"))
-        self._db_password = secrets.token_hex(16)
         # on stdin: a password on a command line is visible to every user of the machine
         self._setup_command("mariadb", [self._binary("mariadb"), defaults], input=(
             f"CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{self._db_password}';\n"
@@ -482,18 +491,27 @@ class LocalSlurm:
 
     def stop(self) -> None:
         """Kill every job and step process (``slurmstepd`` and what it started), stop the daemons and
-        remove the directory. Idempotent."""
+        remove the directory. Idempotent.
+
+        Raises:
+            SlurmError: a process of the cluster survived SIGKILL (the rest is stopped and removed).
+        """
         if self._path is None:
             return
         atexit.unregister(self.stop)
-        self._kill(self._job_processes())
-        for daemon in reversed(self._daemons):
-            daemon.stop()
-        self._daemons.clear()
-        # what a step started while the daemons stopped, or that left its step's process tree
-        self._kill(self._processes_of_cluster())
-        shutil.rmtree(self._path, ignore_errors=True)
-        self._path = None
+        survivors: list[psutil.Process] = []
+        try:
+            survivors += self._kill(self._job_processes())
+        finally:
+            for daemon in reversed(self._daemons):
+                daemon.stop()
+            self._daemons.clear()
+            # what a step started while the daemons stopped, or that left its step's process tree
+            survivors += self._kill(self._processes_of_cluster())
+            shutil.rmtree(self._path, ignore_errors=True)
+            self._path = None
+        if survivors:
+            raise SlurmError(f"processes of the local Slurm cluster survived SIGKILL: {survivors}")
 
     def _processes_of_cluster(self) -> list[psutil.Process]:
         """Every process started by this cluster or for it: a ``slurmstepd`` of its nodes (it works in
@@ -519,15 +537,16 @@ class LocalSlurm:
         return [process for process in self._processes_of_cluster() if process.pid not in daemons]
 
     @staticmethod
-    def _kill(processes: list[psutil.Process]) -> None:
+    def _kill(processes: list[psutil.Process]) -> list[psutil.Process]:
+        """SIGKILL ``processes``; those still running after ``KILL_TIMEOUT_S``. A zombie counts as
+        gone: a killed step's parent is init, which may reap it late."""
         for process in processes:
             with contextlib.suppress(psutil.Error):
                 process.send_signal(signal.SIGKILL)
-        _, alive = psutil.wait_procs(processes, timeout=KILL_TIMEOUT_S)
-        # a killed step whose parent is an init that does not reap stays a zombie for a while
-        alive = [process for process in alive if _running(process)]
-        if alive:
-            raise SlurmError(f"processes of the local Slurm cluster survived SIGKILL: {alive}")
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while (alive := [process for process in processes if _running(process)]) and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S / 5)
+        return alive
 
     def __enter__(self) -> LocalSlurm:
         return self.start()
@@ -641,6 +660,7 @@ class LocalSlurm:
             SlurmJobError: the job ended without writing ``text``, or the deadline passed; the message
                 names its state and the output's tail.
         """
+        log.info("waiting up to %.0f s for job %d to write %r", timeout, job_id, text)
         deadline = time.monotonic() + timeout
         while True:
             output = self.output(job_id)
@@ -692,6 +712,7 @@ class LocalSlurm:
                              f"got source={source!r}, restarts={restarts}")
         wanted = {states} if isinstance(states, str) else set(states)
         waited_for = "/".join(sorted(wanted)) + (f" after {restarts} restart(s)" if restarts else "")
+        log.info("waiting up to %.0f s for job %d to be %s (%s)", timeout, job_id, waited_for, source)
         deadline = time.monotonic() + timeout
         info: dict[str, str] | None = None
         while True:
