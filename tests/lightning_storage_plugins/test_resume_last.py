@@ -72,12 +72,24 @@ class StartStep(Callback):
         self.steps.append(trainer.global_step)
 
 
-class SaveDirOnlyLogger(Logger):
-    """A logger without a ``save_dir`` of its own: Lightning puts its checkpoints under ``default_root_dir``."""
+class QuietLogger(Logger):
+    """A logger that keeps nothing, with the ``save_dir``, ``name`` and ``version`` Lightning puts checkpoints under."""
 
-    name = "nodir"
-    version = "v7"
-    save_dir = None
+    def __init__(self, save_dir: str | None, name: str, version: int | str) -> None:
+        super().__init__()
+        self._save_dir, self._name, self._version = save_dir, name, version
+
+    @property
+    def save_dir(self) -> str | None:
+        return self._save_dir
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        return self._version
 
     @property
     @rank_zero_only
@@ -107,16 +119,21 @@ LAYOUTS = {
     # how the directory is given -> (Trainer options, the checkpoint directory Lightning resolves)
     "dirpath": (lambda root: {"dirpath": f"{root}/given"}, lambda root: f"{root}/given"),
     "default_root_dir": (lambda root: {}, lambda root: f"{root}/checkpoints"),
-    "logger_save_dir": (lambda root: {"logger": CSVLogger(root, name="logs", version=3)},
+    "logger_save_dir": (lambda root: {"logger": QuietLogger(root, "logs", 3)},
                         lambda root: f"{root}/logs/version_3/checkpoints"),
-    "logger_without_save_dir": (lambda root: {"logger": SaveDirOnlyLogger()},
+    "logger_without_save_dir": (lambda root: {"logger": QuietLogger(None, "nodir", "v7")},
                                 lambda root: f"{root}/nodir/v7/checkpoints"),
+    "csv_logger": (lambda root: {"logger": CSVLogger(root, name="csv", version=0)},
+                   lambda root: f"{root}/csv/version_0/checkpoints"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ckpt_path_last_resumes_from_the_directory_lightning_resolves(scheme: Scheme, layout: str) -> None:
+    if layout == "csv_logger" and scheme.root.startswith("redis:"):
+        pytest.skip("CSVLogger writes hparams.yaml into its directory, which Lightning 2.5 requires to exist "
+                    "first; a redis:// directory exists only while a key is under it")
     options, directory = LAYOUTS[layout]
     start = StartStep()
     first = _fit(scheme, 4, start, **options(scheme.root))
