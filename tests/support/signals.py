@@ -1,0 +1,120 @@
+"""Signals that land inside a save, as Slurm's requeue signal lands inside a training job's save, and
+a forked child in which a test's process may die (an abort) without taking pytest with it."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import faulthandler
+import gc
+import os
+import pickle
+import random
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+Result = TypeVar("Result")
+
+#: The signal the tests send: the one Slurm's ``--signal=B:USR1@90`` and Lightning's
+#: ``SLURMEnvironment`` use (pytest-timeout keeps SIGALRM for itself).
+REQUEUE_SIGNAL = signal.SIGUSR1
+
+
+@contextlib.contextmanager
+def handling(handler: Callable[[int, Any], None], signum: int = REQUEUE_SIGNAL) -> Iterator[None]:
+    """``handler`` installed for ``signum`` inside the block; the previous handler after it."""
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
+def signal_later(delay: float, signum: int = REQUEUE_SIGNAL) -> threading.Thread:
+    """A started thread that sends ``signum`` to this process after ``delay`` seconds (Python runs
+    the handler on the main thread, between two of its bytecodes, wherever it then is)."""
+    def send() -> None:
+        if delay > 0:
+            threading.Event().wait(delay)  # the delay is the point of the test: where the signal lands
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=send, name="signal-later", daemon=True)
+    thread.start()
+    return thread
+
+
+def spread(duration: float, count: int, seed: int) -> list[float]:
+    """``count`` delays, one drawn at random in each of ``count`` equal slices of ``[0, duration)``:
+    random points that cover the whole of an operation lasting ``duration``."""
+    rng = random.Random(seed)
+    return [duration * (index + rng.random()) / count for index in range(count)]
+
+
+class Tripwire:
+    """Sends ``signum`` to this process while a save pickles it (so the handler runs at that point of
+    the save, with what came before it in the checkpoint already on its way), and is saved as an
+    empty ``OrderedDict`` (which weights-only loading allows).
+
+    Args:
+        on_load: instead, pickle as a call that sends the signal when the checkpoint is unpickled
+            (only a ``weights_only=False`` load runs it).
+    """
+
+    def __init__(self, on_load: bool = False, signum: int = REQUEUE_SIGNAL) -> None:
+        self.on_load = on_load
+        self.signum = signum
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.on_load:
+            return (signal.raise_signal, (self.signum,))
+        signal.raise_signal(self.signum)
+        return (collections.OrderedDict, ())
+
+
+class Refuses:
+    """Fails the save that pickles it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise RuntimeError("this object refuses to be pickled")
+
+
+def result_in_fork(check: Callable[[], Result], deadline_s: float = 120.0) -> Result:
+    """What ``check`` returns when run in a forked child of this process (as Lightning's ``ddp_fork``
+    runs ranks): a child that aborts fails the test, naming the signal, instead of ending pytest.
+
+    Raises:
+        AssertionError: the child raised (its traceback is in the message), died of a signal, or
+            ran past ``deadline_s`` (its stacks are dumped, then it is ended).
+    """
+    gc.collect()  # what earlier tests left (DeepSpeed handles among it) is destroyed here, not in the child
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe and its exit status
+        os.close(reader)
+        faulthandler.dump_traceback_later(deadline_s, exit=True)
+        try:
+            torch.set_num_threads(1)  # torch's OpenMP threads did not survive the fork
+            payload = pickle.dumps(("returned", check()))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            payload = pickle.dumps(("raised", traceback.format_exc()))
+        with os.fdopen(writer, "wb") as out:
+            out.write(payload)
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as source:
+        payload = source.read()  # until the child exits: it ends itself past the deadline
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise AssertionError(f"the child process died of {signal.Signals(os.WTERMSIG(status)).name}")
+    if not payload:
+        raise AssertionError(f"the child process exited with status {os.waitstatus_to_exitcode(status)} "
+                             "without a result (past its deadline?)")
+    outcome, value = pickle.loads(payload)
+    if outcome == "raised":
+        raise AssertionError(f"in the child process:\n{value}")
+    return value
