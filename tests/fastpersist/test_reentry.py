@@ -61,20 +61,25 @@ def _temporaries(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(TEMP_SUFFIX))
 
 
+def _saving_with(context: FastPersistContext, path: Path, refused: list[ContextInUseError]) -> Callable[[int, Any], None]:
+    """A signal handler that saves a checkpoint at ``path`` with ``context``, recording a refusal."""
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            fastpersist_save(_state(2), path, context=context)
+        except ContextInUseError as exc:
+            refused.append(exc)
+
+    return handler
+
+
 def test_a_save_asked_for_inside_a_save_with_its_context_is_refused_and_both_files_stay_whole(
     engine: str, ckpt_dir: Path
 ) -> None:
     def check() -> dict[str, Any]:
         refused: list[ContextInUseError] = []
         with FastPersistContext(io_buffer_mb=1, engine=engine) as context:
-            def handler(signum: int, frame: Any) -> None:
-                try:
-                    fastpersist_save(_state(2), ckpt_dir / "hpc.ckpt", context=context)
-                except ContextInUseError as exc:
-                    refused.append(exc)
-
             outer = {**_state(1), "tripwire": Tripwire()}  # the signal lands after "weight" was staged
-            with handling(handler):
+            with handling(_saving_with(context, ckpt_dir / "hpc.ckpt", refused)):
                 fastpersist_save(outer, ckpt_dir / "last.ckpt", context=context)
             _assert_whole(ckpt_dir / "last.ckpt", _state(1))
             fastpersist_save(_state(2), ckpt_dir / "hpc.ckpt", context=context)  # the context is free again
@@ -151,20 +156,15 @@ def test_a_save_asked_for_inside_a_load_with_its_context_is_refused_and_the_load
 ) -> None:
     def check() -> list[str]:
         fastpersist_save({**_state(1), "tripwire": Tripwire(on_load=True)}, ckpt_dir / "last.ckpt")
-        refused: list[str] = []
+        refused: list[ContextInUseError] = []
         with FastPersistContext(io_buffer_mb=1, engine=engine) as context:
-            def handler(signum: int, frame: Any) -> None:
-                try:
-                    fastpersist_save(_state(2), ckpt_dir / "hpc.ckpt", context=context)
-                except ContextInUseError as exc:
-                    refused.append(exc.busy)
-
-            with handling(handler):  # a trusted checkpoint whose unpickling sends the signal
+            # A trusted checkpoint, whose unpickling sends the signal.
+            with handling(_saving_with(context, ckpt_dir / "hpc.ckpt", refused)):
                 loaded = fastpersist_load(ckpt_dir / "last.ckpt", weights_only=False, context=context)
         expected = _state(1)
         assert loaded["global_step"] == 1 and loaded["tripwire"] is None
         assert torch.equal(loaded["weight"], expected["weight"]) and torch.equal(loaded["bias"], expected["bias"])
-        return refused
+        return [exc.busy for exc in refused]
 
     assert _in_engine(engine, check) == [f"loading {ckpt_dir / 'last.ckpt'}"]
     assert not (ckpt_dir / "hpc.ckpt").exists()
@@ -206,16 +206,10 @@ def test_another_thread_saving_with_the_context_waits_its_turn(ckpt_dir: Path) -
 def test_dcp_saves_and_loads_keeping_a_context_refuse_a_save_asked_for_inside_them(ckpt_dir: Path) -> None:
     """The DCP writer and reader hold their context for each file they write or read; a handler's
     save with that context inside either is refused, and the checkpoint saves and loads whole."""
-    refused: list[str] = []
+    refused: list[ContextInUseError] = []
     with FastPersistContext(io_buffer_mb=1, engine="python") as context:
-        def handler(signum: int, frame: Any) -> None:
-            try:
-                fastpersist_save(_state(2), ckpt_dir / "hpc.ckpt", context=context)
-            except ContextInUseError as exc:
-                refused.append(exc.busy.split(" ")[0])
-
         state = {"weight": _state(1)["weight"], "extra": {"tripwire": Tripwire(on_load=True), "lr": 0.1}}
-        with handling(handler):
+        with handling(_saving_with(context, ckpt_dir / "hpc.ckpt", refused)):
             # Saving: the item holding the tripwire is pickled while the shard file is being written.
             saved = {**state, "extra": {"tripwire": Tripwire(), "lr": 0.1}}
             dcp.save(saved, storage_writer=FastPersistStorageWriter(ckpt_dir / "dcp", context=context))
@@ -224,7 +218,7 @@ def test_dcp_saves_and_loads_keeping_a_context_refuse_a_save_asked_for_inside_th
             loaded = {"weight": torch.zeros_like(state["weight"]), "extra": {"tripwire": -1, "lr": -1.0}}
             reader = FastPersistStorageReader(ckpt_dir / "dcp-load", context=context, weights_only=False)
             dcp.load(loaded, storage_reader=reader)
-    assert refused == ["saving", "loading"]
+    assert [exc.busy.split(" ")[0] for exc in refused] == ["saving", "loading"]
     assert torch.equal(loaded["weight"], state["weight"]) and loaded["extra"] == {"tripwire": None, "lr": 0.1}
     check = {"weight": torch.zeros_like(state["weight"]), "extra": {"tripwire": -1, "lr": -1.0}}
     dcp.load(check, storage_reader=FastPersistStorageReader(ckpt_dir / "dcp", weights_only=False))
