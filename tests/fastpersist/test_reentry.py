@@ -224,3 +224,24 @@ def test_dcp_saves_and_loads_keeping_a_context_refuse_a_save_asked_for_inside_th
     dcp.load(check, storage_reader=FastPersistStorageReader(ckpt_dir / "dcp", weights_only=False))
     assert torch.equal(check["weight"], state["weight"]) and check["extra"] == {"tripwire": {}, "lr": 0.1}
     assert not (ckpt_dir / "hpc.ckpt").exists()
+
+
+def test_the_deepspeed_checkpoint_engine_refuses_a_save_asked_for_inside_its_save(aio_engine: str, ckpt_dir: Path) -> None:
+    pytest.importorskip("deepspeed")
+    from fastpersist import FastPersistCheckpointEngine
+
+    def check() -> list[str]:
+        engine = FastPersistCheckpointEngine({"checkpoint": {"writer": {"type": "fast", "io_buffer_size": MiB}}})
+        refused: list[ContextInUseError] = []
+        try:
+            assert engine.context.engine == aio_engine
+            with handling(_saving_with(engine.context, ckpt_dir / "hpc.pt", refused)):
+                engine.save({**_state(1), "tripwire": Tripwire()}, str(ckpt_dir / "mp_rank_00_model_states.pt"))
+            loaded = engine.load(str(ckpt_dir / "mp_rank_00_model_states.pt"))
+            assert loaded["global_step"] == 1 and torch.equal(loaded["weight"], _state(1)["weight"])
+        finally:
+            engine.cleanup()
+        return [exc.refused for exc in refused]
+
+    assert result_in_fork(check) == [f"saving {ckpt_dir / 'hpc.pt'}"]
+    assert not (ckpt_dir / "hpc.pt").exists() and _temporaries(ckpt_dir) == []
