@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import pytest
 import torch
 
 Result = TypeVar("Result")
@@ -87,10 +88,15 @@ def result_in_fork(check: Callable[[], Result], deadline_s: float = 120.0) -> Re
     """What ``check`` returns when run in a forked child of this process (as Lightning's ``ddp_fork``
     runs ranks): a child that aborts fails the test, naming the signal, instead of ending pytest.
 
+    Skipped where this process has initialized CUDA: a forked child cannot use it (pinning the
+    staging buffer would fail there).
+
     Raises:
         AssertionError: the child raised (its traceback is in the message), died of a signal, or
             ran past ``deadline_s`` (its stacks are dumped, then it is ended).
     """
+    if torch.cuda.is_initialized():
+        pytest.skip("this process has initialized CUDA, which a forked child cannot use")
     gc.collect()  # what earlier tests left (DeepSpeed handles among it) is destroyed here, not in the child
     reader, writer = os.pipe()
     pid = os.fork()
