@@ -12,11 +12,13 @@ import functools
 import itertools
 import math
 import os
+import re
 import struct
 import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from redis.crc import key_slot
@@ -230,10 +232,12 @@ def lease_ms(db: Database) -> int:
     return int((db.time_left() + LEASE_MARGIN_S) * 1000)
 
 
-def persist(db: Database, keys: Sequence[str]) -> None:
-    """Make leased parts permanent (one round trip per node)."""
+def persist(db: Database, keys: Sequence[str]) -> list[Any]:
+    """Make leased parts permanent (one round trip per node); the replies (0 for a key that is gone
+    or already permanent)."""
     if keys:
-        db.exchange([("PERSIST", key) for key in keys])
+        return db.exchange([("PERSIST", key) for key in keys])
+    return []
 
 
 def put_array(db: Database, key: str, array: np.ndarray, lease: int | None = None, *,
@@ -286,13 +290,17 @@ class ChunkedWriter:
     Chunks are written with an expiry (``lease_ms``) made permanent just before the header is
     written, so the chunks of a writer killed in the middle disappear by themselves.
     ``write`` (file-like, e.g. for ``torch.save``) gathers small writes in one preallocated chunk buffer.
+    With ``owner`` (a name for the writing process), that name is stored beside the chunks, with
+    their expiry, at :func:`owner_key`, until the value is published or abandoned: a process that
+    knows the owner gone may remove the chunks sooner (:func:`read_owner_key`, :func:`delete_unpublished`).
     """
 
     def __init__(self, db: Database, key: str, chunk_bytes: int, code: int = 7, shape: Sequence[int] | None = None,
-                 header_lease: int | None = None):
+                 header_lease: int | None = None, owner: str | None = None):
         self._db, self._key, self._chunk_bytes = db, key, chunk_bytes
         self._code, self._shape = code, shape
         self._header_lease = header_lease
+        self._owner = owner
         self._version = new_version()
         self._written: list[str] = []
         self._crc = 0
@@ -304,6 +312,9 @@ class ChunkedWriter:
     def put_chunk(self, part: memoryview) -> None:
         """Store one chunk (at most ``chunk_bytes``) as it is, without copying it."""
         chunk_key = tagged_key(self._key, f".chunk.{self._version}.{len(self._written)}")
+        if self._owner is not None and not self._written:
+            record = f"{self._owner}\n{self._key}".encode("utf-8", "surrogateescape")
+            self._db.redis.set(owner_key(self._key, self._version), record, px=lease_ms(self._db))
         self._db.set_parts(chunk_key, [part], 1, lease_ms(self._db))  # expires if this writer dies
         self._written.append(chunk_key)
         self._crc = zlib.crc32(part, self._crc)
@@ -356,15 +367,76 @@ class ChunkedWriter:
         self._flush()
         shape = self._shape if self._shape is not None else (self._nbytes,)
         head = encode_header(self._code, shape, len(self._written), self._crc, self._nbytes, self._version)
-        persist(self._db, self._written)
+        replies = persist(self._db, self._written)
+        missing = [key for key, reply in zip(self._written, replies, strict=True)
+                   if not reply and not self._db.redis.exists(key)]
+        if missing:  # the header would name chunks that are gone
+            raise RedisInternalError(
+                f"{len(missing)} of the {len(self._written)} chunks of {self._key!r} were removed before the "
+                "value was published (their lease ran out, or a clean-up took this writer for a dead one); "
+                "nothing was published")
         old = self._db.set_parts(self._key, [head], HEADER_MAX_BYTES, self._header_lease)
         if old:
             delete_replaced_chunks(self._db, self._key, old)
+        self._forget_owner()
 
     def _abort(self) -> None:
         if self._written:
             self._db.redis.delete(*self._written)
+            self._forget_owner()
         self._written = []
+
+    def _forget_owner(self) -> None:
+        if self._owner is not None and self._written:
+            self._db.redis.delete(owner_key(self._key, self._version))
+
+
+OWNER_SUFFIX = ".owner"
+_OWNER_KEY_RE = re.compile(r"^.*\.chunk\.(?P<version>[0-9a-f]{32})\.owner\Z", re.DOTALL)
+# What SCAN matches: every owner key, whichever of tagged_key's forms holds it.
+OWNER_KEY_PATTERN = "*.chunk.*" + OWNER_SUFFIX
+
+
+def owner_key(key: str, version: str) -> str:
+    """Where a :class:`ChunkedWriter` with an owner names it while it writes the chunks of ``version``."""
+    return tagged_key(key, f".chunk.{version}{OWNER_SUFFIX}")
+
+
+def read_owner_key(db: Database, name: str) -> tuple[str, str, str] | None:
+    """The value key, chunk version and owner that the owner key ``name`` records; ``None`` when
+    ``name`` is not an owner key or is gone."""
+    match = _OWNER_KEY_RE.match(name)
+    if match is None:
+        return None
+    raw = db.redis.get(name)
+    owner, newline, key = (raw or b"").decode("utf-8", "surrogateescape").partition("\n")
+    # Kept in the record: "{a}" and "a" both put their chunks under "{a}".
+    if not newline or owner_key(key, match["version"]) != name:
+        return None
+    return key, match["version"], owner
+
+
+def delete_unpublished(db: Database, key: str, version: str) -> int:
+    """Delete the chunks of ``version`` of the value at ``key`` unless that version is published there
+    (its header names it), and the owner key of that version; the number of chunks deleted.
+
+    Only for a writer known to be gone: a live writer would publish a header naming missing chunks.
+    """
+    try:
+        header = read_header(db, key)
+    except RedisRuntimeError:
+        header = None
+    deleted = 0
+    if header is None or header.version != version:
+        unpublished = Header(0, (), 0, chunks=MAX_CHUNKS, version=version)
+        for batch in unpublished.probes():
+            names = unpublished.chunk_keys(key, batch)
+            removed = db.redis.delete(*names)
+            deleted += removed
+            if removed < len(names):
+                break
+    db.redis.delete(owner_key(key, version))
+    return deleted
 
 
 def new_version() -> str:

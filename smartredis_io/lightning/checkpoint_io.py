@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
+from lightning_storage_plugins.owners import Owner
 from lightning_storage_plugins.preflight import storage_plugin
 from smartredis_io._client import wire
 from smartredis_io._client.connection import ConnectionSettings, Database, detect_cluster
@@ -240,7 +241,8 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
         if link is not None:
             remove_local(link)  # a link left by save_last="link" would lead loads of this path elsewhere
         key = target.key
-        with self._operation("save_checkpoint", key), wire.ChunkedWriter(self.db, key, self.chunk_bytes) as writer:
+        with (self._operation("save_checkpoint", key),
+              wire.ChunkedWriter(self.db, key, self.chunk_bytes, owner=Owner.current().token()) as writer):
             try:
                 torch.save(checkpoint, writer)
             except Exception:
@@ -282,8 +284,13 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
     @override
     def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
         """Before the first step: connect (a missing database is reported now, not at the first save),
-        refuse directories of another storage, and create the local directories in which
-        ``save_last="link"`` makes its links.
+        refuse directories of another storage, create the local directories in which
+        ``save_last="link"`` makes its links, and remove the chunks that saves killed in the middle
+        left under those directories' keys: those of saves whose owner is certainly gone (its
+        process on this machine has exited, or it ran in an earlier attempt of this Slurm job; see
+        :class:`~lightning_storage_plugins.owners.Owner`), never a live save's. Chunks expire by
+        themselves one minute after their save's deadline, too. A clean-up that fails is logged,
+        and training goes on.
 
         Raises:
             ValueError: a directory of another storage, or ``save_last="link"`` with a ``redis://``
@@ -301,6 +308,27 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
                 os.makedirs(checkpoint_dir.dirpath, exist_ok=True)
         with self._operation("connect", self.address):
             pass
+        self._remove_dead_saves(sorted({self.key(os.path.join(d.dirpath, "x"))[:-1] for d in checkpoint_dirs}))
+
+    def _remove_dead_saves(self, prefixes: Sequence[str]) -> None:
+        """Delete the unpublished chunks of saves under ``prefixes`` (key prefixes) whose owner is gone."""
+        if not prefixes:
+            return
+        observer = Owner.current()
+        try:
+            with self._operation("removal of chunks left by killed saves", ", ".join(prefixes)):
+                for name in filesystem.keys_matching(self.db, wire.OWNER_KEY_PATTERN):
+                    record = wire.read_owner_key(self.db, name)
+                    if record is None or not record[0].startswith(tuple(prefixes)):
+                        continue
+                    key, version, token = record
+                    owner = Owner.from_token(token)
+                    reason = owner.gone(observer) if owner is not None else None
+                    if reason is not None:
+                        chunks = wire.delete_unpublished(self.db, key, version)
+                        log.warning("removed %d chunks of a save of %r that is over: %s", chunks, key, reason)
+        except Exception as exc:
+            log.warning("could not remove the chunks killed saves left under %s: %s", ", ".join(prefixes), exc)
 
     def stored_checkpoint_urls(self, dirpath: str | os.PathLike[str], wanted: Callable[[str], bool]) -> set[str]:
         """``redis://`` URLs of the checkpoints stored under the local directory ``dirpath`` whose file

@@ -51,7 +51,11 @@ def _glob_escape(text: str) -> str:
 
 def keys_under(db: Database, prefix: str) -> list[str]:
     """Every key that starts with ``prefix``, sorted (on every primary of a cluster)."""
-    match = _glob_escape(prefix) + "*"
+    return keys_matching(db, _glob_escape(prefix) + "*")
+
+
+def keys_matching(db: Database, match: str) -> list[str]:
+    """Every key that the glob-style pattern ``match`` matches, sorted (on every primary of a cluster)."""
     client = db.redis
     if isinstance(client, RedisCluster):
         found = client.scan_iter(match=match, count=SCAN_COUNT, target_nodes=RedisCluster.PRIMARIES)
