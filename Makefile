@@ -2,7 +2,8 @@
 # Debian packages are checked with dpkg, the rest is guarded by stamp files.
 #
 #   make setup   the three environments, the service binaries and DeepSpeed's async_io op
-#   make test    lint, the whole suite on the newest releases, then the oldest-supported and middle subsets
+#   make test    lint, the whole suite on the newest releases, then the oldest-supported and middle subsets,
+#                then the recovery tests (make test-recovery)
 #   make bench   the main job: python -m benchmarks.lightning_ckpt
 #   make module  the smartredis_io Redis module (part of setup)
 SHELL := /bin/bash
@@ -69,7 +70,7 @@ MODULE := $(MODULE_DIR)/srio_redisai.so
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
-.PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle lint bench clean
+.PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle test-recovery lint bench clean
 
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
 setup: setup-newest setup-oldest setup-middle
@@ -177,11 +178,17 @@ $(VENV_MIDDLE)/.async-io-built: $(VENV_MIDDLE)/.installed fastpersist/build_ops.
 	$(call ARCH_LIST,$(PY_MIDDLE)) $(PY_MIDDLE) -m fastpersist.build_ops async_io
 	@touch $@
 
-## test: set up, lint, run the whole suite (newest releases), then the oldest-supported and middle subsets
-test: lint test-newest test-oldest test-middle
+## test: set up, lint, run the whole suite (newest releases), then the oldest-supported and middle subsets,
+## then the recovery tests
+test: lint test-newest test-oldest test-middle test-recovery
 
 test-newest: setup-newest
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not recovery" $(PYTEST_ARGS)
+
+# The recovery job killed, preempted, requeued by Slurm and restarted by torchrun, 20 times per plugin
+# and event (pytest's `recovery` marker): about 25 minutes on a busy 2-core machine, so on their own.
+test-recovery: setup-newest
+	$(PY) -m pytest -m recovery tests/recovery $(PYTEST_ARGS)
 
 test-oldest: setup-oldest
 	$(PY_OLDEST) -m pytest -p no:cacheprovider $(OLDEST_TESTS) $(OLDEST_DESELECT) $(PYTEST_ARGS)

@@ -1,0 +1,175 @@
+"""The recovery job in tests: where each plugin's run keeps its checkpoints, what temporaries are left
+there and by whom, and a round of kill-and-restart that checks each resume against the event log."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.recovery.events import (
+    ForkServer,
+    Injection,
+    Job,
+    LogFollower,
+    ResumeCheck,
+    check_resume,
+    of_process,
+)
+from benchmarks.recovery.job import CHECKPOINT_SUBDIR, EventLog, JobConfig
+from lightning_storage_plugins.owners import Owner
+
+# Every test run of the job: checkpoints of about 2 MiB, a save every 2 steps, steps of 20 ms.
+TEST_JOB = {"size_mb": 2.0, "every_n_steps": 2, "step_time_s": 0.02, "io_buffer_mb": 4,
+            "transfer_chunk_kib": 256, "transfer_workers": 2}
+START_TIMEOUT_S = 180.0
+_FASTPERSIST_TEMP = re.compile(r"^\..+\.(?P<pid>\d+)-[0-9a-f]+\.fastpersist\.tmp$")
+_PARTS = re.compile(r"\.dataflux-parts/[0-9a-f]{32}-\d+s(?:-(?P<owner>[0-9a-z.]+))?/")
+
+
+@dataclass
+class Storage:
+    """Where one plugin's run keeps its checkpoints, and how to look at them from the test."""
+
+    plugin: str
+    root: str
+    gcs_url: str | None = None
+    redis_address: str | None = None
+    _gcs: Any = field(default=None, repr=False)
+
+    def config(self, log: str | os.PathLike[str], **overrides: Any) -> JobConfig:
+        """The job's config for this storage, with the tests' small sizes."""
+        return JobConfig(plugin=self.plugin, root=self.root, log=os.fspath(log), gcs_url=self.gcs_url,
+                         redis_address=self.redis_address, **{"max_steps": 100_000, **TEST_JOB, **overrides})
+
+    def _bucket(self) -> tuple[Any, str]:
+        from google.cloud import storage
+
+        if self._gcs is None:
+            self._gcs = storage.Client()
+        bucket, _, prefix = self.root[len("gs://"):].partition("/")
+        return self._gcs.bucket(bucket), prefix
+
+    def names(self) -> list[str]:
+        """Every file, object or key under the run's root, relative to it."""
+        if self.root.startswith("gs://"):
+            bucket, prefix = self._bucket()
+            return sorted(blob.name[len(prefix) + 1:] for blob in bucket.list_blobs(prefix=prefix + "/"))
+        if self.root.startswith("redis://"):
+            import redis
+
+            host, port = self.redis_address.rsplit(":", 1)
+            prefix = self.root[len("redis://"):]
+            with redis.Redis(host=host, port=int(port)) as db:
+                return sorted(key.decode()[len(prefix) + 1:] for key in db.scan_iter(match=f"{prefix}/*"))
+        root = Path(self.root)
+        return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+
+    def temporaries(self) -> dict[str, int | None]:
+        """Each temporary a save left under the root (part objects, temporary files, keys that are not
+        checkpoints), with the pid of the process that made it where its name says (else None)."""
+        found: dict[str, int | None] = {}
+        for name in self.names():
+            base = name.rsplit("/", 1)[-1]
+            if match := _PARTS.search(name):
+                owner = Owner.from_token(match["owner"]) if match["owner"] else None
+                found[name] = owner.pid if owner is not None else None
+            elif match := _FASTPERSIST_TEMP.match(base):
+                found[name] = int(match["pid"])
+            elif self.root.startswith("redis://") and not base.endswith(".ckpt"):
+                found[name] = None
+        return found
+
+    def first_part(self, path: str) -> bool:
+        """Whether the save of ``path`` (gs://) has its first part object in the bucket yet."""
+        bucket, _ = self._bucket()
+        key = path[len("gs://"):].split("/", 1)[1]
+        return any(True for _ in bucket.list_blobs(prefix=key + ".dataflux-parts/", max_results=1))
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.root}/{CHECKPOINT_SUBDIR}"
+
+
+@dataclass
+class Round:
+    """One start of the job: how it resumed, and what stopped it."""
+
+    index: int
+    job: Job
+    started: Mapping[str, Any]
+    resume: ResumeCheck
+    leftovers: dict[str, int | None]
+    injection: Injection | None = None
+
+
+class Rounds:
+    """Starts of one run of the job, each checked when it starts: it resumed from the checkpoint the log
+    names (:func:`~benchmarks.recovery.events.check_resume`), and no temporary of an earlier, dead start is
+    left in the storage (the start's sweep removed them)."""
+
+    def __init__(self, server: ForkServer, storage: Storage, log: str | os.PathLike[str], seed: int) -> None:
+        self.server = server
+        self.storage = storage
+        self.log_path = os.fspath(log)
+        self.follower = LogFollower(self.log_path)
+        self.log = EventLog(self.log_path)
+        self.rng = random.Random(seed)
+        self.rounds: list[Round] = []
+
+    def start(self, config: JobConfig, *, slurm: bool = False) -> Round:
+        """Fork a start of the job and wait until it trains; check its resume and the leftovers."""
+        job = self.server.start_job(config)
+        started = self.follower.wait_for(of_process(job.pid, "train_start"), START_TIMEOUT_S,
+                                         f"the training start of process {job.pid}", job=job)
+        resume = check_resume(self.follower.events, started, slurm=slurm)
+        leftovers = {name: pid for name, pid in self.storage.temporaries().items() if pid != job.pid}
+        current = Round(len(self.rounds), job, started, resume, leftovers)
+        self.rounds.append(current)
+        return current
+
+    def assert_sound(self, current: Round) -> None:
+        """The round resumed where the log says, and no dead start's temporary was left."""
+        assert current.resume.ok, f"round {current.index}: {current.resume.describe()}"
+        assert not current.leftovers, (f"round {current.index}: temporaries of dead starts left after the restart's "
+                                       f"sweep: {current.leftovers}")
+
+    def summary(self) -> str:
+        lines = []
+        for r in self.rounds:
+            injection = r.injection
+            what = (f"{injection.action} at {injection.point} +{injection.delay_s:.3f}s "
+                    f"after {injection.trigger and injection.trigger.get('event')}") if injection else "-"
+            lines.append(f"round {r.index}: started at step {r.started['step']}, then {what}")
+        return "\n".join(lines)
+
+
+def interrupted(events: list[Mapping[str, Any]], injection: Injection) -> list[Mapping[str, Any]]:
+    """The saves of the injection's target that were started and not finished when it was stopped."""
+    open_saves: dict[str, Mapping[str, Any]] = {}
+    for event in events:
+        if event.get("pid") != injection.pid or event.get("source") == "injector":
+            continue
+        if event["event"] == "save_start":
+            open_saves[event["path"]] = event
+        elif event["event"] in ("save_end", "save_error"):
+            open_saves.pop(event["path"], None)
+    return list(open_saves.values())
+
+
+def replace(config: JobConfig, **changes: Any) -> JobConfig:
+    return dataclasses.replace(config, **changes)
+
+
+def points_for(plugin: str) -> list[str]:
+    """The kill points that apply to a plugin: a step, a save and an async save; an upload on gs://."""
+    return ["step", "save", "async_save"] + (["upload"] if plugin == "dataflux" else [])
+
+
+def first_part_of(storage: Storage) -> Callable[[str], bool] | None:
+    return storage.first_part if storage.root.startswith("gs://") else None
