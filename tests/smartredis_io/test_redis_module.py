@@ -63,6 +63,26 @@ def test_the_locator_prints_only_the_path() -> None:
     assert result.stdout == locator.module_path() + "\n"
 
 
+def test_the_locator_prints_what_a_command_line_or_redis_conf_needs_for_this_interpreter(
+        tmp_path, monkeypatch, capsys) -> None:
+    """``--args`` follows the path on a command line; ``--conf`` is a whole redis.conf line, any path quoted."""
+    result = subprocess.run([sys.executable, "-m", "smartredis_io.redis_module", "--args"], capture_output=True,
+                            text=True, check=True)
+    assert result.stdout == f"WORKER_PYTHON {sys.executable}\n" and result.stderr == ""
+    spaced = '/opt/a "quoted" dir\\with/python3'
+    monkeypatch.setattr(sys, "executable", spaced)
+    assert locator.main(["--args"]) == 1, "a command line would split the path"
+    assert "--conf" in capsys.readouterr().err
+    assert locator.main(["--conf"]) == 0
+    conf = capsys.readouterr().out
+    (tmp_path / "redis.conf").write_text(conf.rstrip("\n") + ' "WORKERS" "0"\n')  # no worker for this check
+    with RedisServer(module=False, extra_args=("--include", str(tmp_path / "redis.conf"))) as server, \
+            _plain(server) as plain:
+        (module,) = plain.execute_command("MODULE", "LIST")
+    assert module[b"path"].decode() == locator.module_path()
+    assert module[b"args"] == [b"WORKER_PYTHON", spaced.encode(), b"WORKERS", b"0"]
+
+
 def test_a_missing_module_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(locator.MODULE_ENV, str(tmp_path / "nowhere.so"))
     result = subprocess.run([sys.executable, "-m", "smartredis_io.redis_module"], capture_output=True, text=True)
