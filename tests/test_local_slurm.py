@@ -99,7 +99,7 @@ sleep 600 & wait
     info = slurm_cluster.wait_for(job, "COMPLETED", WAIT_S, restarts=1)
     assert (info["Restarts"], info["ExitCode"]) == ("1", "0:0")
     assert "run 1" in slurm_cluster.output(job)
-    slurm_cluster.wait_for(job, "COMPLETED", WAIT_S, source="sacct")
+    slurm_cluster.wait_for(job, "COMPLETED", WAIT_S, restarts=1, source="sacct")
     runs = [row["State"] for row in slurm_cluster.sacct(job, duplicates=True) if row["JobID"] == str(job)]
     assert runs == ["REQUEUED", "COMPLETED"]
 

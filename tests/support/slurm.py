@@ -674,7 +674,8 @@ class LocalSlurm:
             time.sleep(POLL_INTERVAL_S)
 
     def _state(self, job_id: int, source: str) -> dict[str, str] | None:
-        """The job's fields with a plain ``JobState``; None while it is not known to ``source`` yet."""
+        """The job's fields with a plain ``JobState`` and its ``Restarts``; None while ``source`` does not
+        know it yet."""
         if source == "scontrol":
             result = self.run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
             if result.returncode == 0 and result.stdout.strip():
@@ -682,11 +683,12 @@ class LocalSlurm:
             if not self.accounting or "Invalid job id" not in result.stderr:
                 raise SlurmCommandError(f"`scontrol show job {job_id}` failed: {result.stderr.strip()}")
             # ended more than MinJobAge ago: only the database still has it
-        rows = [row for row in self.sacct(job_id) if row["JobID"] == str(job_id)]
-        if not rows:
+        # one record per run, oldest first: a job requeued twice has three
+        runs = [row for row in self.sacct(job_id, duplicates=True) if row["JobID"] == str(job_id)]
+        if not runs:
             return None
         # "CANCELLED by 0" -> CANCELLED
-        return {**rows[-1], "JobState": rows[-1]["State"].split()[0]}
+        return {**runs[-1], "JobState": runs[-1]["State"].split()[0], "Restarts": str(len(runs) - 1)}
 
     def wait_for(self, job_id: int, states: str | Collection[str], timeout: float = 120.0, *,
                  restarts: int | None = None, source: str = "scontrol") -> dict[str, str]:
@@ -697,7 +699,8 @@ class LocalSlurm:
             states: ``RUNNING``, ``COMPLETED``, ``PENDING``... (Slurm's names).
             timeout: how long to wait, in seconds.
             restarts: also wait until the job has been requeued at least this many times
-                (``scontrol``'s ``Restarts``; ``SLURM_RESTART_COUNT`` in the job).
+                (``Restarts`` in ``scontrol show job``, runs in ``sacct --duplicates``;
+                ``SLURM_RESTART_COUNT`` in the job).
             source: ``"scontrol"`` (the controller, falling back to the database once it has
                 forgotten the job) or ``"sacct"`` (the accounting database: wait until it has the
                 record, for tests of what ``sacct`` shows).
@@ -705,11 +708,10 @@ class LocalSlurm:
         Raises:
             SlurmJobError: the job ended in a state not waited for (or before its ``restarts``), or
                 the deadline passed; the message names the state, the reason and the output's tail.
-            ValueError: an unknown ``source``, or ``restarts`` with ``source="sacct"``.
+            ValueError: an unknown ``source``.
         """
-        if source not in ("scontrol", "sacct") or (restarts is not None and source == "sacct"):
-            raise ValueError(f"source must be 'scontrol' or 'sacct' (restarts with 'scontrol' only), "
-                             f"got source={source!r}, restarts={restarts}")
+        if source not in ("scontrol", "sacct"):
+            raise ValueError(f"source must be 'scontrol' or 'sacct', got {source!r}")
         wanted = {states} if isinstance(states, str) else set(states)
         waited_for = "/".join(sorted(wanted)) + (f" after {restarts} restart(s)" if restarts else "")
         log.info("waiting up to %.0f s for job %d to be %s (%s)", timeout, job_id, waited_for, source)
@@ -726,7 +728,8 @@ class LocalSlurm:
                     raise SlurmJobError(f"job {job_id} ended {self._describe(job_id, info)} while waiting for "
                                         f"{waited_for}{self._output_tail(job_id)}")
             if time.monotonic() > deadline:
-                seen = self._describe(job_id, info) if info else f"unknown to {source}"
+                seen = self._describe(job_id, info) if info else (
+                    "unknown to scontrol and sacct" if source == "scontrol" and self.accounting else f"unknown to {source}")
                 raise SlurmJobError(f"job {job_id} was not {waited_for} within {timeout:.0f} s: it is {seen}"
                                     f"{self._output_tail(job_id)}")
             time.sleep(POLL_INTERVAL_S)
