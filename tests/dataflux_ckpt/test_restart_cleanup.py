@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import time
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -32,18 +30,9 @@ from dataflux_ckpt.upload import PARTS_SUFFIX
 from lightning_storage_plugins.ordering import CheckpointDir
 from tests.support.gcs import object_names
 from tests.support.held_save import held_save
+from tests.support.processes import wait_for
 
-WAIT_S = 60.0
 SLURM_JOB = {"SLURM_JOB_ID": "9731", "SLURM_CLUSTER_NAME": "testcluster"}
-
-
-def _wait_for(condition: Callable[[], bool], what: str, child: subprocess.Popen | None = None) -> None:
-    """Wait until ``condition`` holds (polling the real service); fail naming ``what`` after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert child is None or child.poll() is None, f"the held save exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"never saw {what} within {WAIT_S} s"
-        time.sleep(0.05)
 
 
 def _parts(url: str, bucket: str, prefix: str) -> list[str]:
@@ -79,8 +68,8 @@ def _train(dirpath: str, *callbacks: Callback) -> Trainer:
 def test_a_trainer_start_removes_a_killed_saves_parts_and_keeps_a_live_saves(gcs_emulator, gcs_bucket, caplog):
     url, run = gcs_emulator.url, f"gs://{gcs_bucket}/run"
     with held_save("gs", url, f"{run}/last.ckpt") as killed, held_save("gs", url, f"{run}/epoch=0.ckpt") as live:
-        _wait_for(lambda: len(_parts(url, gcs_bucket, "run/last.ckpt")) >= 1, "the first part object", killed)
-        _wait_for(lambda: len(_parts(url, gcs_bucket, "run/epoch=0.ckpt")) >= 3, "the live save's parts", live)
+        wait_for(lambda: len(_parts(url, gcs_bucket, "run/last.ckpt")) >= 1, "the first part object", child=killed)
+        wait_for(lambda: len(_parts(url, gcs_bucket, "run/epoch=0.ckpt")) >= 3, "the live save's parts", child=live)
         _kill(killed)
         left = _parts(url, gcs_bucket, "run/last.ckpt")
         assert left, "the killed save left its part objects"
@@ -99,7 +88,7 @@ def test_a_trainer_start_removes_a_killed_saves_parts_and_keeps_a_live_saves(gcs
 def test_the_next_save_of_the_path_removes_a_killed_saves_parts(gcs_emulator, gcs_bucket):
     url, path = gcs_emulator.url, f"gs://{gcs_bucket}/next/last.ckpt"
     with held_save("gs", url, path) as killed:
-        _wait_for(lambda: len(_parts(url, gcs_bucket, "next/")) >= 1, "the first part object", killed)
+        wait_for(lambda: len(_parts(url, gcs_bucket, "next/")) >= 1, "the first part object", child=killed)
         _kill(killed)
     assert _parts(url, gcs_bucket, "next/")
     plugin = DatafluxCheckpointIO(chunk_size=C, max_workers=2)
@@ -135,8 +124,8 @@ def test_parts_of_an_earlier_attempt_of_the_slurm_job_on_another_host_are_remove
           held_save("gs", url, f"{run}/b.ckpt", prefix=ANOTHER_HOST, env=same_attempt) as peer,
           held_save("gs", url, f"{run}/c.ckpt", prefix=ANOTHER_HOST, env=other_job) as stranger):
         for name, child in (("a", earlier), ("b", peer), ("c", stranger)):
-            _wait_for(lambda name=name: len(_parts(url, gcs_bucket, f"slurm/{name}.ckpt")) >= 3,
-                      f"the parts of {name}.ckpt", child)
+            wait_for(lambda name=name: len(_parts(url, gcs_bucket, f"slurm/{name}.ckpt")) >= 3,
+                      f"the parts of {name}.ckpt", child=child)
         kept = _parts(url, gcs_bucket, "slurm/b.ckpt") + _parts(url, gcs_bucket, "slurm/c.ckpt")
         for name, value in same_attempt.items():  # this process: attempt 1 of the job, on this host
             monkeypatch.setenv(name, value)
@@ -153,7 +142,7 @@ def test_a_dcp_save_after_a_killed_one_takes_its_lock_at_once_and_removes_its_ob
     runs out (30 s); its process is known to be gone, so the next save takes it over at once."""
     url, path = gcs_emulator.url, f"gs://{gcs_bucket}/dcp/step-4"
     with held_save("dcp", url, path) as killed:
-        _wait_for(lambda: len(_parts(url, gcs_bucket, "dcp/step-4/")) >= 1, "the first shard's part objects", killed)
+        wait_for(lambda: len(_parts(url, gcs_bucket, "dcp/step-4/")) >= 1, "the first shard's part objects", child=killed)
         _kill(killed)
     assert "dcp/step-4/.dcp-save.lock" in object_names(url, gcs_bucket, "dcp/step-4/")
 

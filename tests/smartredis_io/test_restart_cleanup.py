@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 
@@ -23,9 +22,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from smartredis_io import SmartRedisCheckpointIO, SmartRedisModelCheckpoint
 from smartredis_io._client import wire
 from smartredis_io.error import RedisInternalError
-from tests.support.processes import paused
+from tests.support.processes import paused, wait_for
 
-WAIT_S = 60.0
 SAVER = """
 import sys, torch
 from smartredis_io import SmartRedisCheckpointIO
@@ -34,13 +32,6 @@ print("saving", flush=True)
 while True:
     io.save_checkpoint({"w": torch.zeros(1 << 18)}, sys.argv[2])
 """
-
-
-def _wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never saw {what} within {WAIT_S} s"
-        time.sleep(0.01)
 
 
 def _owned(plain: redis.Redis, pid: int) -> set[bytes]:
@@ -82,14 +73,14 @@ def test_a_trainer_start_removes_a_killed_saves_chunks_and_keeps_a_stopped_saves
     plain = redis.Redis(host=redis_server.host, port=redis_server.port)
     killed, stopped = _saver(redis_server.address, killed_key), _saver(redis_server.address, stopped_key)
     try:
-        _wait_for(lambda: _owned(plain, killed.pid) and _unpublished_chunks(plain, killed_key), "a save in progress")
+        wait_for(lambda: _owned(plain, killed.pid) and _unpublished_chunks(plain, killed_key), "a save in progress")
         killed.kill()
         killed.wait(30)
         left = _unpublished_chunks(plain, killed_key)
         assert _owned(plain, killed.pid) and left, "the killed save left its owner key and chunks"
         assert all(0 < plain.pttl(name) for name in left), "they would expire only after the save's deadline"
 
-        _wait_for(lambda: _owned(plain, stopped.pid) and _unpublished_chunks(plain, stopped_key), "a save in progress")
+        wait_for(lambda: _owned(plain, stopped.pid) and _unpublished_chunks(plain, stopped_key), "a save in progress")
         with paused(stopped.pid):
             stopped_owner, stopped_chunks = _owned(plain, stopped.pid), _unpublished_chunks(plain, stopped_key)
             assert stopped_owner and stopped_chunks
@@ -104,7 +95,7 @@ def test_a_trainer_start_removes_a_killed_saves_chunks_and_keeps_a_stopped_saves
             assert start.found == (set(), set(), stopped_owner, stopped_chunks)
             assert f"its process (pid {killed.pid}) on this machine has exited" in caplog.text
         # Let go, the stopped save finishes what it was writing: a whole checkpoint.
-        _wait_for(lambda: not (_owned(plain, stopped.pid) & stopped_owner), "the stopped save's publish")
+        wait_for(lambda: not (_owned(plain, stopped.pid) & stopped_owner), "the stopped save's publish")
         assert torch.equal(SmartRedisCheckpointIO(redis_server.address, cluster=False)
                            .load_checkpoint(f"redis://{stopped_key}")["w"], torch.zeros(1 << 18))
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,3 +58,14 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 60.0,
+             child: subprocess.Popen[Any] | None = None) -> None:
+    """Poll ``condition`` (which reads a real service or file again each time) until it holds; fail
+    naming ``what`` after ``timeout_s``, or at once when ``child``, which was to bring it about, exits."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert child is None or child.poll() is None, f"the child process exited before {what}"
+        assert time.monotonic() < deadline, f"never saw {what} within {timeout_s} s"
+        time.sleep(0.02)
