@@ -48,6 +48,7 @@ from smartredis_io.error import RedisReplyError
 from smartredis_io.worker.worker_protocol import SECRET_MAX_BYTES, SECRET_MIN_BYTES, secret_from_line
 from tests.support import ROOT
 from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
+from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import WORKER_USER, protocol_client, registry, wait_until, worker_env
 
 pytestmark = pytest.mark.slow
@@ -249,7 +250,9 @@ def _state(pid: int) -> str:
 
 
 def test_a_demoted_primary_stops_its_workers_and_a_promoted_one_starts_them(uid: str) -> None:
-    with RedisServer(module=False) as primary, RedisServer(module_args=_module_args()) as server:
+    """(With the module's sanitizer build, which must report nothing.)"""
+    with sanitized() as module, RedisServer(module=False) as primary, \
+            RedisServer(module_args=_module_args(), **module) as server:
         plain = protocol_client(server)
         info = wait_until(lambda: (i := plain.info("srio"))["srio_workers"] >= 1 and i, WORKER_START_S,
                           "the module's worker registers")
@@ -304,7 +307,7 @@ def _fd_inodes(pid: int) -> dict[int, str]:
 def test_no_process_of_the_workers_runs_as_root_or_holds_the_servers_descriptors(uid: str) -> None:
     nobody = pwd.getpwnam(WORKER_USER)
     groups = sorted(os.getgrouplist(WORKER_USER, nobody.pw_gid))
-    with RedisServer(module_args=_module_args()) as server:
+    with sanitized() as module, RedisServer(module_args=_module_args(), **module) as server:
         plain = protocol_client(server)
         info = wait_until(lambda: (i := plain.info("srio"))["srio_workers"] >= 1 and i, WORKER_START_S,
                           "the module's worker registers")
