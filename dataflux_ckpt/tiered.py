@@ -92,6 +92,7 @@ LOCK_NAME = ".tiered.lock"
 KEY_HEX = 20
 VERSION_HEX = 16
 SLUG_MAX = 80
+UPLOADED_KEPT = 16
 DEFAULT_KEEP_LOCAL = 2
 DEFAULT_TEARDOWN_TIMEOUT_S = 1800.0
 DEFAULT_IO_BUFFER_MB = 256
@@ -262,8 +263,10 @@ class Manifest:
     """Whether this version goes to GCS."""
     durable_generation: int | None = None
     """The GCS generation holding this version, once published (``None``: not durable)."""
-    published_generation: int | None = None
-    """The newest GCS generation this local tier published for the URI (of any version)."""
+    uploaded_crc32c: tuple[str, ...] = ()
+    """The crc32c of the versions of this URI the local tier uploads or uploaded (the newest
+    ``UPLOADED_KEPT``), each recorded before its upload starts: an object in GCS with one of them
+    is this tier's own, never newer than the local copy."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str):
@@ -284,7 +287,14 @@ class Manifest:
         if not isinstance(self.remote, bool):
             raise ManifestError(f"manifest field 'remote' must be true or false, not {self.remote!r}")
         _optional_generation("durable_generation", self.durable_generation)
-        _optional_generation("published_generation", self.published_generation)
+        uploaded = self.uploaded_crc32c
+        if isinstance(uploaded, list):
+            uploaded = tuple(uploaded)
+            object.__setattr__(self, "uploaded_crc32c", uploaded)
+        if (not isinstance(uploaded, tuple) or len(uploaded) > UPLOADED_KEPT
+                or any(_crc_text(crc) is None for crc in uploaded)):
+            raise ManifestError(f"manifest field 'uploaded_crc32c' must be a list of at most {UPLOADED_KEPT} "
+                                f"base64 crc32c, not {self.uploaded_crc32c!r}")
 
     @property
     def durable(self) -> bool:
@@ -837,9 +847,8 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             try:
                 with self._state_lock:
                     previous = self._tier.read(key)
-                    self._tier.write(key, Manifest(
-                        target.uri, version, size, None, time.time(), remote,
-                        published_generation=previous.published_generation if previous else None))
+                    self._tier.write(key, Manifest(target.uri, version, size, None, time.time(), remote,
+                                                   uploaded_crc32c=previous.uploaded_crc32c if previous else ()))
                     job = _Job(target, key, version, fd, size, remote, started)
                     self._supersede(key, job)
                     self._jobs.setdefault(key, []).append(job)
@@ -934,10 +943,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                 crc = crc32c_extend(crc, view[:got])
                 offset += got
             job.crc = crc
-            with self._state_lock:
-                current = self._tier.read(job.key)
-                if current is not None and current.version == job.version:
-                    self._tier.write(job.key, current.replace(crc32c=crc32c_b64(crc)))
+            self._record_checksum(job)
             return True
         except Exception as exc:
             log.warning("could not take the checksum of the local copy of %s (%s); it is not uploaded", job.target, exc)
@@ -945,6 +951,23 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             return False
         finally:
             job.sealed.set()
+
+    def _record_checksum(self, job: _Job) -> None:
+        """Record ``job``'s crc32c in the manifest: as its version's, and, before it is uploaded, among
+        the uploads of the URI (whatever version the manifest now describes)."""
+        assert job.crc is not None
+        crc = crc32c_b64(job.crc)
+        with self._state_lock:
+            current = self._tier.read(job.key)
+            if current is None:
+                return
+            changes: dict[str, Any] = {}
+            if current.version == job.version and current.crc32c != crc:
+                changes["crc32c"] = crc
+            if job.remote and crc not in current.uploaded_crc32c:
+                changes["uploaded_crc32c"] = (*current.uploaded_crc32c, crc)[-UPLOADED_KEPT:]
+            if changes:
+                self._tier.write(job.key, current.replace(**changes))
 
     def _finish(self, job: _Job) -> None:
         job.close()
@@ -1018,11 +1041,8 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         """Record that ``job``'s version is published in GCS (only now is it durable)."""
         with self._state_lock:
             current = self._tier.read(job.key)
-            if current is not None and generation:
-                changes: dict[str, Any] = {"published_generation": max(generation, current.published_generation or 0)}
-                if current.version == job.version:
-                    changes["durable_generation"] = generation
-                self._tier.write(job.key, current.replace(**changes))
+            if current is not None and current.version == job.version and generation:
+                self._tier.write(job.key, current.replace(durable_generation=generation))
             durable_s = time.perf_counter() - job.started
             self._count(uploads_done=self._stats.uploads_done + 1, last_durable_s=durable_s,
                         last_durable=job.target.uri)
@@ -1080,6 +1100,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         return local if local is not None else super()._reader(target)  # type: ignore[return-value]
 
     def _local_copy(self, target: GcsPath) -> _LocalCopy | None:
+        self._in_this_process()
         key = self._tier.key(target.uri)
         with self._state_lock:
             pending = [job for job in self._jobs.get(key, []) if not job.sealed.is_set()]
@@ -1123,16 +1144,11 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             log.warning("could not ask GCS whether it holds a newer copy of %s than the local tier (%s); "
                         "loading the local copy", target, exc)
             return False
-        if info.size == manifest.size and manifest.crc32c is not None and info.crc32c == manifest.crc32c:
-            return False
-        with self._state_lock:  # an older version this process is publishing now, not yet recorded
-            uploads = [job for job in self._jobs.get(self._tier.key(target.uri), []) if job.crc is not None]
-        if any(info.size == job.size and info.crc32c == crc32c_b64(job.crc) for job in uploads):
-            return False
-        ours = max(manifest.durable_generation or 0, manifest.published_generation or 0)
-        # A generation is the object's creation time in microseconds, in GCS and its emulators alike:
-        # with none of ours to compare with, the object is newer if it was made after the local save.
-        newer = info.generation > ours if ours else info.generation > manifest.saved_at * 1e6
+        if info.crc32c == manifest.crc32c or info.crc32c in manifest.uploaded_crc32c:
+            return False  # this version, or an older one this tier uploaded
+        # Another writer's (another node's) object. A generation is the object's creation time in
+        # microseconds, in GCS and its emulators alike: it is newer if it was made after the local save.
+        newer = info.generation > manifest.saved_at * 1e6
         if newer:
             log.info("GCS holds a newer copy of %s (generation %s) than the local tier; loading it from GCS",
                      target, info.generation)
@@ -1197,7 +1213,8 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         if sealer is not None and uploader is not None:
             self._wait_for_uploads(self.tier_options.teardown_timeout_s)
             cleanup_s = self.cleanup_timeout_s
-            left = sealer.stop(cleanup_s) + uploader.stop(self.deadline_s + cleanup_s)
+            # An upload attempt running now stops between blocks, or before its publish, and aborts.
+            left = sealer.stop(cleanup_s) + uploader.stop(cleanup_s)
             with self._state_lock:
                 jobs = [job for jobs in self._jobs.values() for job in jobs]
             for job in jobs:

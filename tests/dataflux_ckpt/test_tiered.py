@@ -406,21 +406,23 @@ keys = st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), mi
 
 
 @given(key=keys, version=versions, size=st.integers(0, 2**63), crc=crcs, saved_at=st.floats(0, 4e9),
-       remote=st.booleans(), durable=generations, published=generations)
-def test_every_valid_manifest_round_trips(key, version, size, crc, saved_at, remote, durable, published):
-    manifest = Manifest(f"gs://bucket-a/{key}", version, size, crc, saved_at, remote, durable, published)
+       remote=st.booleans(), durable=generations,
+       uploaded=st.lists(crcs.filter(lambda crc: crc is not None), max_size=16).map(tuple))
+def test_every_valid_manifest_round_trips(key, version, size, crc, saved_at, remote, durable, uploaded):
+    manifest = Manifest(f"gs://bucket-a/{key}", version, size, crc, saved_at, remote, durable, uploaded)
     assert Manifest.from_json(manifest.to_json()) == manifest
 
 
 VALID = {"uri": "gs://bucket-a/run/x.ckpt", "version": "0123456789abcdef", "size": 10, "crc32c": "AAAAAA==",
-         "saved_at": 1.0, "remote": True, "durable_generation": None, "published_generation": None}
+         "saved_at": 1.0, "remote": True, "durable_generation": None, "uploaded_crc32c": ()}
 
 
 @pytest.mark.parametrize(("field", "value"), [
     ("uri", "s3://bucket-a/x"), ("uri", "gs://b/x"), ("uri", 3), ("version", "0123456789abcde"),
     ("version", "0123456789abcdef0"), ("version", "0123456789ABCDEF"), ("size", -1), ("size", True), ("size", 1.5),
     ("crc32c", "AAAA"), ("crc32c", "AAAAAAA="), ("crc32c", "not base64"), ("saved_at", -1.0),
-    ("saved_at", float("inf")), ("remote", 1), ("durable_generation", 0), ("published_generation", -5),
+    ("saved_at", float("inf")), ("remote", 1), ("durable_generation", 0), ("uploaded_crc32c", ["AAAA"]),
+    ("uploaded_crc32c", ["AAAAAA=="] * 17), ("uploaded_crc32c", "AAAAAA=="),
     ("durable_generation", True)])
 def test_a_manifest_field_out_of_range_is_refused_by_name(field, value):
     with pytest.raises(ManifestError, match=field):
@@ -508,3 +510,47 @@ def test_import_dataflux_ckpt_needs_only_gcs_and_the_class_names_the_nvme_extra(
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "needs the [nvme] extra" in result.stdout and "lightning-storage-plugins[gcs,nvme]" in result.stdout
+
+
+# A GCS outage during the upload (toxiproxy) ------------------------------------------------------
+def set_enabled(toxiproxy, name: str, enabled: bool) -> None:
+    """Open or cut a toxiproxy proxy (cut: its connections close and new ones are refused)."""
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection(toxiproxy.host, toxiproxy.api_port, timeout=10)
+    try:
+        connection.request("POST", f"/proxies/{name}", body=json.dumps({"enabled": enabled}),
+                           headers={"Content-Type": "application/json"})
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_a_gcs_outage_during_the_upload_lets_training_go_on_and_the_upload_resumes(
+        make_tiered, gcs_emulator, gcs_bucket, caplog):
+    from benchmarks.network import Toxiproxy, parse_network
+    from tests.support.gcs import client_for
+
+    with Toxiproxy() as toxiproxy:
+        # 2 MB/s per connection: a 4 MB checkpoint's upload takes a while, and the outage lands in it.
+        url = toxiproxy.proxy("gcs", gcs_emulator.url, parse_network("cloud:2,0"))
+        plugin = make_tiered(storage_client=client_for(url))
+        uri = f"gs://{gcs_bucket}/run/last.ckpt"
+        with caplog.at_level(logging.INFO, logger=TIERED_LOG):
+            plugin.save_checkpoint(checkpoint(1, 1_000_000), uri)
+            time.sleep(0.5)  # into the upload (it needs about 0.7 s a part)
+            set_enabled(toxiproxy, "gcs", False)
+            wait_for(lambda: plugin.stats().upload_failures >= 1, "failed upload attempt during the outage")
+            for step in (2, 3):  # training goes on: the saves return after their local writes
+                plugin.save_checkpoint(checkpoint(step, 1_000_000), uri)
+            assert plugin.stats().uploads_done == 0 and plugin.stats().uploads_pending >= 1
+            assert_is_step(plugin.load_checkpoint(uri), 3)
+            set_enabled(toxiproxy, "gcs", True)
+            plugin.teardown()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == TIERED_LOG]
+    assert any(f"upload of {uri} to GCS failed" in w and "Training goes on" in w for w in warnings), warnings
+    assert any("after" in r.getMessage() and "failed attempt" in r.getMessage() for r in caplog.records)
+    assert plugin.stats().uploads_pending == 0
+    assert_is_step(gcs_reader().load_checkpoint(uri), 3)
