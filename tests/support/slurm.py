@@ -644,8 +644,13 @@ class LocalSlurm:
         return [dict(zip(fields, line.split("|"), strict=True)) for line in lines if line]
 
     def output(self, job_id: int) -> str:
-        """What the batch job wrote to its standard output file so far (``""`` before it starts)."""
-        path = Path(self.job_info(job_id).get("StdOut") or self.jobs_dir / f"slurm-{job_id}.out")
+        """What the batch job wrote to its standard output file so far (``""`` before it starts): the
+        file ``scontrol`` names, or once it forgot the job, ``slurm-<id>.out`` in :attr:`jobs_dir`."""
+        try:
+            named = self.job_info(job_id).get("StdOut")
+        except SlurmCommandError:
+            named = None
+        path = Path(named or self.jobs_dir / f"slurm-{job_id}.out")
         return path.read_text(errors="replace") if path.is_file() else ""
 
     def wait_for_output(self, job_id: int, text: str, timeout: float = 120.0) -> str:
