@@ -135,13 +135,14 @@ def test_a_second_step_runs_beside_the_first_only_with_slurm_overlap(slurm_clust
 def test_teardown_kills_jobs_steps_and_daemons_and_leaves_the_other_cluster_running(
         slurm_cluster: LocalSlurm) -> None:
     with LocalSlurm(nodes=1, accounting=True) as other:
-        # a batch shell that ignores SIGTERM, a step, and a process that left its step's tree; each
-        # writes its pid and its parent's (the slurmstepd of the batch step and of step 0)
+        # a batch shell that ignores SIGTERM, a step, and a process that left the job's process tree
+        # (a double fork: its parent is init); each writes its pid, the first two also their parent's
+        # (the slurmstepd of the batch step and of step 0)
         job = other.sbatch(script="""#!/bin/bash
 trap '' TERM
 echo $$ $PPID > batch.pids
 srun bash -c 'echo $$ $PPID > step.pids; exec sleep 600' &
-setsid bash -c 'echo $$ > escaped.pid; exec sleep 600' &
+(setsid bash -c 'echo $$ > escaped.pid; exec sleep 600' &)
 sleep 600
 """)
         other.wait_for(job, "RUNNING", WAIT_S)
