@@ -3,6 +3,12 @@
 ``import smartredis_io as smartredis`` gives SmartRedis 0.6.1's Python API: the names below, and the
 modules ``error``, ``util``, ``dataset_utils``, ``srobject``, ``logger``, ``logcontext`` and
 ``configoptions``.
+
+Behind them each role has its subpackage: ``_client``, the client's internals (connection, wire
+format, stored-model protocol, command mixins); ``worker``, the execution workers (``python -m
+smartredis_io.worker``); ``launchers``, the servers, the Redis module's locator and SmartSim's set-up;
+``lightning``, the CheckpointIO, its callbacks and the ``redis://`` file system. ``redisai`` holds the
+Redis module's C sources. The client imports none of the others.
 """
 
 
