@@ -110,7 +110,8 @@ class Services:
         return self._gcs_dir
 
     def _start_gcs(self, bucket: str) -> GcsEndpoint:
-        from dataflux_ckpt.emulator import FakeGcsServer, activated, create_bucket
+        from dataflux_ckpt.emulator import activated, create_bucket
+        from dataflux_ckpt.testing import FakeGcsServer
 
         options = self.options
         root = None
