@@ -101,7 +101,8 @@ def _apps(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[Ap
                 "dataset_prefix": f"{run_dir.name}.aggregation_rank_"}
     consumer = {**common, "list_length": attributes["producers"], "client_threads": attributes["client_threads"]}
     return [
-        App("producer", f"{__name__}:producer", attributes["producers"], producer, prefix="producer_"),
+        App("producer", f"{__name__}:producer", attributes["producers"], producer, prefix="producer_",
+            nodes=attributes["client_nodes"]),
         App("consumer", f"{__name__}:consumer", 1, consumer),
     ]
 

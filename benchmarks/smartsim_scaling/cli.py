@@ -3,13 +3,15 @@
 The SmartSim-Scaling driver's command lines run unchanged: its command names (``throughput_scaling``,
 ``inference_standard``, ``inference_colocated``, ``aggregation_scaling``, ``process_scaling_results``),
 Fire's ``--flag=[a,b]`` lists and ``--flag=True`` booleans, ``--exp_name``, and its batch-system
-options (accepted and reported as not applying on one machine).
+options. With ``--launcher slurm``, in a Slurm allocation, SmartSim's Slurm launcher starts the
+databases and the client ranks (:mod:`benchmarks.smartsim_scaling.slurm`), as the driver does.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.report import format_table, write_json
-from benchmarks.smartsim_scaling import aggregation, inference, throughput
+from benchmarks.smartsim_scaling import aggregation, inference, slurm, throughput
 from benchmarks.smartsim_scaling.launch import DEFAULT_RUN_TIMEOUT_S, run_sweep
 from benchmarks.smartsim_scaling.options import (
     COMMAND_ALIASES,
@@ -43,9 +45,11 @@ def _common(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--address", default=None,
                         help="an existing database (host:port, a comma list for a cluster, or unix:///path); "
                              "default: start one with smartredis_io's launcher and stop it after")
-    parser.add_argument("--launcher", type=launcher, default="local", metavar="{local,mpi,auto}",
-                        help="run client ranks as multiprocessing processes (local; the driver's auto) or "
-                             "under mpirun with mpi4py (mpi, needs the [mpi] extra); default: local")
+    parser.add_argument("--launcher", type=launcher, default="local", metavar="{local,mpi,slurm,auto}",
+                        help="run client ranks as multiprocessing processes (local), under mpirun with mpi4py "
+                             "(mpi, needs the [mpi] extra), or with the databases through SmartSim's Slurm launcher "
+                             "in a Slurm allocation (slurm, needs SmartSim and mpi4py); the driver's auto is slurm "
+                             "in an allocation, else local; default: local")
     parser.add_argument("--mpirun", default="mpirun",
                         help="MPI launch command, e.g. 'mpirun --hostfile hosts'; default: mpirun")
     parser.add_argument("--timeout", type=float, default=DEFAULT_RUN_TIMEOUT_S,
@@ -135,8 +139,22 @@ def _run(args: argparse.Namespace) -> int:
     exp_dir = args.exp_dir or (Path(args.exp_name) if args.exp_name else DEFAULT_ROOT / f"{args.canonical}-scaling")
     sweep = module.build_sweep(args)
     sweep.driver_options = driver_options(args)
+    session = None
+    if args.launcher == "slurm":
+        options = slurm.SlurmOptions(
+            net_ifname=args.net_ifname, db_port=args.db_port or slurm.DEFAULT_DB_PORT,
+            db_hosts=tuple(args.db_hosts or ()), srun_mpi=args.srun_mpi or slurm.SlurmOptions.srun_mpi)
+        try:
+            slurm.check_environment(options, colocated=sweep.colocated)
+        except slurm.SlurmSetupError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        # the database's CPUs are a property of each deployment, as its shard count is
+        sweep.deployments = [{**d, "db_cpus": c} for d in sweep.deployments
+                             for c in args.db_cpus or [slurm.DEFAULT_DB_CPUS]]
+        os.environ["PYTHONPATH"] = slurm.ranks_python_path(os.environ.get("PYTHONPATH"))
+        session = slurm.SlurmSession(exp_dir, options)
     rows = run_sweep(sweep, exp_dir, args.address, args.launcher, args.mpirun, args.timeout,
-                     report=_log_row(module.TABLE))
+                     report=_log_row(module.TABLE), slurm=session)
     print(f"\n{args.canonical}: {len(rows)} runs in {exp_dir}")
     print(format_table([significant(r) for r in rows], module.TABLE))
     write_json(args.json or exp_dir / "summary.json", rows)

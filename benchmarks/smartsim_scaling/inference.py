@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,19 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=100,
                         help="measured iterations per client, after one warm-up; default: 100")
     parser.add_argument("--colocated", action="store_true",
-                        help="clients and workers on the database's Unix-domain socket (standalone only)")
+                        help="clients and workers on the database's Unix-domain socket (standalone only); with "
+                             "--launcher slurm, a database on each client node, on its loopback (inference_colocated)")
 
 
 def build_sweep(args: argparse.Namespace) -> Sweep:
-    clients = args.clients
     if args.clients_per_node:
-        clients = sorted({n * c for n, c in itertools.product(args.client_nodes, args.clients_per_node)})
+        placements = [(n, n * c) for n, c in itertools.product(args.client_nodes, args.clients_per_node)]
+    else:  # --clients: the total, spread over --client_nodes where a workload manager places them
+        placements = list(itertools.product(args.client_nodes, args.clients))
+    crowded = [(n, c) for n, c in placements if c < n]
+    if crowded:
+        raise SystemExit(f"fewer clients than client nodes (nodes, clients): {crowded}")
     permutations = [
-        {"clients": c, "batch_size": b, "model": args.model, "model_format": args.model_format,
+        {"client_nodes": n, "clients": c, "batch_size": b, "model": args.model, "model_format": args.model_format,
          "device": args.device,
          "images_per_request": args.images_per_request, "image_size": args.image_size,
          "iterations": args.iterations}
-        for c, b in itertools.product(clients, args.batch_size)
+        for (n, c), b in itertools.product(placements, args.batch_size)
     ]
     return Sweep(
         command=COMMAND,
@@ -117,29 +123,45 @@ def build_sweep(args: argparse.Namespace) -> Sweep:
 
 
 def _prepare(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[App]:
-    """Set the model and the script (SmartSim-Scaling's rank 0 does it; here the driver, before the clients)."""
-    from benchmarks.smartsim_scaling.models import model_bytes
-    from smartredis_io import Client
-
-    device = "GPU" if attributes["device"] == "cuda" else "CPU"
+    """Set the model and the script: here, before the clients start (SmartSim-Scaling's rank 0 does it), or,
+    for databases colocated with the application's nodes, by the first client rank of each node."""
     model_format = attributes.get("model_format", "export")
-    model_key = f"scaling_{attributes['model']}_{model_format}_bs{attributes['batch_size']}"
-    client = Client(dep.cluster, dep.address)
-    model = model_bytes(attributes["model"], attributes["image_size"], model_format)
-    client.set_model(model_key, model, "TORCH", device,
-                     batch_size=attributes["batch_size"])
-    client.set_script(SCRIPT_KEY, PREPROCESS_SCRIPT, device)
-    published = published_available() and not dep.address.startswith("unix://")  # it has no socket-path form
-    if published:
-        theirs = published_client(dep.address, dep.cluster)
-        theirs.set_model(f"{model_key}.published", model, "TORCH", device, batch_size=attributes["batch_size"])
-        theirs.set_script(f"{SCRIPT_KEY}.published", PREPROCESS_SCRIPT, device)
-    params = {
-        "address": dep.address, "cluster": dep.cluster, "model_key": model_key, "script_key": SCRIPT_KEY,
-        "images_per_request": attributes["images_per_request"], "image_size": attributes["image_size"],
-        "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.", "published": published,
+    store = {
+        "model": attributes["model"], "image_size": attributes["image_size"], "model_format": model_format,
+        "batch_size": attributes["batch_size"], "device": "GPU" if attributes["device"] == "cuda" else "CPU",
+        "model_key": f"scaling_{attributes['model']}_{model_format}_bs{attributes['batch_size']}",
+        # the published client has no socket-path form
+        "published": published_available() and not (dep.address or "").startswith("unix://"),
     }
-    return [App("clients", f"{__name__}:inference_client", attributes["clients"], params)]
+    if dep.address is not None:
+        from smartredis_io import Client
+
+        theirs = published_client(dep.address, dep.cluster) if store["published"] else None
+        store_model_and_script(Client(dep.cluster, dep.address), theirs, store)
+    params = {
+        "address": dep.address, "cluster": dep.cluster, "model_key": store["model_key"], "script_key": SCRIPT_KEY,
+        "images_per_request": attributes["images_per_request"], "image_size": attributes["image_size"],
+        "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.", "published": store["published"],
+        "store_per_node": store if dep.address is None else None,
+    }
+    return [App("clients", f"{__name__}:inference_client", attributes["clients"], params,
+                nodes=attributes.get("client_nodes", 1))]
+
+
+def store_model_and_script(ours: Any, theirs: Any, store: Mapping[str, Any]) -> None:
+    """Set the model (built from code, random weights) and the preprocessing script with our client, and
+    with the published one (``theirs``, its own copies) unless it is None."""
+    from benchmarks.smartsim_scaling.models import model_bytes
+
+    model = model_bytes(store["model"], store["image_size"], store["model_format"])
+    for client, suffix in ((ours, ""), *(((theirs, ".published"),) if theirs is not None else ())):
+        client.set_model(store["model_key"] + suffix, model, "TORCH", store["device"], batch_size=store["batch_size"])
+        client.set_script(SCRIPT_KEY + suffix, PREPROCESS_SCRIPT, store["device"])
+
+
+def _first_on_node(comm: Comm) -> bool:
+    """Whether this rank is the first of its node (Slurm's ``SLURM_LOCALID``; rank 0 without Slurm)."""
+    return int(os.environ.get("SLURM_LOCALID", comm.rank)) == 0
 
 
 def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:
@@ -159,15 +181,17 @@ def inference_client(comm: Comm, params: Mapping[str, Any], timings: Timings) ->
     from smartredis_io import Client
 
     start = time.perf_counter()
-    client = Client(params["cluster"], params["address"])
+    client = Client(params["cluster"], params["address"])  # address None: SSDB, the node's colocated database
     timings.add("client()", time.perf_counter() - start)
+    theirs = published_client(params["address"], params["cluster"]) if params.get("published") else None
+    if params.get("store_per_node") and _first_on_node(comm):
+        store_model_and_script(client, theirs, params["store_per_node"])
     comm.barrier()
 
     n, size = params["images_per_request"], params["image_size"]
     images = np.random.default_rng(comm.rank).uniform(0, 255, (n, size, size, 3)).astype(np.float32)
     loops = [("", _steps(client, params, f"{params['key_prefix']}rank_{comm.rank}", "", images))]
-    if params.get("published"):
-        theirs = published_client(params["address"], params["cluster"])
+    if theirs is not None:
         loops.append((PUBLISHED, _steps(theirs, params, f"{params['key_prefix']}rank_{comm.rank}.published",
                                         ".published", images)))
     for _, (steps, _, _) in loops:  # warm-up: loads the model and script into the workers; not recorded

@@ -33,9 +33,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
+
+if TYPE_CHECKING:
+    from benchmarks.smartsim_scaling.slurm import SlurmSession
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +123,15 @@ class Timings:
 
 @dataclass(frozen=True)
 class App:
-    """One application of a run: ``target`` (``module:function``) on ``nprocs`` ranks."""
+    """One application of a run: ``target`` (``module:function``) on ``nprocs`` ranks, spread over ``nodes``
+    nodes where a workload manager places them (``--launcher slurm``)."""
 
     name: str
     target: str
     nprocs: int
     params: Mapping[str, Any] = field(default_factory=dict)
     prefix: str = ""  # of its timing files, so that two applications' ranks do not collide
+    nodes: int = 1
 
 
 def _resolve(target: str) -> Callable[[Comm, Mapping[str, Any], Timings], None]:
@@ -407,9 +412,10 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Deployment:
-    """Where the clients connect, and what the database is."""
+    """Where the clients connect, and what the database is. ``address`` is None for databases colocated
+    with each node of the application (``--launcher slurm``): its ranks find theirs in ``SSDB``."""
 
-    address: str
+    address: str | None
     cluster: bool
     db_nodes: int
     colocated: bool = False
@@ -484,8 +490,18 @@ class Sweep:
 
 def run_sweep(sweep: Sweep, exp_dir: Path, address: str | None, launcher: str = "local",
               mpirun: str = "mpirun", timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
-              report: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run every permutation of ``sweep`` in its own run directory under ``exp_dir``; return the rows."""
+              report: Callable[[dict[str, Any]], None] | None = None,
+              slurm: SlurmSession | None = None) -> list[dict[str, Any]]:
+    """Run every permutation of ``sweep`` in its own run directory under ``exp_dir``; return the rows.
+
+    With ``launcher="slurm"``, ``slurm`` starts the databases (unless ``address`` names one) and the
+    applications through SmartSim's Slurm launcher; each deployment's attributes then carry ``db_cpus``.
+
+    Raises:
+        ValueError: ``launcher="slurm"`` without a ``slurm`` session.
+    """
+    if (launcher == "slurm") != (slurm is not None):
+        raise ValueError("launcher 'slurm' runs through a SlurmSession, and only it does")
     deployments = sweep.deployments
     if address is not None:
         # One database: its size is read from the server, so --db_nodes permutes nothing.
@@ -494,8 +510,7 @@ def run_sweep(sweep: Sweep, exp_dir: Path, address: str | None, launcher: str = 
             log.info("--address names one database: --db_nodes is ignored, its shard count is asked of it")
     rows = []
     for dep_attrs in deployments:
-        with deploy(address, dep_attrs["db_nodes"], dep_attrs.get("workers", 0), sweep.device,
-                    sweep.colocated) as dep:
+        with _deployment(sweep, dep_attrs, address, slurm) as dep:
             for perm in sweep.permutations:
                 attributes = {**dep_attrs, **perm, "db_nodes": dep.db_nodes, "cluster": dep.cluster,
                               "colocated": sweep.colocated, "launcher": launcher}
@@ -503,12 +518,26 @@ def run_sweep(sweep: Sweep, exp_dir: Path, address: str | None, launcher: str = 
                 apps = sweep.prepare(dep, attributes, run_dir)
                 write_run(run_dir, sweep.command, attributes, apps, dep.address, sweep.driver_options)
                 log.info("run %s", run_dir)
-                run_apps(apps, run_dir, launcher, mpirun, timeout_s)
+                if slurm is None:
+                    run_apps(apps, run_dir, launcher, mpirun, timeout_s)
+                else:
+                    colocated = dep_attrs if dep.address is None else None
+                    slurm.run_apps(apps, run_dir, timeout_s, colocated=colocated)
                 row = {"run": run_dir.name, **sweep.summarize(run_dir, attributes)}
                 if report:
                     report(row)
                 rows.append(row)
     return rows
+
+
+def _deployment(sweep: Sweep, attributes: Mapping[str, Any], address: str | None,
+                slurm: SlurmSession | None) -> contextlib.AbstractContextManager[Deployment]:
+    workers = attributes.get("workers", 0)
+    if slurm is None or address is not None:
+        return deploy(address, attributes["db_nodes"], workers, sweep.device, sweep.colocated)
+    if sweep.colocated:  # each run's application starts its databases, one per node
+        return contextlib.nullcontext(Deployment(address=None, cluster=False, db_nodes=1, colocated=True))
+    return slurm.database(attributes["db_nodes"], workers, attributes["db_cpus"])
 
 
 if __name__ == "__main__":

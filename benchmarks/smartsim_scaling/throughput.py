@@ -95,7 +95,8 @@ def _apps(dep: Deployment, attributes: dict[str, Any], run_dir: Path) -> list[Ap
     params = {"address": dep.address, "cluster": dep.cluster, "tensor_bytes": attributes["tensor_bytes"],
               "iterations": attributes["iterations"], "key_prefix": f"{run_dir.name}.",
               "published": published_available()}
-    return [App("clients", f"{__name__}:throughput_client", attributes["clients"], params)]
+    return [App("clients", f"{__name__}:throughput_client", attributes["clients"], params,
+                nodes=attributes["client_nodes"])]
 
 
 def summarize(run_dir: Path, attributes: dict[str, Any]) -> dict[str, Any]:

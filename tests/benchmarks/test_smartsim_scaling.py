@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.smartsim_scaling import launch
-from benchmarks.smartsim_scaling.cli import main
-from benchmarks.smartsim_scaling.options import int_list
+from benchmarks.smartsim_scaling import launch, slurm
+from benchmarks.smartsim_scaling.cli import COMMANDS, main
+from benchmarks.smartsim_scaling.options import driver_options, int_list
 from benchmarks.smartsim_scaling.results import CSV_NAME, RESULTS_DIR, aggregate_gbps, collect, derived
 
 TINY_THROUGHPUT = ["--tensor_bytes", "1024", "65536", "--clients_per_node", "2", "--iterations", "3"]
@@ -258,6 +258,39 @@ def test_driver_names_and_flags_map_to_the_commands():
     assert args.canonical == "process_results" and args.overwrite is True
     args = parser.parse_args(["process_results", "--overwrite"])
     assert args.overwrite is True
-    for bad in (["throughput", "--launcher=slurm"], ["inference", "--device=TPU"], ["throughput", "--tensor_bytes=[a]"]):
+    for bad in (["throughput", "--launcher=pbs"], ["inference", "--device=TPU"], ["throughput", "--tensor_bytes=[a]"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_slurm_options_take_the_driver_syntax_and_auto_is_slurm_in_an_allocation(monkeypatch):
+    from benchmarks.smartsim_scaling.cli import build_parser
+
+    parser = build_parser()
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    args = parser.parse_args(["throughput_scaling", "--launcher=auto", "--db_hosts=[n1,n2]", "--db_cpus=[1,2]",
+                              "--db_port=6790", "--net_ifname=ib0"])
+    assert args.launcher == "local" and args.db_hosts == ["n1", "n2"] and args.db_cpus == [1, 2]
+    assert driver_options(args) == {"db_hosts": "n1 n2", "db_cpus": "[1, 2]", "db_port": "6790", "net_ifname": "ib0"}
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    args = parser.parse_args(["inference_colocated", "--launcher=auto", "--nodes=[2]", "--clients_per_node=[3]",
+                              "--net_ifname=ib0", "--run_db_as_batch=False"])
+    assert args.launcher == "slurm"
+    assert driver_options(args) == {"run_db_as_batch": "False"}, "the Slurm options are used, not recorded as unused"
+    (permutation,) = COMMANDS["inference"].build_sweep(args).permutations
+    assert permutation["client_nodes"] == 2 and permutation["clients"] == 6
+
+
+def test_slurm_launcher_outside_an_allocation_says_how_to_get_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SystemExit, match="inside a Slurm allocation: `salloc"):
+        main(["throughput_scaling", "--launcher=slurm", "--net_ifname=ib0", f"--exp_dir={tmp_path}"])
+    assert not any(tmp_path.iterdir()), "nothing was started or written"
+
+
+def test_the_ranks_srun_starts_import_this_checkout():
+    root = str(slurm.CODE_ROOT)
+    assert (slurm.CODE_ROOT / "benchmarks" / "smartsim_scaling" / "launch.py").is_file()
+    assert slurm.ranks_python_path(None) == root
+    assert slurm.ranks_python_path(f"/a{os.pathsep}/b") == os.pathsep.join([root, "/a", "/b"])
+    assert slurm.ranks_python_path(f"/a{os.pathsep}{root}") == f"/a{os.pathsep}{root}", "kept where it is"
