@@ -38,7 +38,6 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import math
@@ -65,6 +64,7 @@ from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.upload import UploadStopped, upload_file
+from lightning_storage_plugins.memoryfile import MemoryFile
 from lightning_storage_plugins.ordering import CheckpointDir, remove_local
 
 if TYPE_CHECKING:
@@ -485,7 +485,7 @@ def _estimated_size(obj: Any) -> int:
 
 
 # Reading a local copy ----------------------------------------------------------------------------
-class _LocalCopy(io.RawIOBase):
+class _LocalCopy(MemoryFile):
     """A local tier file read whole into memory, with its crc32c; read like an :class:`ObjectReader`.
 
     ``path`` is the checkpoint's ``gs://`` path: the bytes are the checkpoint's (their crc32c is
@@ -493,20 +493,19 @@ class _LocalCopy(io.RawIOBase):
     """
 
     def __init__(self, path: GcsPath, file_path: str, size: int) -> None:
-        super().__init__()
         self.path, self.file_path, self.size = path, file_path, size
+        # Anonymous pages, zeroed by the kernel as the reading threads first touch them.
         self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, size) if size else bytearray()
-        self._view = memoryview(self._buffer)
-        self._pos = 0
         step = max(READ_BLOCK_BYTES, -(-size // LOCAL_READ_THREADS))
         ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
         fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if len(ranges) > 1:
-                with ThreadPoolExecutor(len(ranges), thread_name_prefix="dataflux-tiered-read") as pool:
-                    crcs = list(pool.map(lambda span: self._read_range(fd, *span), ranges))
-            else:
-                crcs = [self._read_range(fd, *span) for span in ranges]
+            with memoryview(self._buffer) as view:
+                if len(ranges) > 1:
+                    with ThreadPoolExecutor(len(ranges), thread_name_prefix="dataflux-tiered-read") as pool:
+                        crcs = list(pool.map(lambda span: self._read_range(fd, view, *span), ranges))
+                else:
+                    crcs = [self._read_range(fd, view, *span) for span in ranges]
         finally:
             os.close(fd)
         crc = 0
@@ -514,11 +513,12 @@ class _LocalCopy(io.RawIOBase):
             crc = crc32c_combine(crc, range_crc, end - start)
         #: The crc32c of the bytes read, in GCS's form.
         self.crc32c = crc32c_b64(crc)
+        super().__init__(self._buffer)
 
-    def _read_range(self, fd: int, start: int, end: int) -> int:
+    def _read_range(self, fd: int, view: memoryview, start: int, end: int) -> int:
         crc, offset = 0, start
         while offset < end:
-            block = self._view[offset : min(offset + READ_BLOCK_BYTES, end)]
+            block = view[offset : min(offset + READ_BLOCK_BYTES, end)]
             got = os.preadv(fd, [block], offset)
             if got == 0:
                 raise DataCorruptionError(f"{self.file_path} ends after {offset} of {self.size} bytes")
@@ -526,7 +526,7 @@ class _LocalCopy(io.RawIOBase):
             offset += got
         return crc
 
-    # What DatafluxCheckpointIO's load reads through ----------------------------------------------
+    # What DatafluxCheckpointIO's load reads through, as ObjectReader has it -------------------
     def verify(self) -> None:
         """Nothing to wait for: the bytes were read, and checked, when this was made."""
 
@@ -546,36 +546,10 @@ class _LocalCopy(io.RawIOBase):
             return torch.UntypedStorage(0)
         return torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence!r}")
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
-        start = min(self._pos, self.size)
-        end = min(start + memoryview(target).nbytes, self.size)
-        memoryview(target).cast("B")[: end - start] = self._view[start:end]
-        self._pos = end
-        return end - start
-
     def close(self) -> None:
-        if not self.closed:
-            super().close()
-            self._view.release()
-            self._buffer = bytearray()  # unmapped once no loaded tensor is a view of it
+        """Let go of the buffer (it is unmapped once no loaded tensor is a view of it)."""
+        super().close()
+        self._buffer = bytearray()
 
 
 # Background work ---------------------------------------------------------------------------------
@@ -610,6 +584,8 @@ class _Worker:
         self._queue: deque[Any] = deque()
         self._condition = threading.Condition()
         self._stopping = False
+        #: The item being run now (``None`` between items).
+        self.current: Any = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -638,21 +614,22 @@ class _Worker:
                     self._condition.wait()
                 if self._stopping:
                     return
-                item = self._queue.popleft()
+                item = self.current = self._queue.popleft()
             try:
                 self._run(item)
             except Exception:  # the work logs its own failures; this keeps the thread serving
                 log.exception("tiered checkpoint background work on %r failed", item)
+            finally:
+                self.current = None
 
-    def stop(self, timeout_s: float) -> list[Any]:
-        """Stop after the item running now (within ``timeout_s``); returns what never started."""
+    def stop(self, timeout_s: float) -> None:
+        """Drop what is queued, and wait (up to ``timeout_s``) for the item running now (:attr:`current`
+        while it runs)."""
         with self._condition:
             self._stopping = True
-            left = list(self._queue)
             self._queue.clear()
             self._condition.notify_all()
         self._thread.join(timeout_s)
-        return left
 
     def sleep(self, seconds: float, until: Callable[[], bool]) -> None:
         """Wait ``seconds``, or less once ``until()`` or a stop says so."""
@@ -664,6 +641,11 @@ class _Worker:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs (an item it could not leave yet, after :meth:`stop`)."""
+        return self._thread.is_alive()
 
 
 @dataclass(frozen=True)
@@ -1212,20 +1194,21 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         sealer, uploader = self._sealer, self._uploader
         if sealer is not None and uploader is not None:
             self._wait_for_uploads(self.tier_options.teardown_timeout_s)
-            cleanup_s = self.cleanup_timeout_s
             # An upload attempt running now stops between blocks, or before its publish, and aborts.
-            left = sealer.stop(cleanup_s) + uploader.stop(cleanup_s)
             with self._state_lock:
                 jobs = [job for jobs in self._jobs.values() for job in jobs]
             for job in jobs:
                 job.cancelled.set()
-            for item in left:
-                if isinstance(item, _Job):
-                    self._finish(item)
-        with self._state_lock:
-            for jobs in list(self._jobs.values()):
-                for job in list(jobs):
+            sealer.stop(self.cleanup_timeout_s)
+            uploader.stop(self.cleanup_timeout_s)
+            busy = [job for job in jobs if (job.uploading and uploader.alive) or (job is sealer.current and sealer.alive)]
+            if busy:
+                log.warning("%s is still stopping after %g s; it ends on its own (its upload is not published)",
+                            ", ".join(map(str, busy)), self.cleanup_timeout_s)
+            for job in jobs:
+                if job not in busy:  # a running one lets go of its file itself
                     self._finish(job)
+        with self._state_lock:
             self._sealer = self._uploader = None
             if self._lock_fd is not None:
                 os.close(self._lock_fd)

@@ -34,6 +34,7 @@ from dataflux_ckpt import (
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
 from dataflux_ckpt.tiered import Manifest, ManifestError
 from tests.support.gcs import FAST_RETRY, FaultProxy
+from tests.support.processes import wait_for
 
 TIERED_LOG = "dataflux_ckpt.tiered"
 
@@ -294,7 +295,7 @@ def test_remove_checkpoint_stops_its_pending_upload(proxied, gcs_bucket, uploads
     plugin = proxied()
     uri = f"gs://{gcs_bucket}/run/a.ckpt"
     plugin.save_checkpoint(checkpoint(1), uri)
-    wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt")
+    wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt", timeout_s=120)
     plugin.remove_checkpoint(uri)
     assert plugin.stats().uploads_pending == 0
     uploads_blocked.clear()
@@ -303,19 +304,12 @@ def test_remove_checkpoint_stops_its_pending_upload(proxied, gcs_bucket, uploads
     assert manifests(tmp_path / "tier") == {}
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < end, f"no {what} within {timeout_s} s"
-        time.sleep(0.05)
-
-
 def test_a_failing_upload_is_retried_with_a_warning_while_saves_go_on(proxied, gcs_bucket, uploads_blocked, caplog):
     plugin = proxied()
     uri = f"gs://{gcs_bucket}/run/last.ckpt"
     with caplog.at_level(logging.WARNING, logger=TIERED_LOG):
         plugin.save_checkpoint(checkpoint(1), uri)
-        wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt")
+        wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt", timeout_s=120)
         plugin.save_checkpoint(checkpoint(2), uri)  # training goes on during the outage
         assert_is_step(plugin.load_checkpoint(uri), 2)
         uploads_blocked.clear()
@@ -542,7 +536,7 @@ def test_a_gcs_outage_during_the_upload_lets_training_go_on_and_the_upload_resum
             plugin.save_checkpoint(checkpoint(1, 1_000_000), uri)
             time.sleep(0.5)  # into the upload (it needs about 0.7 s a part)
             set_enabled(toxiproxy, "gcs", False)
-            wait_for(lambda: plugin.stats().upload_failures >= 1, "failed upload attempt during the outage")
+            wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt during the outage", timeout_s=120)
             for step in (2, 3):  # training goes on: the saves return after their local writes
                 plugin.save_checkpoint(checkpoint(step, 1_000_000), uri)
             assert plugin.stats().uploads_done == 0 and plugin.stats().uploads_pending >= 1

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import queue
 import signal
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_storage_plugins.services import die_with_parent, free_port
+from tests.support.processes import forkserver_context
 
 MODES = ("script", "async", "gloo")
 STORAGES = ("nvme", "gs", "gs-xml")
@@ -159,16 +159,9 @@ def _job(spec: dict[str, Any], rank: int, barrier: Any, outcomes: Any) -> None:
         os._exit(0)
 
 
-_CONTEXT: Any = None
-
-
 def _context() -> Any:
     """The forkserver context, whose server imports torch and the plugins once for every race."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(_PRELOAD)
-    return _CONTEXT
+    return forkserver_context(_PRELOAD)
 
 
 # Parent side -----------------------------------------------------------------------------------------

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -69,3 +70,19 @@ def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 60.0
         assert child is None or child.poll() is None, f"the child process exited before {what}"
         assert time.monotonic() < deadline, f"never saw {what} within {timeout_s} s"
         time.sleep(0.02)
+
+
+_FORKSERVER_PRELOAD: list[str] = []
+
+
+def forkserver_context(preload: Sequence[str]) -> Any:
+    """The ``forkserver`` multiprocessing context, whose server imports ``preload`` once, so that each
+    child costs a fork, not an interpreter's start-up and imports.
+
+    There is one server per process: it imports what every caller asked for before it started (a
+    server already running keeps what it imported; its children import the rest themselves).
+    """
+    context = multiprocessing.get_context("forkserver")
+    _FORKSERVER_PRELOAD.extend(module for module in preload if module not in _FORKSERVER_PRELOAD)
+    context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return context

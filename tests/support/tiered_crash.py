@@ -27,7 +27,6 @@ local tier's newest checkpoint.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import random
 import signal
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_storage_plugins.services import die_with_parent
+from tests.support.processes import forkserver_context
 
 PHASES = ("save", "upload", "publish")
 NUMEL = 250_000  # 1 MB of float32 per checkpoint
@@ -106,17 +106,6 @@ def _writer(spec: dict[str, Any], conn: Any) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
         os._exit(0)
-
-
-_CONTEXT: Any = None
-
-
-def _context() -> Any:
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(_PRELOAD)
-    return _CONTEXT
 
 
 # The parent --------------------------------------------------------------------------------------
@@ -200,7 +189,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
     rng = random.Random(seed)
-    ctx = _context()
+    ctx = forkserver_context(_PRELOAD)
     uri = f"gs://{bucket}/run/last.ckpt"
     gcs = DatafluxCheckpointIO(chunk_size=CHUNK_SIZE, retry=FAST_RETRY)
     result = Crashes()
