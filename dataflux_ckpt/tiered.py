@@ -24,6 +24,11 @@ the publish succeeded (with the generation that holds it), so a crash never make
 checkpoint look durable. A crash between the publish and that record is found on restart, when the
 object in GCS has the version's size and crc32c.
 
+The local copy is the newest unless GCS holds another writer's newer object (another node saved
+there since): before an upload starts, the crc32c of the version it uploads is recorded in the
+manifest, so an object in GCS with one of those checksums is this tier's own, never newer, and any
+other one is newer when it was created after the local save.
+
 One process writes to a local tier at a time (an exclusive ``flock`` on ``.tiered.lock``, taken at
 its first save and released at teardown); it first finishes the uploads a crashed writer left
 pending and removes what the crash left behind. Any process may read.

@@ -32,6 +32,8 @@ from dataflux_ckpt import (
     TieredOptions,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
+from dataflux_ckpt.paths import parse_gcs_path
+from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.tiered import Manifest, ManifestError
 from tests.support.gcs import FAST_RETRY, FaultProxy
 from tests.support.processes import wait_for
@@ -98,7 +100,7 @@ def test_save_returns_after_the_local_write_and_the_same_file_becomes_durable(ma
     assert stats.last_durable_s >= stats.last_save_s
     manifest = manifests(tmp_path / "tier")[uri]
     assert manifest.durable and manifest.crc32c is not None
-    info = gcs_reader().gcs.stat(plugin._target(uri), plugin._deadline("stat", uri))
+    info = gcs_reader().gcs.stat(parse_gcs_path(uri), Deadline(30, "stat", uri))
     # The object is the local file itself: same size, same crc32c, the generation the manifest records.
     assert (info.size, info.crc32c, info.generation) == (manifest.size, manifest.crc32c, manifest.durable_generation)
     assert local_file(tmp_path / "tier", uri).stat().st_size == manifest.size
@@ -215,12 +217,12 @@ def test_remote_every_uploads_every_nth_round_and_a_round_is_one_global_step(mak
 
 def test_keep_local_keeps_the_newest_k_and_older_ones_load_from_gcs(make_tiered, gcs_bucket, tmp_path):
     plugin = make_tiered(keep_local=2)
-    uris = [f"gs://{gcs_bucket}/run/step={step}.ckpt" for step in range(4)]
-    for step, uri in enumerate(uris):
+    uris = [f"gs://{gcs_bucket}/run/step={step}.ckpt" for step in range(5)]
+    for step, uri in enumerate(uris[:4]):
         plugin.save_checkpoint(checkpoint(step, 1000), uri)
     plugin.teardown()  # uploads over: the older ones can leave the local tier
-    plugin._evict()
-    assert set(manifests(tmp_path / "tier")) == set(uris[2:])
+    plugin.save_checkpoint(checkpoint(4, 1000), uris[4])  # each save evicts what keep_local no longer keeps
+    assert set(manifests(tmp_path / "tier")) == set(uris[3:])
     for step, uri in enumerate(uris):
         assert_is_step(plugin.load_checkpoint(uri), step)
 
