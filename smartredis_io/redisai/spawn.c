@@ -65,6 +65,7 @@
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include "exec.h"
@@ -304,38 +305,90 @@ typedef struct Identity {
     int ngroups;
 } Identity;
 
-/* Whether the user of `who` may search (X_OK) or read (R_OK) what `st` describes. */
+/* Whether the user of `who` may search (X_OK), read (R_OK) or write (W_OK) what `st` describes. */
 static int allowed_for(const struct stat *st, const Identity *who, int mode) {
-    mode_t bits = mode == X_OK ? S_IXOTH : S_IROTH;
+    mode_t bits = mode == X_OK ? S_IXOTH : mode == W_OK ? S_IWOTH : S_IROTH;
     if (st->st_uid == who->uid) return (st->st_mode & (bits << 6)) != 0;
     int member = st->st_gid == who->gid;
     for (int i = 0; i < who->ngroups && !member; i++) member = st->st_gid == who->groups[i];
     return (st->st_mode & (member ? bits << 3 : bits)) != 0;
 }
 
-/* Why the user of `who` may not run `path`: the first directory on it, or behind its symbolic
- * links, that user may not search; into out (" (...)"), or "" when none is found. */
-static void unreachable_for(const char *path, const Identity *who, char *out, size_t size) {
-    char paths[2][PATH_MAX];
-    snprintf(paths[0], sizeof paths[0], "%s", path);
-    if (!realpath(path, paths[1])) paths[1][0] = '\0';
-    out[0] = '\0';
-    for (int k = 0; k < 2 && !out[0]; k++) {
-        for (char *slash = strchr(paths[k] + 1, '/'); paths[k][0] == '/'; slash = strchr(slash + 1, '/')) {
-            if (slash) *slash = '\0';
-            struct stat st;
-            int last = slash == NULL;
-            if (stat(paths[k], &st) == 0 && !allowed_for(&st, who, X_OK)) {
-                struct passwd *owner = getpwuid(st.st_uid);
-                snprintf(out, size, " (%.64s may not %s %.256s: mode %04o, owner %.64s; the interpreter and its Python "
-                         "installation must be readable by the workers' user)", SRIO_Config.worker_user,
-                         last ? "run" : "search", paths[k], (unsigned)(st.st_mode & 07777),
-                         owner ? owner->pw_name : "?");
-            }
-            if (last || out[0]) break;
-            *slash = '/';
+/* The first directory on `path` (as given; all of them with `last`, the path itself too) that the
+ * user of `who` may not search: into out as " (USER may not search DIR: mode, owner)", 1; else 0. */
+static int blocked_on(const char *path, const Identity *who, int last_too, char *out, size_t size) {
+    char walk[PATH_MAX];
+    snprintf(walk, sizeof walk, "%s", path);
+    for (char *slash = strchr(walk + 1, '/'); walk[0] == '/'; slash = strchr(slash + 1, '/')) {
+        if (!slash && !last_too) return 0;
+        if (slash) *slash = '\0';
+        struct stat st;
+        if (stat(walk, &st) == 0 && !allowed_for(&st, who, X_OK)) {
+            struct passwd *owner = getpwuid(st.st_uid);
+            snprintf(out, size, " (%.64s may not %s %.256s: mode %04o, owner %.64s)", SRIO_Config.worker_user,
+                     slash ? "search" : "run", walk, (unsigned)(st.st_mode & 07777), owner ? owner->pw_name : "?");
+            return 1;
         }
+        if (!slash) return 0;
+        *slash = '/';
     }
+    return 0;
+}
+
+/* Why the user of `who` may not run `path`: the first directory on it, or behind its symbolic
+ * links, that user may not search; into out, or "" when none is found. */
+static void unreachable_for(const char *path, const Identity *who, char *out, size_t size) {
+    char real[PATH_MAX];
+    out[0] = '\0';
+    if (!blocked_on(path, who, 1, out, size) && realpath(path, real)) blocked_on(real, who, 1, out, size);
+}
+
+#define ACL_XATTR "system.posix_acl_access"
+#define ACL_VERSION 2
+enum { ACL_USER_OBJ = 0x01, ACL_USER = 0x02, ACL_GROUP_OBJ = 0x04, ACL_MASK = 0x10, ACL_OTHER = 0x20 };
+
+typedef struct AclEntry {
+    uint16_t tag, perm;
+    uint32_t id;
+} AclEntry;
+
+/* Let the user of `who` connect to the server's unix socket `path` (its workers connect there when
+ * the server has no TCP port): it must search every directory on the way, and write the socket, which
+ * a POSIX ACL entry for that user alone grants when its mode does not (unixsocketperm 700 or 755 lets
+ * root alone). 0, with the reason in `why`, when it cannot be let. */
+static int let_connect(RedisModuleCtx *ctx, const char *path, const Identity *who, char *why, size_t size) {
+    struct stat st;
+    if (blocked_on(path, who, 0, why, size)) return 0;
+    if (stat(path, &st) != 0) {
+        snprintf(why, size, " (%s)", strerror(errno));
+        return 0;
+    }
+    if (allowed_for(&st, who, W_OK)) return 1;
+    if (getxattr(path, ACL_XATTR, NULL, 0) > 0) {
+        snprintf(why, size, " (mode %04o, with an ACL of its own, which the module leaves alone)",
+                 (unsigned)(st.st_mode & 07777));
+        return 0;
+    }
+    unsigned mode = (unsigned)st.st_mode;
+    struct {
+        uint32_t version;
+        AclEntry entries[5];
+    } __attribute__((packed)) acl = {
+        ACL_VERSION,
+        {{ACL_USER_OBJ, (mode >> 6) & 7, (uint32_t)-1},
+         {ACL_USER, 6, (uint32_t)who->uid},
+         {ACL_GROUP_OBJ, (mode >> 3) & 7, (uint32_t)-1},
+         {ACL_MASK, ((mode >> 3) & 7) | 6, (uint32_t)-1},
+         {ACL_OTHER, mode & 7, (uint32_t)-1}},
+    };
+    if (setxattr(path, ACL_XATTR, &acl, sizeof acl, 0) != 0) {
+        snprintf(why, size, " (mode %04o; an ACL entry for %.64s could not be added: %s)", mode & 07777,
+                 SRIO_Config.worker_user, strerror(errno));
+        return 0;
+    }
+    RedisModule_Log(ctx, "notice", "%s may now connect to %s (an ACL entry for that user alone: the socket's mode "
+                    "%04o lets only its owner)", SRIO_Config.worker_user, path, mode & 07777);
+    return 1;
 }
 
 static void fail_child(int status_fd, int step) {
@@ -554,6 +607,13 @@ static void spawn(RedisModuleCtx *ctx) {
         set_start_error(ctx, "WORKER_USER %s: no such user any more", SRIO_Config.worker_user);
         return;
     }
+    char why[ERROR_MAX];
+    if (who.drop && !strncmp(address, "unix://", 7) && !let_connect(ctx, address + 7, &who, why, sizeof why)) {
+        set_start_error(ctx, "%s may not connect to the server's unix socket %s%s: give the server a TCP port on "
+                        "loopback (the workers then use it), or a socket that user may reach", SRIO_Config.worker_user,
+                        address + 7, why);
+        return;
+    }
     char workers[16], threads[16], interop[16];
     snprintf(workers, sizeof workers, "%d", SRIO_Config.workers);
     snprintf(threads, sizeof threads, "%d", SRIO_Config.threads);
@@ -607,7 +667,8 @@ static void spawn(RedisModuleCtx *ctx) {
         if (failure.step == STEP_EXEC && failure.error == EACCES && who.drop) {
             char where[ERROR_MAX];
             unreachable_for(python, &who, where, sizeof where);
-            set_start_error(ctx, "could not start %s as %s: %s%s", python, SRIO_Config.worker_user,
+            set_start_error(ctx, "could not start %s as %s: %s%s; the interpreter and its Python installation "
+                            "must be readable by the workers' user", python, SRIO_Config.worker_user,
                             strerror(failure.error), where);
         } else {
             set_start_error(ctx, "could not start %s (%s%s%s): %s", python, pid <= 0 ? "fork" : STEP_NAMES[failure.step],

@@ -543,15 +543,14 @@ static int cmd_workers(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     return REDISMODULE_OK;
 }
 
-/* A text as an INFO field's value: one line; a comma where an equals sign is too would make clients
- * (redis-py) read the value as a list of key=value pairs, so such commas become semicolons. */
+/* A text as an INFO field's value: one line, without commas (clients such as redis-py read a value
+ * with commas as a list, or with equals signs too as key=value pairs): they become semicolons. */
 static char *info_text(const char *text) {
     static char out[ERROR_MAX];
     snprintf(out, sizeof out, "%s", text);
-    int pairs = strchr(out, '=') != NULL;
     for (char *c = out; *c; c++) {
         if ((unsigned char)*c < 0x20 || *c == 0x7f) *c = ' ';
-        else if (pairs && *c == ',') *c = ';';
+        else if (*c == ',') *c = ';';
     }
     return out;
 }

@@ -373,13 +373,16 @@ class _Supervisor:
                 reasons.close()
 
     def _tell_module(self, text: str) -> None:
-        """Send the module (on its control socket) why a worker could not start."""
-        if self._lifeline is None:
-            return
-        try:
-            os.write(self._lifeline, START_ERROR + text.encode("utf-8", "replace"))
-        except OSError:
-            pass  # the server is gone: the lifeline says so next
+        if self._lifeline is not None:
+            _tell_module(self._lifeline, text)
+
+
+def _tell_module(control: int, text: str) -> None:
+    """Send the module, on its control socket, why a worker (or this supervisor) could not start."""
+    try:
+        os.write(control, START_ERROR + text.encode("utf-8", "replace"))
+    except OSError:
+        pass  # the server is gone: the end of the control socket says so next
 
 
 def _read_secret_line(fd: int, timeout_s: float = SECRET_WAIT_S) -> bytes:
@@ -492,7 +495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if address.startswith("unix:") and not address.startswith("unix://"):
         address = "unix://" + address[len("unix:"):]  # unix:/path, as servers print it
     settings = ConnectionSettings.from_options(address=address, cluster=False)
-    settings = settings.with_(cluster=detect_cluster(settings))
+    try:
+        settings = settings.with_(cluster=detect_cluster(settings))
+    except Exception as exc:
+        if args.secret_stdin:  # the module shows it (its log has the traceback)
+            _tell_module(sys.stdin.fileno(), f"the supervisor could not reach {address}: {_start_error(exc)}")
+        raise
     base = args.name or f"{socket.gethostname()}:{os.getpid()}"
     options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
                             own_server=args.secret_stdin)
