@@ -25,6 +25,7 @@ import pwd
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -85,10 +86,11 @@ class UserServer:
     port: int
     process: ManagedProcess
     client: redis.Redis
+    unixsocket: Path | None = None
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"unix://{self.unixsocket}" if self.unixsocket else f"127.0.0.1:{self.port}"
 
     def srio(self) -> dict:
         return self.client.info("srio")
@@ -99,13 +101,19 @@ class UserServer:
 
 @contextmanager
 def user_server(module: str | os.PathLike[str], *module_args: str, env: dict[str, str] | None = None,
-                wrap: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> Iterator[UserServer]:
+                wrap: tuple[str, ...] = (), extra: tuple[str, ...] = (),
+                unixsocket: Path | None = None) -> Iterator[UserServer]:
     """``redis-server --loadmodule module module_args...`` in a clean environment (``wrap`` runs it:
-    ``unshare ...``), on a free port, with no persistence unless ``extra`` asks."""
-    port = free_port()
+    ``unshare ...``), on a free port (or only on ``unixsocket``, mode 0700), with no persistence unless
+    ``extra`` asks."""
+    port = 0 if unixsocket else free_port()
     workdir = tempfile.mkdtemp(prefix="srio-user-server-")
     binary = os.environ.get("REDIS_SERVER_BIN") or shutil.which("redis-server")
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+    if unixsocket:
+        extra = ("--unixsocket", str(unixsocket), "--unixsocketperm", "700", *extra)
+        client = redis.Redis(unix_socket_path=str(unixsocket), socket_timeout=30)
+    else:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
 
     def answers() -> bool:
         try:
@@ -114,14 +122,14 @@ def user_server(module: str | os.PathLike[str], *module_args: str, env: dict[str
             return False
 
     process = ManagedProcess(
-        f"redis-server:{port}",
+        f"redis-server:{port or unixsocket.name}",
         [*wrap, binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir, *extra,
          "--loadmodule", os.fspath(module), *module_args],
         ready=answers, env=dict(env or CLEAN_ENV), startup_timeout_s=30,
     )
     try:
         process.start()
-        yield UserServer(port, process, client)
+        yield UserServer(port, process, client, unixsocket)
     finally:
         process.stop()
         client.close()
@@ -506,6 +514,26 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return b""
+
+
+@needs_root
+def test_workers_of_another_user_reach_a_servers_unix_socket_or_say_why_not(uid: str, tmp_path: Path) -> None:
+    """A server on a unix socket only (SmartSim's colocated database): a socket only root may open
+    (unixsocketperm 700) gets an ACL entry for the workers' user alone; a socket in a directory that
+    user may not search is named."""
+    reachable = _shared_dir("srio-socket-")
+    try:
+        with user_server(IN_PLACE, *AS_USER, unixsocket=reachable / "redis.sock") as server:
+            _serving(server)
+            assert stat.S_IMODE(os.stat(reachable / "redis.sock").st_mode) & 0o007 == 0, "no one else may connect"
+            _runs_a_model(server.address, uid)
+    finally:
+        shutil.rmtree(reachable)
+    with user_server(IN_PLACE, *AS_USER, unixsocket=tmp_path / "redis.sock") as server:  # pytest's: root's only
+        info = wait_until(lambda: (i := server.srio())["srio_worker_start"] == "failed" and i, 30,
+                          "INFO srio names the failed start")
+        assert f"{WORKER_USER} may not connect to the server's unix socket" in info["srio_worker_start_error"]
+        assert re.search(rf"{WORKER_USER} may not search /\S+: mode 0700", info["srio_worker_start_error"]), info
 
 
 def test_runs_that_come_while_the_first_worker_starts_wait_for_it(uid: str) -> None:

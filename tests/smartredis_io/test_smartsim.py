@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -142,18 +144,24 @@ def _create_cluster(ports: list[int]) -> None:
 @needs_smartsim
 def test_databases_colocated_over_tcp_and_a_unix_socket(smartsim_deps, tmp_path: Path) -> None:
     exp = Experiment("srio-colocated", exp_path=str(tmp_path), launcher="local")
-    apps = []
-    for kind in ("tcp", "uds"):
-        settings = exp.create_run_settings(sys.executable, [str(APP), _prefix()])
-        app = exp.create_model(f"app_{kind}", settings)
-        if kind == "tcp":
-            app.colocate_db_tcp(port=free_port(), ifname="lo")
-        else:
-            app.colocate_db_uds(unix_socket=str(tmp_path / "redis.socket"))
-        apps.append(app)
-    exp.generate(*apps, overwrite=True)
-    exp.start(*apps, block=True)
-    statuses = exp.get_status(*apps)
+    # as root, the module's workers (nobody) connect through the socket: a directory they may search
+    sockets = Path(tempfile.mkdtemp(prefix="srio-sockets-"))
+    sockets.chmod(0o755)
+    try:
+        apps = []
+        for kind in ("tcp", "uds"):
+            settings = exp.create_run_settings(sys.executable, [str(APP), _prefix()])
+            app = exp.create_model(f"app_{kind}", settings)
+            if kind == "tcp":
+                app.colocate_db_tcp(port=free_port(), ifname="lo")
+            else:
+                app.colocate_db_uds(unix_socket=str(sockets / "redis.socket"))
+            apps.append(app)
+        exp.generate(*apps, overwrite=True)
+        exp.start(*apps, block=True)
+        statuses = exp.get_status(*apps)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     for app, status in zip(apps, statuses, strict=True):
         output = Path(app.path, f"{app.name}.out").read_text() + Path(app.path, f"{app.name}.err").read_text()
         assert status == SmartSimStatus.STATUS_COMPLETED, f"{app.name}: {status}\n{output[-3000:]}"
