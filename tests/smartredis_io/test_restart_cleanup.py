@@ -8,6 +8,8 @@ Their chunks would expire by themselves only a minute after the save's 30-minute
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -22,7 +24,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from smartredis_io import SmartRedisCheckpointIO, SmartRedisModelCheckpoint
 from smartredis_io._client import wire
 from smartredis_io.error import RedisInternalError
-from tests.support.processes import paused, wait_for
+from tests.support.processes import wait_for
 
 SAVER = """
 import sys, torch
@@ -54,6 +56,23 @@ def _saver(address: str, key: str) -> subprocess.Popen[str]:
     return child
 
 
+def _stop_inside_a_save(plain: redis.Redis, child: subprocess.Popen[str]) -> None:
+    """Stop ``child`` (SIGSTOP) at a moment when it is inside a save: its owner record is stored."""
+    for _ in range(100):
+        wait_for(lambda: _owned(plain, child.pid), "a save in progress", child=child)
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(child.pid) == "T", "the saver stopped")
+        if _owned(plain, child.pid):
+            return
+        os.kill(child.pid, signal.SIGCONT)  # stopped between two saves: try again
+    raise AssertionError("the saver was never stopped inside a save")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
 class KeysAtStart(Callback):
     """Records, when training starts (after the preflight, before any save), what a probe returns."""
 
@@ -73,18 +92,16 @@ def test_a_trainer_start_removes_a_killed_saves_chunks_and_keeps_a_stopped_saves
     plain = redis.Redis(host=redis_server.host, port=redis_server.port)
     killed, stopped = _saver(redis_server.address, killed_key), _saver(redis_server.address, stopped_key)
     try:
-        wait_for(lambda: _owned(plain, killed.pid) and _unpublished_chunks(plain, killed_key), "a save in progress")
+        _stop_inside_a_save(plain, killed)
         killed.kill()
         killed.wait(30)
-        left = _unpublished_chunks(plain, killed_key)
-        assert _owned(plain, killed.pid) and left, "the killed save left its owner key and chunks"
+        left = _owned(plain, killed.pid) | _unpublished_chunks(plain, killed_key)
+        assert _owned(plain, killed.pid), "the killed save left its owner record"
         assert all(0 < plain.pttl(name) for name in left), "they would expire only after the save's deadline"
 
-        wait_for(lambda: _owned(plain, stopped.pid) and _unpublished_chunks(plain, stopped_key), "a save in progress")
-        with paused(stopped.pid):
+        _stop_inside_a_save(plain, stopped)
+        try:
             stopped_owner, stopped_chunks = _owned(plain, stopped.pid), _unpublished_chunks(plain, stopped_key)
-            assert stopped_owner and stopped_chunks
-
             start = KeysAtStart(lambda: (_owned(plain, killed.pid), _unpublished_chunks(plain, killed_key),
                                          _owned(plain, stopped.pid), _unpublished_chunks(plain, stopped_key)))
             trainer = Trainer(max_steps=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
@@ -94,6 +111,8 @@ def test_a_trainer_start_removes_a_killed_saves_chunks_and_keeps_a_stopped_saves
             trainer.fit(BoringModel())
             assert start.found == (set(), set(), stopped_owner, stopped_chunks)
             assert f"its process (pid {killed.pid}) on this machine has exited" in caplog.text
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
         # Let go, the stopped save finishes what it was writing: a whole checkpoint.
         wait_for(lambda: not (_owned(plain, stopped.pid) & stopped_owner), "the stopped save's publish")
         assert torch.equal(SmartRedisCheckpointIO(redis_server.address, cluster=False)
