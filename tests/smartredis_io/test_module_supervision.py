@@ -44,13 +44,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, free_port
-from smartredis_io import Client, ConfigOptions, RedisServer
+from smartredis_io import Client, RedisServer
 from smartredis_io.error import RedisReplyError
 from smartredis_io.worker.worker_protocol import SECRET_MAX_BYTES, SECRET_MIN_BYTES, secret_from_line
 from tests.support import ROOT
 from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
 from tests.support.srio_sanitizers import sanitized
-from tests.support.srio_workers import WORKER_USER, protocol_client, registry, wait_until, worker_env
+from tests.support.srio_workers import (
+    WORKER_USER,
+    protocol_client,
+    registry,
+    run_client,
+    wait_until,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +150,7 @@ def _serving(server: UserServer, seconds: float = WORKER_START_S) -> dict:
 
 
 def _client(address: str, timeout_ms: int = 120_000) -> Client:
-    options = ConfigOptions.create_from_environment("")
-    options.override_string_option("SSDB", address)
-    options.override_integer_option("SR_MODEL_TIMEOUT", timeout_ms)
-    return Client(options)
+    return run_client(address, timeout_ms)
 
 
 def _runs_a_model(address: str, tag: str) -> None:
@@ -537,14 +541,26 @@ def test_workers_of_another_user_reach_a_servers_unix_socket_or_say_why_not(uid:
 
 
 def test_runs_that_come_while_the_first_worker_starts_wait_for_it(uid: str) -> None:
-    """Neither WORKER_STARTUP_MS (for replacements) nor QUEUE_TIMEOUT refuses them: their own deadline bounds them."""
-    with user_server(IN_PLACE, "WORKER_STARTUP_MS", "0", "QUEUE_TIMEOUT", "500", *AS_USER) as server:
-        with _client(server.address, timeout_ms=WORKER_START_S * 1000) as client:
-            client.set_script(uid, SCRIPT)
-            client.put_tensor(uid + "x", X)
-            assert server.srio()["srio_workers"] == 0 and server.srio()["srio_worker_start"] == "starting"
-            client.run_script(uid, "double", [uid + "x"], [uid + "y"])
-            np.testing.assert_array_equal(client.get_tensor(uid + "y"), 2 * X)
+    """Neither WORKER_STARTUP_MS (for replacements) nor QUEUE_TIMEOUT refuses them: their own deadline
+    bounds them. The workers' interpreter starts slowly here (5 s more per process, as on a busy CPU
+    it is pinned to), so that the run surely comes first."""
+    slow = _shared_dir("srio-slow-start-")
+    (slow / "sitecustomize.py").write_text("import time\n\ntime.sleep(5)\n")
+    (slow / "sitecustomize.py").chmod(0o644)
+    try:
+        with user_server(IN_PLACE, "WORKER_STARTUP_MS", "0", "QUEUE_TIMEOUT", "500", *AS_USER,
+                         env={**CLEAN_ENV, "PYTHONPATH": str(slow)}) as server:
+            with _client(server.address, timeout_ms=WORKER_START_S * 1000) as client:
+                client.set_script(uid, SCRIPT)
+                client.put_tensor(uid + "x", X)
+                info = server.srio()
+                assert info["srio_workers"] == 0 and info["srio_worker_start"] == "starting", info
+                started = time.monotonic()
+                client.run_script(uid, "double", [uid + "x"], [uid + "y"])
+                assert time.monotonic() - started > 1, "the run waited for the worker"
+                np.testing.assert_array_equal(client.get_tensor(uid + "y"), 2 * X)
+    finally:
+        shutil.rmtree(slow)
 
 
 # ---- the worker command -------------------------------------------------------------------------

@@ -18,11 +18,11 @@ import pytest
 import redis
 import torch
 
-from smartredis_io import Client, ConfigOptions, RedisServer
+from smartredis_io import Client, RedisServer
 from smartredis_io.error import RedisTimeoutError
 from tests.support.processes import call_within
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
-from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until
+from tests.support.srio_workers import busy_worker, protocol_client, registry, run_client, wait_until
 
 X = np.ones((2, 4), dtype=np.float32)
 WORKER_START_S = 90  # a worker imports torch before it registers; the machine may be busy
@@ -75,10 +75,7 @@ def module_server() -> Iterator[RedisServer]:
 
 
 def _client(server: RedisServer, timeout_ms: int = 60_000) -> Client:
-    options = ConfigOptions.create_from_environment("")
-    options.override_string_option("SSDB", server.address)
-    options.override_integer_option("SR_MODEL_TIMEOUT", timeout_ms)
-    return Client(options)
+    return run_client(server.address, timeout_ms)
 
 
 def test_the_module_alone_runs_models_and_scripts(module_server: RedisServer, uid: str) -> None:

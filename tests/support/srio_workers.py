@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from smartredis_io import Client, ConfigOptions
 from tests.support import ROOT
 
 #: who the module's workers run as when the tests run as root (the module refuses root)
@@ -45,6 +46,14 @@ def protocol_client(server: Any, port: int | None = None) -> redis.Redis:
 
     return redis.Redis(host="127.0.0.1", port=port or server.port, password=server.settings().password,
                        redis_connect_func=hello)
+
+
+def run_client(address: str, model_timeout_ms: int = 60_000) -> Client:
+    """A client of ``address`` whose runs wait up to ``model_timeout_ms`` (``SR_MODEL_TIMEOUT``)."""
+    options = ConfigOptions.create_from_environment("")
+    options.override_string_option("SSDB", address)
+    options.override_integer_option("SR_MODEL_TIMEOUT", model_timeout_ms)
+    return Client(options)
 
 
 def worker_env(server: Any) -> dict[str, str]:
