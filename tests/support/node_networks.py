@@ -105,6 +105,11 @@ class NodeNetworks:
     Args:
         nodes: the node names (``n1``, ``n2``...).
 
+    Attributes:
+        bridge: the bridge's interface name, in this host's namespace.
+        namespaces: each node's network namespace (``ip netns`` name).
+        veths: each node's interface pair's end on the bridge.
+
     Raises:
         ValueError: more nodes than a ``/24`` holds.
     """
@@ -114,9 +119,9 @@ class NodeNetworks:
             raise ValueError(f"at most 250 nodes have networks of their own, got {len(nodes)}")
         self.nodes = list(nodes)
         serial = next(_created)
-        self._bridge = _bridge_name(os.getpid(), serial)
-        self._namespaces = {node: f"{_PREFIX}-{os.getpid()}-{serial}-{node}" for node in self.nodes}
-        self._veths = {node: f"lsv{os.getpid():x}-{serial % 16:x}-{i}" for i, node in enumerate(self.nodes, 1)}
+        self.bridge = _bridge_name(os.getpid(), serial)
+        self.namespaces = {node: f"{_PREFIX}-{os.getpid()}-{serial}-{node}" for node in self.nodes}
+        self.veths = {node: f"lsv{os.getpid():x}-{serial % 16:x}-{i}" for i, node in enumerate(self.nodes, 1)}
         self._subnet: ipaddress.IPv4Network | None = None
 
     @property
@@ -137,7 +142,7 @@ class NodeNetworks:
     def enter(self, node: str) -> list[str]:
         """The command prefix that runs a program in the node's network namespace (and nothing else of it:
         ``ip netns exec`` would also mount a sysfs of its own, where slurmd finds no cgroup file system)."""
-        return ["nsenter", f"--net={NAMESPACE_DIR}/{self._namespaces[node]}"]
+        return ["nsenter", f"--net={NAMESPACE_DIR}/{self.namespaces[node]}"]
 
     def create(self) -> NodeNetworks:
         """Make the bridge and each node's namespace and interface; remove what was made if any step fails.
@@ -152,14 +157,14 @@ class NodeNetworks:
             raise NodeNetworkError(f"every /24 of {BLOCK} is in use on this host")
         self._subnet = random.choice(free)  # two sessions making networks at once rarely pick the same
         try:
-            _ip("link", "add", self._bridge, "type", "bridge")
-            _ip("addr", "add", f"{self.controller_address}/24", "dev", self._bridge)
-            _ip("link", "set", self._bridge, "up")
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.controller_address}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
             for node in self.nodes:
-                namespace, veth = self._namespaces[node], self._veths[node]
+                namespace, veth = self.namespaces[node], self.veths[node]
                 _ip("netns", "add", namespace)
                 _ip("link", "add", veth, "type", "veth", "peer", "name", NODE_INTERFACE, "netns", namespace)
-                _ip("link", "set", veth, "master", self._bridge)
+                _ip("link", "set", veth, "master", self.bridge)
                 _ip("link", "set", veth, "up")
                 _ip("-n", namespace, "addr", "add", f"{self.address(node)}/24", "dev", NODE_INTERFACE)
                 _ip("-n", namespace, "link", "set", NODE_INTERFACE, "up")
@@ -171,11 +176,11 @@ class NodeNetworks:
 
     def remove(self) -> None:
         """Remove every namespace (each takes its interface pair with it) and the bridge. Idempotent."""
-        for namespace in self._namespaces.values():
+        for namespace in self.namespaces.values():
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _ip("netns", "del", namespace, check=False)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            _ip("link", "del", self._bridge, check=False)
+            _ip("link", "del", self.bridge, check=False)
 
 
 class NetworkedSlurm(LocalSlurm):
