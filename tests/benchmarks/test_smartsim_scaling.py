@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks.smartsim_scaling import launch, slurm
 from benchmarks.smartsim_scaling.cli import COMMANDS, main
-from benchmarks.smartsim_scaling.options import driver_options, int_list
+from benchmarks.smartsim_scaling.options import driver_options, int_list, str_list
 from benchmarks.smartsim_scaling.results import CSV_NAME, RESULTS_DIR, aggregate_gbps, collect, derived
 
 TINY_THROUGHPUT = ["--tensor_bytes", "1024", "65536", "--clients_per_node", "2", "--iterations", "3"]
@@ -288,9 +290,23 @@ def test_slurm_launcher_outside_an_allocation_says_how_to_get_one(tmp_path, monk
     assert not any(tmp_path.iterdir()), "nothing was started or written"
 
 
-def test_the_ranks_srun_starts_import_this_checkout():
+_PATH_ENTRY = st.text(st.characters(blacklist_characters=os.pathsep, blacklist_categories=("Cs",)), min_size=1)
+
+
+@given(st.lists(st.one_of(_PATH_ENTRY, st.just(str(slurm.CODE_ROOT))), max_size=5))
+def test_the_ranks_srun_starts_import_this_checkout(entries):
+    """The checkout is on the ranks' PYTHONPATH once, first unless already there; the driver's entries stay,
+    in their order."""
     root = str(slurm.CODE_ROOT)
     assert (slurm.CODE_ROOT / "benchmarks" / "smartsim_scaling" / "launch.py").is_file()
-    assert slurm.ranks_python_path(None) == root
-    assert slurm.ranks_python_path(f"/a{os.pathsep}/b") == os.pathsep.join([root, "/a", "/b"])
-    assert slurm.ranks_python_path(f"/a{os.pathsep}{root}") == f"/a{os.pathsep}{root}", "kept where it is"
+    parts = slurm.ranks_python_path(os.pathsep.join(entries) or None).split(os.pathsep)
+    assert root in parts
+    assert [p for p in parts if p != root] == [e for e in entries if e != root]
+    assert parts.count(root) == max(1, entries.count(root))
+
+
+@given(st.lists(st.text(st.characters(blacklist_characters=", []", blacklist_categories=("Cs",)), min_size=1),
+                max_size=5))
+def test_host_lists_take_the_driver_syntax(hosts):
+    for text in (",".join(hosts), f"[{', '.join(hosts)}]"):
+        assert str_list(text) == hosts
