@@ -41,6 +41,7 @@ from lightning_storage_plugins._lightning_compat import is_launcher_handback_pat
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
+from lightning_storage_plugins.preflight import storage_plugin
 from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
@@ -155,13 +156,10 @@ class DatafluxModelCheckpoint(RemoteModelCheckpoint):
 
     @override
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        from dataflux_ckpt.tiered import TieredCheckpointIO  # it builds on this module
-        from lightning_storage_plugins.preflight import storage_plugin
-
         found = super()._find_last_checkpoints(trainer)
         plugin = storage_plugin(trainer.strategy.checkpoint_io)
-        if isinstance(plugin, TieredCheckpointIO) and self.dirpath is not None:
-            found |= set(plugin.last_checkpoints(str(self.dirpath)).values())
+        if isinstance(plugin, DatafluxCheckpointIO):
+            found |= set(plugin.last_checkpoints(self.checkpoint_directory(trainer)).values())
         return found
 
 
@@ -409,6 +407,12 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
             return
         if removed:
             log.info("removed %d part objects that killed saves left under %s", removed, directory.uri)
+
+    def last_checkpoints(self, directory: str) -> dict[str, str]:
+        """Copies of ``directory``'s ``last`` checkpoints that a listing of ``directory`` does not
+        show, by their ``gs://`` path (for ``ckpt_path="last"``): none here, where every checkpoint
+        is an object of the directory; a tiered plugin's local copies."""
+        return {}
 
     def list_checkpoints(self, prefix: str | os.PathLike[str]) -> list[str]:
         """The ``gs://`` paths of the objects under ``prefix`` (``gs://bucket/dir/``), sorted; part

@@ -1180,6 +1180,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         super().preflight(checkpoint_dirs)
         self._start_writing()
 
+    @override
     def last_checkpoints(self, directory: str) -> dict[str, str]:
         """The local tier's ``last`` checkpoints (``last.ckpt``, ``last-v1.ckpt``...) of the ``gs://``
         ``directory``: each one's local file, by its ``gs://`` path."""
