@@ -563,6 +563,55 @@ def test_runs_that_come_while_the_first_worker_starts_wait_for_it(uid: str) -> N
         shutil.rmtree(slow)
 
 
+def test_a_server_that_goes_away_is_no_error_in_the_workers_log(tmp_path: Path) -> None:
+    """A unix-socket database shut down under its workers (SmartSim's colocated one at the end of a
+    run): they leave with an INFO line, no ERROR and no traceback, and their words reach the log after
+    the server is gone."""
+    sockets = _shared_dir("srio-going-")
+    try:
+        with user_server(IN_PLACE, *AS_USER, unixsocket=sockets / "redis.sock") as server:
+            info = _serving(server)
+            processes = _session(info["srio_supervisor_pid"])
+            try:
+                server.client.shutdown(nosave=True)
+            except redis.exceptions.ConnectionError:
+                pass  # the server closes the connection as it leaves
+            assert _gone(processes, 30), "the workers leave with the server"
+            lines = [line for line in server.log().splitlines() if "smartredis_io.worker" in line]
+    finally:
+        shutil.rmtree(sockets)
+    assert any("gone" in line or "closed its connection" in line or "stopping" in line for line in lines), lines
+    assert not [line for line in lines if " ERROR " in line or "Traceback" in line], lines
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("cc") is None, reason="needs unshare and cc")
+def test_without_a_random_source_the_module_makes_no_secret(tmp_path: Path) -> None:
+    """getrandom(2) failing (a shim preloaded into redis-server), the module reads /dev/urandom; with
+    /dev/urandom empty too (/dev/null mounted over it), it refuses to load: no secret from the time
+    and the pid."""
+    shim = tmp_path / "no_getrandom.so"
+    (tmp_path / "shim.c").write_text("#include <errno.h>\n#include <stddef.h>\n#include <sys/types.h>\n"
+                                     "ssize_t getrandom(void *b, size_t n, unsigned f) { errno = ENOSYS; return -1; }\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c")], check=True, timeout=120)
+    server = ["redis-server", "--port", "0", "--unixsocket", str(tmp_path / "redis.sock"), "--save", "",
+              "--loadmodule", str(IN_PLACE), "WORKERS", "0"]
+    with subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-ec",
+                           f'exec env LD_PRELOAD={shim} "$@"', "sh", *server],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=CLEAN_ENV) as loaded:
+        for line in loaded.stdout:
+            if b"ready to accept connections" in line.lower() or b"aborting" in line:
+                break
+        loaded.terminate()
+        assert b"ready to accept connections" in line.lower(), line
+    refused = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec",
+                              f'mount --bind /dev/null /dev/urandom; exec env LD_PRELOAD={shim} "$@"', "sh", *server],
+                             capture_output=True, text=True, timeout=60, env=CLEAN_ENV)
+    assert refused.returncode != 0
+    assert re.search(r"cannot make a worker secret: getrandom: Function not implemented; /dev/urandom: short read; "
+                     r"give one with the module argument WORKER_SECRET_FILE", refused.stdout), refused.stdout[-2000:]
+
+
 # ---- the worker command -------------------------------------------------------------------------
 
 PAUSE = re.compile(r"worker 0 exited \(killed by signal 9\); starting a new one in ([\d.]+) s")
