@@ -14,7 +14,7 @@
  * the interpreter an in-place build recorded (build.py --python: a source checkout's environment);
  * else python3 on PATH.
  *
- The supervisor is started by a double fork, so that it is not redis-server's child (redis-server
+ * The supervisor is started by a double fork, so that it is not redis-server's child (redis-server
  * reaps its own children, and this one must outlive none of them); where redis-server is PID 1 (a
  * container without an init), the kernel makes it the parent of such orphans, and the module reaps
  * them. It runs in a session of its own, in `/`, with descriptors 0 to 2 only:
@@ -38,8 +38,8 @@
  * and LOGNAME.
  *
  * ADDR is the server's unix socket (unix://path), else its first bind address (127.0.0.1 for a
- * wildcard) and port; TCP when workers run as another user, who may not be allowed to open the
- * socket. Workers connect as the default user, or with SR_USERNAME / SR_PASSWORD from the server's
+ * wildcard) and port; TCP when workers run as another user and the server has a port, else the
+ * socket, which an ACL entry opens to that user where its mode does not. Workers connect as the default user, or with SR_USERNAME / SR_PASSWORD from the server's
  * environment. No worker is started (INFO srio and the runs' error say why) by a server running as
  * root with no WORKER_USER, by a server of another user than WORKER_USER, or where the default user
  * needs a password the environment does not give.
