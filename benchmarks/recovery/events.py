@@ -353,7 +353,7 @@ class ProcessLauncher:
 
     def start(self, config: JobConfig, env: Mapping[str, str] | None = None) -> ProcessJob:
         """Start the job; its output goes to ``<log>.<n>.out`` beside its event log."""
-        output = _output_path(config.log)
+        output = _output_path(config.event_log)
         with open(output, "wb") as stream:
             process = subprocess.Popen(self.command(config), stdin=subprocess.DEVNULL, stdout=stream,
                                        stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(env or {})})
@@ -401,9 +401,11 @@ class ForkedJob:
 
 
 # Imported by the fork server before it forks anything: what every start of the job needs.
+# DeepSpeed too, which FastPersist imports at its first read or write (its aio op): every other plugin's
+# libraries are here, and a start that paid for DeepSpeed's import alone would charge FastPersist for it.
 PRELOAD = ("torch", "lightning.pytorch", "torch.distributed.checkpoint", "torch.distributed.elastic.agent.server",
            "torch.distributed.launcher.api", "dataflux_ckpt", "dataflux_ckpt.checkpoint_io", "dataflux_ckpt.strategies",
-           "gcsfs", "fastpersist", "fastpersist.checkpoint_io", "fastpersist.strategies", "smartredis_io",
+           "gcsfs", "fastpersist", "fastpersist.checkpoint_io", "fastpersist.strategies", "deepspeed", "smartredis_io",
            "smartredis_io.lightning.checkpoint_io", "benchmarks.recovery.job")
 
 
@@ -493,7 +495,7 @@ class ForkServer:
         return self._fork("elastic", config, env, nproc=nproc, max_restarts=max_restarts)
 
     def _fork(self, kind: str, config: JobConfig, env: Mapping[str, str] | None, **extra: Any) -> ForkedJob:
-        output = _output_path(config.log)
+        output = _output_path(config.event_log)
         pid = self._request({"op": "fork", "kind": kind, "config": config.to_json(), "env": dict(env or {}),
                              "output": output, **extra})
         job = ForkedJob(self, pid, output)

@@ -1,6 +1,6 @@
 """The recovery job: a Lightning training run that checkpoints through one storage plugin and comes back.
 
-    python -m benchmarks.recovery.job --plugin fastpersist-aio --root /mnt/nvme0/run --log events.jsonl
+    python -m benchmarks.recovery.job --plugin fastpersist-aio --root /mnt/nvme0/run --event-log events.jsonl
 
 Each start resumes from the run's newest checkpoint, as users resume: ``fit(ckpt_path="last")``, and
 under Slurm with ``SLURMEnvironment(auto_requeue=True)`` Lightning's own choice (``ckpt_path=None``:
@@ -9,7 +9,7 @@ through the plugin's ``ModelCheckpoint`` (``save_last=True``), optionally behind
 ``AsyncCheckpointIO``, and on an exception (Lightning's ``SIGTERMException`` after a SIGTERM among them)
 through ``OnExceptionCheckpoint``.
 
-What happens goes to the event log given by ``--log``, one JSON object a line, each written with one
+What happens goes to the event log given by ``--event-log``, one JSON object a line, each written with one
 ``write`` to a file opened for appending (so that lines of several processes never mix, and a killed
 process leaves every line it wrote): see :class:`EventLog`. :mod:`benchmarks.recovery.events` reads it.
 
@@ -72,7 +72,7 @@ class JobConfig:
         root: the Trainer's ``default_root_dir``; checkpoints go to ``<root>/checkpoints``, Lightning's
             Slurm handler saves ``<root>/hpc_ckpt_N.ckpt``. A local directory, ``gs://bucket/prefix`` or
             ``redis://name``, as the plugin needs.
-        log: the event log (JSON lines), appended to by every start of the run.
+        event_log: the event log (JSON lines), appended to by every start of the run.
         strategy: ``single`` for the single-file plugins, ``fsdp`` or ``model_parallel`` for the sharded ones.
         every_n_steps: checkpoint every N optimizer steps (``ModelCheckpoint(every_n_train_steps=N)``).
         save_top_k: step checkpoints kept besides ``last.ckpt`` (0: only ``last.ckpt`` is saved).
@@ -89,13 +89,20 @@ class JobConfig:
         transfer_chunk_kib: Dataflux's part size (None: its default).
         transfer_workers: Dataflux's parallel parts (None: its default).
         devices: ranks on this node (under torchrun: its ``--nproc-per-node``).
+        resume: ``auto``: ``fit(ckpt_path="last")``, under Slurm's auto-requeue ``ckpt_path=None``; but for a
+            sharded checkpoint on gs://, the newest ``last`` checkpoint the job finds itself (see
+            :func:`newest_last_checkpoint`). ``last``: ``ckpt_path="last"`` always.
         threads: torch's intra-op threads per process (None: torch's default).
         seed: the seed of the first weights and of the data.
+        plain_saves: once training has ended (the ``train_end`` event), save its checkpoint this many times
+            more with ``trainer.save_checkpoint`` to ``<checkpoint_dir>/last.ckpt``, outside the training
+            loop (as ``benchmarks.lightning_ckpt`` times a plugin's save): what a save stall in training
+            compares with.
     """
 
     plugin: str
     root: str
-    log: str
+    event_log: str
     strategy: str = "single"
     every_n_steps: int = 2
     save_top_k: int = 1
@@ -111,8 +118,10 @@ class JobConfig:
     transfer_chunk_kib: int | None = None
     transfer_workers: int | None = None
     devices: int = 1
+    resume: str = "auto"
     threads: int | None = 1
     seed: int = 0
+    plain_saves: int = 0
 
     def __post_init__(self) -> None:
         if self.plugin not in PLUGINS:
@@ -123,6 +132,8 @@ class JobConfig:
             raise ValueError(f"plugin {self.plugin} runs on strategy "
                              f"{'fsdp or model_parallel' if self.plugin in SHARDED_PLUGINS else 'single'}, "
                              f"not {self.strategy}")
+        if self.resume not in ("auto", "last"):
+            raise ValueError(f"resume must be 'auto' or 'last', got {self.resume!r}")
         if self.async_save and self.plugin in SHARDED_PLUGINS:
             raise ValueError(f"async_save is for the single-file plugins, not {self.plugin}")
         scheme = _SCHEMES.get(self.plugin, "")
@@ -133,8 +144,9 @@ class JobConfig:
         for name in ("every_n_steps", "max_steps", "width", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.save_top_k < 0 or self.size_mb <= 0 or self.step_time_s < 0:
-            raise ValueError(f"save_top_k ({self.save_top_k}) and step_time_s ({self.step_time_s}) must not be "
+        if self.save_top_k < 0 or self.plain_saves < 0 or self.size_mb <= 0 or self.step_time_s < 0:
+            raise ValueError(f"save_top_k ({self.save_top_k}), plain_saves ({self.plain_saves}) and step_time_s "
+                             f"({self.step_time_s}) must not be "
                              f"negative, size_mb ({self.size_mb}) must be positive")
 
     @property
@@ -492,6 +504,30 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+def newest_last_checkpoint(checkpoint_dir: str) -> str | None:
+    """The ``last`` checkpoint (``last.ckpt``, ``last-vN.ckpt``, ``on_exception.ckpt``) of ``checkpoint_dir``
+    that was saved last, as ``ckpt_path="last"`` chooses, for sharded checkpoints on gs://: each is an object
+    prefix there, gcsfs gives a prefix no modification time, and Lightning's choice raises
+    ``KeyError: 'mtime'``. A prefix's time is that of its ``.metadata``, the object a save publishes last;
+    one without it is no checkpoint. None when there is none."""
+    import re
+
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    fs = get_filesystem(checkpoint_dir)
+    fs.invalidate_cache()
+    if not fs.exists(checkpoint_dir):
+        return None
+    last = re.compile(rf"^(last(-v\d+)?|{ON_EXCEPTION_NAME})\.ckpt$")
+    found: dict[str, float] = {}
+    for name in fs.ls(checkpoint_dir, detail=False):
+        base = name.rstrip("/").rsplit("/", 1)[-1]
+        metadata = f"{name.rstrip('/')}/.metadata"
+        if last.match(base) and fs.exists(metadata):
+            found[fs.unstrip_protocol(name.rstrip("/"))] = fs.modified(metadata).timestamp()
+    return max(found, key=found.__getitem__) if found else None
+
+
 def build_trainer(config: JobConfig, log: EventLog) -> tuple[Any, Any]:
     """The Trainer of ``config`` and the ``ckpt_path`` its ``fit`` resumes with."""
     from lightning.pytorch import Trainer
@@ -520,7 +556,34 @@ def build_trainer(config: JobConfig, log: EventLog) -> tuple[Any, Any]:
                       callbacks=callbacks, max_steps=config.max_steps, limit_val_batches=0, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=config.root)
     # Under Slurm, Lightning's own choice: the newest hpc_ckpt_N, else "last" (OnExceptionCheckpoint is there).
-    return trainer, None if slurm else "last"
+    if slurm:
+        return trainer, None
+    if config.resume == "auto" and config.plugin in SHARDED_PLUGINS and config.root.startswith("gs://"):
+        return trainer, newest_last_checkpoint(config.checkpoint_dir)
+    return trainer, "last"
+
+
+def init_elastic_process_group(backend: str = "gloo") -> bool:
+    """Under torchrun, join this restart's process group through a store of its own; True if it did.
+
+    torchrun's ranks share the elastic agent's store (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.11 to
+    2.15 keep it across restarts without a prefix per restart: the restarted ranks read the addresses the
+    ranks before them published, and gloo connects to a dead rank's port (``Connection refused``, or a
+    hang in ``new_group``). Joining with ``TORCHELASTIC_RESTART_COUNT`` as the store's prefix, before
+    Lightning would join without one (it keeps a process group that exists), gives each restart its own
+    keys. Elsewhere (no torchrun, or a store of the ranks' own) it does nothing.
+    """
+    import torch.distributed as dist
+
+    environ = os.environ
+    if (environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in environ
+            or dist.is_initialized()):
+        return False
+    world_size, rank = int(environ["WORLD_SIZE"]), int(environ["RANK"])
+    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False)
+    prefixed = dist.PrefixStore(f"restart-{environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
+    return True
 
 
 def run(config: JobConfig) -> None:
@@ -530,7 +593,7 @@ def run(config: JobConfig) -> None:
         Whatever training raises, after the ``exit`` event: Lightning's ``SIGTERMException`` (a
         ``SystemExit``) after a SIGTERM, among others.
     """
-    log = EventLog(config.log)
+    log = EventLog(config.event_log)
     log.emit("start", plugin=config.plugin, strategy=config.strategy, attempt=attempt_of(), ppid=os.getppid(),
              slurm_job=os.environ.get("SLURM_JOB_ID"), config=dataclasses.asdict(config))
     step = None
@@ -548,8 +611,13 @@ def run(config: JobConfig) -> None:
                 # Lightning checks redis:// checkpoints through fsspec's redis filesystem, which reads $SSDB.
                 os.environ["SSDB"] = config.redis_address
             quiet_lightning()
+            if config.strategy != "single":
+                init_elastic_process_group()
             trainer, ckpt_path = build_trainer(config, log)
             trainer.fit(_recovery_model(config), train_dataloaders=_data(config), ckpt_path=ckpt_path)
+            log.emit("train_end", step=trainer.global_step)
+            for _ in range(config.plain_saves):
+                trainer.save_checkpoint(f"{config.checkpoint_dir}/last.ckpt")
             step = trainer.global_step
     except BaseException as exc:
         log.emit("exit", reason=type(exc).__name__, error=str(exc)[:500])

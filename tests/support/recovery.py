@@ -22,6 +22,7 @@ from benchmarks.recovery.events import (
     of_process,
 )
 from benchmarks.recovery.job import CHECKPOINT_SUBDIR, EventLog, JobConfig
+from lightning_storage_plugins.dcp import LOCK_NAME
 from lightning_storage_plugins.owners import Owner
 
 # Every test run of the job: checkpoints of about 2 MiB, a save every 2 steps, steps of 20 ms.
@@ -44,7 +45,7 @@ class Storage:
 
     def config(self, log: str | os.PathLike[str], **overrides: Any) -> JobConfig:
         """The job's config for this storage, with the tests' small sizes."""
-        return JobConfig(plugin=self.plugin, root=self.root, log=os.fspath(log), gcs_url=self.gcs_url,
+        return JobConfig(plugin=self.plugin, root=self.root, event_log=os.fspath(log), gcs_url=self.gcs_url,
                          redis_address=self.redis_address, **{"max_steps": 100_000, **TEST_JOB, **overrides})
 
     def _bucket(self) -> tuple[Any, str]:
@@ -113,7 +114,7 @@ class Rounds:
     names (:func:`~benchmarks.recovery.events.check_resume`), and no temporary of an earlier, dead start is
     left in the storage (the start's sweep removed them)."""
 
-    def __init__(self, server: ForkServer, storage: Storage, log: str | os.PathLike[str], seed: int) -> None:
+    def __init__(self, server: ForkServer | None, storage: Storage, log: str | os.PathLike[str], seed: int) -> None:
         self.server = server
         self.storage = storage
         self.log_path = os.fspath(log)
@@ -124,6 +125,7 @@ class Rounds:
 
     def start(self, config: JobConfig, *, slurm: bool = False) -> Round:
         """Fork a start of the job and wait until it trains; check its resume and the leftovers."""
+        assert self.server is not None, "rounds without a fork server start no job"
         job = self.server.start_job(config)
         started = self.follower.wait_for(of_process(job.pid, "train_start"), START_TIMEOUT_S,
                                          f"the training start of process {job.pid}", job=job)
@@ -173,3 +175,47 @@ def points_for(plugin: str) -> list[str]:
 
 def first_part_of(storage: Storage) -> Callable[[str], bool] | None:
     return storage.first_part if storage.root.startswith("gs://") else None
+
+
+def attempt_started(follower: LogFollower, job: Job, attempt: int, ranks: int,
+                    timeout: float = START_TIMEOUT_S) -> dict[int, Mapping[str, Any]]:
+    """The ``train_start`` of each rank of restart ``attempt`` of an elastic job, waited for."""
+    started: dict[int, Mapping[str, Any]] = {}
+    for rank in range(ranks):
+        def of_attempt(event: Mapping[str, Any], rank: int = rank) -> bool:
+            return (event["event"] == "train_start" and event.get("rank", 0) == rank
+                    and any(e["event"] == "start" and e["pid"] == event["pid"] and e.get("attempt") == attempt
+                            for e in follower.events))
+        started[rank] = follower.wait_for(of_attempt, timeout, f"rank {rank} training in attempt {attempt}",
+                                          job=job, since=0)
+    return started
+
+
+def sharded_leftovers(storage: Storage, follower: LogFollower, live: set[int]) -> tuple[list[str], list[str]]:
+    """What killed sharded saves left under the checkpoint directory, not counting what processes in
+    ``live`` may be writing: checkpoints without ``.metadata`` that hold shards (a save that never
+    published), FastPersist temporary files and Dataflux part objects of dead processes; and, apart,
+    the directories that hold nothing but the DCP save lock (``.dcp-save.lock``) of a save killed before
+    it wrote anything there. The storage is listed first, then the log read: a save that wrote something
+    listed had logged its start by then."""
+    names = [name for name in storage.names() if name.startswith(CHECKPOINT_SUBDIR + "/")]
+    temporaries = storage.temporaries()
+    follower.poll()
+    in_progress = {e["path"].rstrip("/").rsplit("/", 1)[-1] for e in follower.events
+                   if e["event"] == "save_start" and e.get("pid") in live}
+    checkpoints: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split("/")
+        checkpoints.setdefault(parts[1], []).append("/".join(parts[2:]))
+    left, lock_only = [], []
+    for checkpoint, files in sorted(checkpoints.items()):
+        if ".metadata" in files or checkpoint in in_progress:
+            continue
+        if files == [LOCK_NAME]:
+            lock_only.append(checkpoint)
+        else:
+            left.append(f"{checkpoint}: no .metadata, {sorted(files)}")
+    for name, pid in temporaries.items():
+        if pid not in live:
+            left.append(name)
+    return left, lock_only
