@@ -137,10 +137,7 @@ def build(out: Path | None = None, *, force: bool = False, sanitize: bool = Fals
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    if in_place or sanitize:  # where the next build may be skipped; a wheel carries no stamp (it names build paths)
-        _stamp(out).write_text(shlex.join(cmd))
-    else:
-        _stamp(out).unlink(missing_ok=True)
+    _stamp(out).write_text(shlex.join(cmd))
     return out
 
 
