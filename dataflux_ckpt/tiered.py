@@ -117,21 +117,23 @@ _DATA_RE = re.compile(rf"^(?P<key>[0-9a-f]{{{KEY_HEX}}})-(?P<version>[0-9a-f]{{{
 _MANIFEST_RE = re.compile(rf"^(?P<key>[0-9a-f]{{{KEY_HEX}}}){re.escape(MANIFEST_SUFFIX)}$")
 _VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX}}}$")
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
-_NVME_HINT = ("TieredCheckpointIO writes its local tier with FastPersist and needs the [nvme] extra as well as "
+_NVME_HINT = ("{user} writes its local tier with FastPersist and needs the [nvme] extra as well as "
               "[gcs]: pip install 'lightning-storage-plugins[gcs,nvme]'")
 
 
-def _fastpersist(engine: str | None) -> ModuleType:
+def _fastpersist(engine: str | None, user: str = "TieredCheckpointIO") -> ModuleType:
     """The ``fastpersist`` package, imported on first use so that ``import dataflux_ckpt`` needs only ``[gcs]``.
 
     Raises:
         ImportError: fastpersist cannot be imported, or DeepSpeed (its ``aio`` engine) is not
-            installed and ``engine`` is not ``"python"``; the message names the ``[nvme]`` extra.
+            installed and ``engine`` is not ``"python"``; the message names the ``[nvme]`` extra
+            and ``user``, what needs it.
     """
+    hint = _NVME_HINT.format(user=user)
     try:
         import fastpersist
     except ImportError as exc:
-        raise ImportError(f"{_NVME_HINT} ({exc})", name=exc.name) from exc
+        raise ImportError(f"{hint} ({exc})", name=exc.name) from exc
     if engine != "python":
         import importlib.util
 
@@ -140,7 +142,7 @@ def _fastpersist(engine: str | None) -> ModuleType:
         except (ImportError, ValueError):  # a module set to None in sys.modules
             found = False
         if not found:
-            raise ImportError(f"{_NVME_HINT} (DeepSpeed, for the aio engine, is not installed; "
+            raise ImportError(f"{hint} (DeepSpeed, for the aio engine, is not installed; "
                               "engine='python' writes the local tier without it)", name="deepspeed")
     return fastpersist
 
@@ -349,6 +351,25 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+def _write_atomically(path: str, data: bytes, temporary: str) -> None:
+    """Create or replace ``path`` with ``data`` in one step: written to ``temporary`` (in the same
+    directory), fsynced, renamed over ``path``, and the directory fsynced."""
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except BaseException:
+        _unlink_quietly(temporary)
+        raise
+    _fsync_dir(os.path.dirname(path))
+
+
 class _LocalTier:
     """The files of one local tier directory: names, manifests (written atomically), free space."""
 
@@ -389,18 +410,7 @@ class _LocalTier:
     def write(self, key: str, manifest: Manifest) -> None:
         """Replace the manifest of ``key`` atomically (temporary name, fsync, rename, fsync the directory)."""
         temporary = os.path.join(self.directory, f".{key}.{uuid.uuid4().hex[:8]}{MANIFEST_TEMP_SUFFIX}")
-        try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                os.write(fd, manifest.to_json())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temporary, self.manifest_path(key))
-        except BaseException:
-            _unlink_quietly(temporary)
-            raise
-        _fsync_dir(self.directory)
+        _write_atomically(self.manifest_path(key), manifest.to_json(), temporary)
 
     def files_of(self, key: str) -> list[str]:
         """The version files of ``key`` (whatever their version)."""
