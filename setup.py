@@ -36,7 +36,8 @@ class BuildPyWithModule(build_py):
         if self.editable_mode:
             builder.build()
         else:
-            builder.build(Path(self.build_lib) / "smartredis_io" / "redisai" / builder.MODULE_NAME, force=True)
+            builder.build(Path(self.build_lib) / "smartredis_io" / "redisai" / builder.MODULE_NAME, force=True,
+                          stamp=False)
 
 
 class PlatformWheel(bdist_wheel):

@@ -148,6 +148,13 @@ def test_wheel_ships_only_the_plugins_and_their_support(installed_wheel: Path) -
     assert top_level == ["dataflux_ckpt", "fastpersist", "lightning_storage_plugins", "smartredis_io"]
 
 
+def test_nothing_the_wheel_installs_names_the_checkout(installed_wheel: Path) -> None:
+    """Installed code never refers to the source checkout: no file of the wheel holds its path."""
+    naming = [str(path.relative_to(installed_wheel)) for path in installed_wheel.rglob("*")
+              if path.is_file() and ".dist-info" not in path.parts and str(ROOT).encode() in path.read_bytes()]
+    assert naming == []
+
+
 def test_wheel_is_what_the_snippets_import(installed_wheel: Path, tmp_path: Path) -> None:
     done = _run("import dataflux_ckpt, fastpersist, smartredis_io, lightning_storage_plugins as l\n"
                 "for m in (dataflux_ckpt, fastpersist, smartredis_io, l): print(m.__file__)", installed_wheel, tmp_path)

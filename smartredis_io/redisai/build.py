@@ -104,7 +104,8 @@ def check_header() -> Path:
     return HEADER
 
 
-def build(out: Path | None = None, *, force: bool = False, sanitize: bool = False, python: str | None = None) -> Path:
+def build(out: Path | None = None, *, force: bool = False, sanitize: bool = False, python: str | None = None,
+          stamp: bool = True) -> Path:
     """Compile the module into ``out`` (default: next to the sources, or ``SANITIZED_OUT`` with
     ``sanitize``) unless it is up to date.
 
@@ -114,6 +115,8 @@ def build(out: Path | None = None, *, force: bool = False, sanitize: bool = Fals
         sanitize: the AddressSanitizer + UndefinedBehaviorSanitizer build.
         python: the interpreter to record for the workers (see the module's docstring); None: the one
             recorded before, for a build in place, else none; ``""``: none.
+        stamp: leave the stamp that lets the next build of ``out`` be skipped (a wheel's build does
+            not: the stamp names the paths of the machine that built it).
 
     Raises:
         ValueError: ``python`` cannot be recorded (see :func:`command`).
@@ -137,7 +140,10 @@ def build(out: Path | None = None, *, force: bool = False, sanitize: bool = Fals
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    _stamp(out).write_text(shlex.join(cmd))
+    if stamp:
+        _stamp(out).write_text(shlex.join(cmd))
+    else:
+        _stamp(out).unlink(missing_ok=True)
     return out
 
 
