@@ -16,7 +16,9 @@ run when that operation ends, before it returns to its caller (the checkpoint's 
 change meanwhile: the thread that would change them is the one held in the operation); a load,
 whose caller needs its result now, is refused with
 :class:`~lightning_storage_plugins.reentry.ReentrantOperationError`. Other threads go on as before:
-each storage lets them in or makes them wait its turn.
+each storage lets them in or makes them wait its turn. :class:`DeferringOperations` holds this
+deferral; the sharded-checkpoint strategies (:mod:`lightning_storage_plugins.sharded`) derive from
+it too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import threading
 import time
 import weakref
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
@@ -43,7 +45,7 @@ from lightning_storage_plugins.collector import collector_paused
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 
-__all__ = ["CheckpointDir", "OrderedCheckpointIO", "QueuedSave", "SaveOrder", "WeightsOnlyError",
+__all__ = ["CheckpointDir", "DeferringOperations", "OrderedCheckpointIO", "QueuedSave", "SaveOrder", "WeightsOnlyError",
            "check_weights_only", "live_plugins", "remove_local"]
 
 log = logging.getLogger(__name__)
@@ -264,7 +266,209 @@ class CheckpointDir(NamedTuple):
     links: bool
 
 
-class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
+class DeferringOperations(ABC, Generic[Target]):
+    """Operations asked for on a thread that is already inside one of them wait for it to end.
+
+    The base of the single-file plugins (:class:`OrderedCheckpointIO`) and of the sharded-checkpoint
+    strategies (:mod:`lightning_storage_plugins.sharded`). Each public operation runs through
+    :meth:`_saving`, :meth:`_removing`, :meth:`_tearing_down` or :meth:`_loading`: on a thread that
+    is inside none of them it runs at once (and then what was asked for meanwhile); on a thread
+    that is inside one (from a signal handler, such as Lightning's Slurm requeue handler, or from a
+    callback of the operation) a save, removal or teardown is recorded and made when that operation
+    ends, before it returns, and a load raises
+    :class:`~lightning_storage_plugins.reentry.ReentrantOperationError`. Saves and removals of one
+    target are kept in order by a :class:`SaveOrder`.
+
+    A subclass calls :meth:`_start_deferrals` when it is made (and in a pickled copy), and supplies
+    how a target is written, deleted and looked up.
+    """
+
+    #: What a deferred operation raises when it fails (it is then logged and raised by the operation
+    #: it waited for, as DeferredOperationError); anything else (KeyboardInterrupt) drops the rest.
+    _failures: ClassVar[tuple[type[BaseException], ...]] = (Exception,)
+    _order: SaveOrder
+    _threads: threading.local
+
+    def _start_deferrals(self) -> None:
+        """Make this process' record of saves and of each thread's operation."""
+        self._order = SaveOrder(self._stored)
+        self._threads = threading.local()  # each thread's _ThreadOperations
+
+    # What a subclass supplies -------------------------------------------------------------------
+    @abstractmethod
+    def _write(self, checkpoint: Any, target: Target) -> None:
+        """Save ``checkpoint`` at ``target``, atomically: all of it appears, or the previous one stays."""
+
+    @abstractmethod
+    def _delete(self, target: Target) -> None:
+        """Remove the checkpoint at ``target`` if there is one; a link is removed, never its target."""
+
+    @abstractmethod
+    def _stored(self, target: Target) -> bool:
+        """Whether a checkpoint (or a link) is stored at ``target`` now."""
+
+    def _describe(self, target: Target) -> str:
+        """``target`` as messages name it."""
+        return str(target)
+
+    def _tear_down(self) -> None:
+        """Forget the saves seen (a deferred teardown runs this)."""
+        self._order.reset()
+
+    def _why_deferred_cannot_follow(self, failure: BaseException) -> str | None:
+        """Why the operations deferred behind one that raised ``failure`` must not run (they are
+        logged and dropped), or ``None`` to run them: by default they run."""
+        return None
+
+    # Operations -----------------------------------------------------------------------------------
+    def _saving(self, checkpoint: Any, target: Target) -> None:
+        """Save ``checkpoint`` at ``target`` now, or, on a thread inside an operation of this object,
+        when that operation ends."""
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.defer(_Deferred("saving", target, checkpoint, self._order.queue(target)))
+            return
+        self._outermost(thread, f"saving {self._describe(target)}", lambda: self._save(checkpoint, target))
+
+    def _removing(self, target: Target) -> None:
+        """Remove the checkpoint at ``target`` now, or, on a thread inside an operation of this
+        object, when that operation ends (skipping the saves of ``target`` deferred before it)."""
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.cancel_saves(target)
+            thread.defer(_Deferred("removing", target, turn=self._order.turn()))
+            return
+        self._outermost(thread, f"removing {self._describe(target)}", lambda: self._remove(target))
+
+    def _tearing_down(self) -> None:
+        """Tear down now, or, on a thread inside an operation of this object, when that operation ends."""
+        thread = self._this_thread()
+        if thread.current is not None:
+            thread.defer(_Deferred("tearing down", None))
+            return
+        self._outermost(thread, f"tearing down {type(self).__name__}", self._tear_down)
+
+    def _loading(self, target: Target, load: Callable[[], Result]) -> Result:
+        """``load()``, refused on a thread inside an operation of this object (its caller needs the
+        result now, so it cannot wait for that operation to end).
+
+        Raises:
+            ReentrantOperationError: this thread is inside an operation of this object.
+        """
+        thread = self._this_thread()
+        loading = f"loading {self._describe(target)}"
+        if thread.current is not None:
+            raise ReentrantOperationError(
+                thread.current, loading, "a load cannot wait for that operation to end, as a save does; load "
+                "after it has returned, or with another plugin instance")
+        return self._outermost(thread, loading, load)
+
+    def _save(self, checkpoint: Any, target: Target, queued: QueuedSave | None = None) -> bool:
+        """Save now; ``False`` where a removal came first and nothing was saved."""
+        if not self._order.begin_save(target, queued):
+            log.debug("not saving %s: it was removed before its save ran", self._describe(target))
+            return False
+        try:
+            with collector_paused():
+                self._write(checkpoint, target)
+        finally:
+            remove = self._order.end_save(target)
+        if remove:
+            self._delete(target)
+        return True
+
+    def _remove(self, target: Target, queued_before: int | None = None) -> None:
+        self._order.removing(target, queued_before)
+        self._delete(target)
+
+    # Operations on one thread ------------------------------------------------------------------
+    # Nothing from the point where a thread is marked inside an operation to the point where it
+    # is marked out again takes a lock a signal handler would take: a handler that interrupts that
+    # span only appends to the thread's deque (and to SaveOrder's, lock-free). A handler landing
+    # just before the mark, or just after it is cleared, runs its operation on the spot, which is
+    # safe: the interrupted operation has not begun, or has ended.
+    def _this_thread(self) -> _ThreadOperations:
+        thread: _ThreadOperations | None = getattr(self._threads, "operations", None)
+        if thread is None:
+            thread = self._threads.operations = _ThreadOperations()
+        return thread
+
+    def _outermost(self, thread: _ThreadOperations, operation: str, run: Callable[[], Result]) -> Result:
+        """Run ``operation`` on this thread, then what was asked for during it (see the class)."""
+        thread.current = operation
+        try:
+            result = run()
+        except BaseException as exc:
+            reason = self._why_deferred_cannot_follow(exc)
+            if reason is not None:
+                self._drop_deferred(thread, operation, f"that failed ({reason})")
+                raise
+            for failure in self._run_deferred(thread, operation):
+                if hasattr(exc, "add_note"):  # Python 3.11+; logged in every version
+                    exc.add_note(str(failure))
+            raise
+        failures = self._run_deferred(thread, operation)
+        if failures:
+            raise failures[0] from failures[0].__cause__
+        return result
+
+    def _run_deferred(self, thread: _ThreadOperations, during: str) -> list[DeferredOperationError]:
+        """Run, in order, what was asked for on this thread during ``during`` (also what is asked for
+        while these run), then mark the thread out of its operation. Each one is attempted; the
+        failures are logged and returned."""
+        failures: list[DeferredOperationError] = []
+        try:
+            while True:
+                while thread.deferred:
+                    failure = self._run_one(thread.deferred.popleft(), during)
+                    if failure is not None:
+                        failures.append(failure)
+                thread.current = None
+                if not thread.deferred:
+                    return failures
+                thread.current = during  # a handler deferred one after the last check, before the line above
+        except BaseException:  # KeyboardInterrupt and the like in a deferred operation: the rest are dropped
+            self._drop_deferred(thread, during, "that was interrupted")
+            raise
+
+    def _drop_deferred(self, thread: _ThreadOperations, during: str, why: str) -> None:
+        """Mark the thread out of its operation and forget what was deferred behind it, with a warning."""
+        thread.current = None
+        while thread.deferred:
+            dropped = thread.deferred.popleft()
+            if dropped.queued is not None:
+                self._order.discard(dropped.queued)
+            log.warning("%s was not done: it was asked for while this thread was %s, and was still waiting "
+                        "when %s", self._name(dropped), during, why)
+
+    def _name(self, deferred: _Deferred) -> str:
+        if deferred.target is None:
+            return f"{deferred.kind} {type(self).__name__}"
+        return f"{deferred.kind} {self._describe(deferred.target)}"
+
+    def _run_one(self, deferred: _Deferred, during: str) -> DeferredOperationError | None:
+        name = self._name(deferred)
+        log.info("%s now: it was asked for %.3f s ago while this thread was %s (from a signal handler or a "
+                 "callback), and waited for that to end", name, time.monotonic() - deferred.asked_at, during)
+        try:
+            if deferred.kind == "saving":
+                if not self._save(deferred.checkpoint, deferred.target, deferred.queued):
+                    log.info("%s skipped: a removal of it came first", name)
+                    return None
+            elif deferred.kind == "removing":
+                self._remove(deferred.target, deferred.turn)
+            else:
+                self._tear_down()
+        except self._failures as exc:
+            log.error("%s failed (it was asked for while this thread was %s)", name, during, exc_info=True)
+            failure = DeferredOperationError(name, during, f"{type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            return failure
+        log.info("%s done, %.3f s after it was asked for", name, time.monotonic() - deferred.asked_at)
+        return None
+
+
+class OrderedCheckpointIO(CheckpointIO, DeferringOperations[Target]):
     """The skeleton of a single-file ``CheckpointIO``: saves and removals of one path kept in order.
 
     A subclass parses a path once into its storage's target (:meth:`_target`) and writes, reads,
@@ -299,8 +503,7 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
 
     def _start_process_state(self) -> None:
         """Make this process' own state (at construction, and in a pickled copy)."""
-        self._order = SaveOrder(self._stored)
-        self._threads = threading.local()  # each thread's _ThreadOperations
+        self._start_deferrals()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -322,28 +525,12 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         """
 
     @abstractmethod
-    def _write(self, checkpoint: dict[str, Any], target: Target) -> None:
-        """Save ``checkpoint`` at ``target``, atomically: all of it appears, or the previous one stays."""
-
-    @abstractmethod
     def _read(self, target: Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """Load the checkpoint at ``target``.
 
         Raises:
             FileNotFoundError: nothing is stored there.
         """
-
-    @abstractmethod
-    def _delete(self, target: Target) -> None:
-        """Remove the checkpoint at ``target`` if there is one; a link is removed, never its target."""
-
-    @abstractmethod
-    def _stored(self, target: Target) -> bool:
-        """Whether a checkpoint (or a link) is stored at ``target`` now."""
-
-    def _describe(self, target: Target) -> str:
-        """``target`` as messages name it."""
-        return str(target)
 
     def _close(self) -> None:
         """Release this process' connections or buffers (the next use makes new ones)."""
@@ -381,12 +568,7 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not support `storage_options`, got {storage_options!r}")
-        target = self._target(path)
-        thread = self._this_thread()
-        if thread.current is not None:
-            thread.defer(_Deferred("saving", target, checkpoint, self._order.queue(target)))
-            return
-        self._outermost(thread, f"saving {self._describe(target)}", lambda: self._save(checkpoint, target))
+        self._saving(checkpoint, self._target(path))
 
     @override
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -414,13 +596,7 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         target = self._target(path)
         if weights_only is None:
             weights_only = self.weights_only
-        thread = self._this_thread()
-        loading = f"loading {self._describe(target)}"
-        if thread.current is not None:
-            raise ReentrantOperationError(
-                thread.current, loading, "a load cannot wait for that operation to end, as a save does; load "
-                "after it has returned, or with another plugin instance")
-        return self._outermost(thread, loading, lambda: self._load(target, map_location, weights_only))
+        return self._loading(target, lambda: self._load(target, map_location, weights_only))
 
     def _load(self, target: Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         try:
@@ -449,17 +625,7 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
             ValueError: ``path`` is not a path of this storage.
             DeferredOperationError: a save or removal asked for during this one failed.
         """
-        target = self._target(path)
-        thread = self._this_thread()
-        if thread.current is not None:
-            thread.cancel_saves(target)
-            thread.defer(_Deferred("removing", target, turn=self._order.turn()))
-            return
-        self._outermost(thread, f"removing {self._describe(target)}", lambda: self._remove(target))
-
-    def _remove(self, target: Target, queued_before: int | None = None) -> None:
-        self._order.removing(target, queued_before)
-        self._delete(target)
+        self._removing(self._target(path))
 
     @override
     def teardown(self) -> None:
@@ -470,108 +636,12 @@ class OrderedCheckpointIO(CheckpointIO, Generic[Target]):
         Raises:
             DeferredOperationError: a save or removal asked for during the teardown failed.
         """
-        thread = self._this_thread()
-        if thread.current is not None:
-            thread.defer(_Deferred("tearing down", None))
-            return
-        self._outermost(thread, f"tearing down {type(self).__name__}", self._tear_down)
+        self._tearing_down()
 
+    @override
     def _tear_down(self) -> None:
-        self._order.reset()
+        super()._tear_down()
         self._close()
-
-    # Operations on one thread ------------------------------------------------------------------
-    # Nothing from the point where a thread is marked inside an operation to the point where it
-    # is marked out again takes a lock a signal handler would take: a handler that interrupts that
-    # span only appends to the thread's deque (and to SaveOrder's, lock-free). A handler landing
-    # just before the mark, or just after it is cleared, runs its operation on the spot, which is
-    # safe: the interrupted operation has not begun, or has ended.
-    def _this_thread(self) -> _ThreadOperations:
-        thread: _ThreadOperations | None = getattr(self._threads, "operations", None)
-        if thread is None:
-            thread = self._threads.operations = _ThreadOperations()
-        return thread
-
-    def _save(self, checkpoint: dict[str, Any], target: Target, queued: QueuedSave | None = None) -> bool:
-        """Save now; ``False`` where a removal came first and nothing was saved."""
-        if not self._order.begin_save(target, queued):
-            log.debug("not saving %s: it was removed before its save ran", self._describe(target))
-            return False
-        try:
-            with collector_paused():
-                self._write(checkpoint, target)
-        finally:
-            remove = self._order.end_save(target)
-        if remove:
-            self._delete(target)
-        return True
-
-    def _outermost(self, thread: _ThreadOperations, operation: str, run: Callable[[], Result]) -> Result:
-        """Run ``operation`` on this thread, then what was asked for during it (see the class)."""
-        thread.current = operation
-        try:
-            result = run()
-        except BaseException as exc:
-            for failure in self._run_deferred(thread, operation):
-                if hasattr(exc, "add_note"):  # Python 3.11+; logged in every version
-                    exc.add_note(str(failure))
-            raise
-        failures = self._run_deferred(thread, operation)
-        if failures:
-            raise failures[0] from failures[0].__cause__
-        return result
-
-    def _run_deferred(self, thread: _ThreadOperations, during: str) -> list[DeferredOperationError]:
-        """Run, in order, what was asked for on this thread during ``during`` (also what is asked for
-        while these run), then mark the thread out of its operation. Each one is attempted; the
-        failures are logged and returned."""
-        failures: list[DeferredOperationError] = []
-        try:
-            while True:
-                while thread.deferred:
-                    failure = self._run_one(thread.deferred.popleft(), during)
-                    if failure is not None:
-                        failures.append(failure)
-                thread.current = None
-                if not thread.deferred:
-                    return failures
-                thread.current = during  # a handler deferred one after the last check, before the line above
-        except BaseException:  # KeyboardInterrupt and the like in a deferred operation: the rest are dropped
-            thread.current = None
-            while thread.deferred:
-                dropped = thread.deferred.popleft()
-                if dropped.queued is not None:
-                    self._order.discard(dropped.queued)
-                log.warning("%s was not done: it was asked for while this thread was %s, and was still waiting "
-                            "when that was interrupted", self._name(dropped), during)
-            raise
-
-    def _name(self, deferred: _Deferred) -> str:
-        if deferred.target is None:
-            return f"{deferred.kind} {type(self).__name__}"
-        return f"{deferred.kind} {self._describe(deferred.target)}"
-
-    def _run_one(self, deferred: _Deferred, during: str) -> DeferredOperationError | None:
-        name = self._name(deferred)
-        log.info("%s now: it was asked for %.3f s ago while this thread was %s (from a signal handler or a "
-                 "callback), and waited for that to end", name, time.monotonic() - deferred.asked_at, during)
-        try:
-            if deferred.kind == "saving":
-                assert deferred.checkpoint is not None
-                if not self._save(deferred.checkpoint, deferred.target, deferred.queued):
-                    log.info("%s skipped: a removal of it came first", name)
-                    return None
-            elif deferred.kind == "removing":
-                self._remove(deferred.target, deferred.turn)
-            else:
-                self._tear_down()
-        except Exception as exc:
-            log.error("%s failed (it was asked for while this thread was %s)", name, during, exc_info=True)
-            failure = DeferredOperationError(name, during, f"{type(exc).__name__}: {exc}")
-            failure.__cause__ = exc
-            return failure
-        log.info("%s done, %.3f s after it was asked for", name, time.monotonic() - deferred.asked_at)
-        return None
 
 
 class _Deferred:
@@ -579,11 +649,11 @@ class _Deferred:
 
     __slots__ = ("asked_at", "checkpoint", "kind", "queued", "target", "turn")
 
-    def __init__(self, kind: str, target: Any, checkpoint: dict[str, Any] | None = None,
+    def __init__(self, kind: str, target: Any, checkpoint: Any = None,
                  queued: QueuedSave | None = None, turn: int | None = None) -> None:
         self.kind = kind  # "saving", "removing" or "tearing down", as log lines say it
         self.target = target
-        self.checkpoint = checkpoint
+        self.checkpoint = checkpoint  # what the save writes (given to _save)
         self.queued = queued
         self.turn = turn  # a removal's SaveOrder.turn(): it cancels the saves queued before it
         self.asked_at = time.monotonic()
