@@ -7,16 +7,30 @@ here replace the three methods that touch storage (``save_checkpoint``, ``load_c
 ``storage_reader``); everything else is Lightning's. The rest of Lightning's checkpoint dict (epoch,
 loops, callbacks...) is stored in the same DCP checkpoint, so one ``.metadata`` publishes all of it:
 a checkpoint is visible only when complete, and a failed save removes what it wrote.
+
+A save asked for on a thread that is inside a save or load of the same strategy (from a signal
+handler, as Lightning's Slurm requeue handler saves ``hpc_ckpt_N.ckpt``, or from a callback) is made
+when that operation ends, before it returns
+(:class:`~lightning_storage_plugins.ordering.DeferringOperations`, as the single-file plugins do): it
+never starts DCP's collectives in the middle of the interrupted save's, nor reuses its buffers, and
+never fails it. A DCP save is collective over the ranks, and Lightning's handler runs on every rank
+the signal reaches, so each rank defers the handler's save to the end of its own current save: ranks
+interrupted during the same collective save each make the deferred saves right after it, in the
+order asked for, and their collectives line up. The handler's own collectives (gathering the state to
+save, and the barrier after the save) run inside the handler; where the signal reaches the ranks at
+different collective points, or not every rank, they meet other collectives, which fail within the
+process group's timeout (see ``docs/sharded.md``).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from typing_extensions import override
 
 from lightning_storage_plugins._lightning_compat import (
@@ -25,6 +39,7 @@ from lightning_storage_plugins._lightning_compat import (
     sharded_state_dict_context,
 )
 from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter
+from lightning_storage_plugins.ordering import DeferringOperations
 
 __all__ = ["ShardedFSDPMixin", "ShardedModelParallelMixin"]
 
@@ -32,16 +47,40 @@ __all__ = ["ShardedFSDPMixin", "ShardedModelParallelMixin"]
 LIGHTNING_STATE_KEY = "lightning_checkpoint"
 
 
-class _ShardedCheckpoints:
-    """What the FSDP and ModelParallel mixins share; ``_model_key`` and ``_saves_sharded`` differ."""
+class _Save(NamedTuple):
+    """What a save writes: Lightning's checkpoint dict, and the ``storage_options`` of a full save."""
+
+    checkpoint: dict[str, Any]
+    storage_options: Any
+
+
+class _ShardedCheckpoints(DeferringOperations[str]):
+    """What the FSDP and ModelParallel mixins share; ``_model_key`` and ``_saves_sharded`` differ.
+
+    Saves, removals and loads run through :class:`DeferringOperations` (see the module), keyed by
+    the path as each rank was given it.
+    """
 
     _model_key = "model"
+    # DCP reports a failed save as CheckpointException, a BaseException.
+    _failures = (Exception, CheckpointException)
 
     def __init__(self, *args: Any, writer_options: dict[str, Any] | None = None,
                  reader_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
+        self._start_deferrals()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())  # type: ignore[misc]
+        state.pop("_order", None)  # a pickled copy starts with no saves in flight
+        state.pop("_threads", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self._start_deferrals()
 
     def storage_writer(self, path: str) -> ShardedStorageWriter:
         """The plugin's DCP writer for ``path`` (with ``writer_options``)."""
@@ -68,19 +107,31 @@ class _ShardedCheckpoints:
         """Save a sharded checkpoint at ``filepath`` through the plugin (all ranks take part); a full
         one (``state_dict_type="full"``) as the strategy does.
 
+        Asked for on a thread that is inside a save or load of this strategy (from a signal
+        handler, or a callback of that operation), the save is made when that operation ends,
+        before it returns to its caller, and this call returns at once (see the module).
+
         Raises:
-            TypeError: ``storage_options`` was given.
+            TypeError: ``storage_options`` was given for a sharded save.
+            DeferredOperationError: a save or removal asked for during this one failed; this
+                checkpoint was saved.
         """
-        if not self._saves_sharded():
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-        if storage_options is not None:
+        if storage_options is not None and self._saves_sharded():
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`")
-        writer = self.storage_writer(self._path(filepath))
-        state: dict[str, Any] = {self._model_key: checkpoint.pop("state_dict")}
+        self._saving(_Save(checkpoint, storage_options), os.fspath(filepath))
+
+    @override
+    def _write(self, checkpoint: _Save, target: str) -> None:
+        if not self._saves_sharded():
+            super().save_checkpoint(checkpoint.checkpoint, target, checkpoint.storage_options)  # type: ignore[misc]
+            return
+        writer = self.storage_writer(self._path(target))
+        lightning_state = dict(checkpoint.checkpoint)  # the caller's dict stays as it was given
+        state: dict[str, Any] = {self._model_key: lightning_state.pop("state_dict")}
         state.update({f"optimizer_{index}": optimizer_state
-                      for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", []))})
+                      for index, optimizer_state in enumerate(lightning_state.pop("optimizer_states", []))})
         rest = io.BytesIO()
-        torch.save(checkpoint, rest)
+        torch.save(lightning_state, rest)
         state[LIGHTNING_STATE_KEY] = rest.getvalue()
         try:
             dcp.save(state, storage_writer=writer)
@@ -89,12 +140,30 @@ class _ShardedCheckpoints:
             raise
 
     @override
+    def _why_deferred_cannot_follow(self, failure: BaseException) -> str | None:
+        # DCP reports a failure of any rank's part to every rank (CheckpointException), so every
+        # rank then goes on to the deferred saves together. Any other failure may be this rank's
+        # alone, or a collective's: a collective save behind it could not meet the other ranks'.
+        if isinstance(failure, CheckpointException) or not self._saves_sharded():
+            return None
+        return (f"{type(failure).__name__}: {failure}; a failure DCP did not report to every rank may be this "
+                "rank's alone, and a collective save behind it could not meet the other ranks' collectives")
+
+    @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint saved by :meth:`save_checkpoint` (model and optimizer states go
         straight into the sharded model and optimizers); anything else as the strategy does.
 
         ``weights_only`` applies to every pickled item (torch's default when ``None``).
+
+        Raises:
+            ReentrantOperationError: asked for on a thread that is inside a save or load of this
+                strategy (from a signal handler or a callback); that operation goes on.
+            DeferredOperationError: a save or removal asked for during this load failed.
         """
+        return self._loading(os.fspath(checkpoint_path), lambda: self._load(checkpoint_path, weights_only))
+
+    def _load(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None) -> dict[str, Any]:
         path = self._path(checkpoint_path)
         reader = self.storage_reader(path, weights_only)
         if not reader.exists():
@@ -111,18 +180,35 @@ class _ShardedCheckpoints:
         """Delete the whole sharded checkpoint at ``filepath`` (rank 0), or a full one as the strategy does.
 
         A local ``filepath`` that is a symbolic link (``ModelCheckpoint(save_last="link")`` makes them)
-        is removed as a link: the checkpoint it points to stays whole.
+        is removed as a link: the checkpoint it points to stays whole. Asked for on a thread that is
+        inside a save or load of this strategy, the removal is made when that operation ends (a save
+        of ``filepath`` asked for before it, and not yet begun, is then skipped on every rank).
+
+        Raises:
+            DeferredOperationError: a save or removal asked for during this one failed.
         """
+        self._removing(os.fspath(filepath))
+
+    @override
+    def _delete(self, target: str) -> None:
         if not self.is_global_zero:  # type: ignore[attr-defined]
             return
-        path = os.fspath(filepath)
-        if "://" not in path and os.path.islink(path):
-            os.unlink(path)
+        if "://" not in target and os.path.islink(target):
+            os.unlink(target)
             return
-        if self.storage_reader(path).exists():
-            self.storage_writer(path).remove()
+        if self.storage_reader(target).exists():
+            self.storage_writer(target).remove()
         else:
-            super().remove_checkpoint(filepath)  # type: ignore[misc]
+            super().remove_checkpoint(target)  # type: ignore[misc]
+
+    @override
+    def _stored(self, target: str) -> bool:
+        if "://" not in target and os.path.lexists(target):
+            return True
+        try:
+            return self.storage_reader(target).exists()
+        except ValueError:  # not a path of this plugin's storage: a full checkpoint elsewhere
+            return False
 
 
 class ShardedFSDPMixin(_ShardedCheckpoints):
