@@ -369,7 +369,12 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
 
         Raises:
             ConcurrentWriteError: a save to this checkpoint is in progress.
+            ReentrantOperationError: this thread is inside a step of a save through this writer.
         """
+        with self._step():
+            self._remove_directory()
+
+    def _remove_directory(self) -> None:
         path = self.checkpoint_id
         if os.path.islink(path):
             os.unlink(path)
@@ -415,7 +420,7 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
         self.context = context
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "context": None}
+        return {**super().__getstate__(), "context": None}
 
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, list[ReadItem]] = {}

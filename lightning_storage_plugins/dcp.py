@@ -26,15 +26,17 @@ newest torch (``set_up_storage_writer``/``read_metadata`` keyword arguments, ``M
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import io
 import logging
 import os
 import pickle
 import re
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +53,7 @@ from lightning_storage_plugins.errors import (
     CheckpointMetadataError,
     ConcurrentWriteError,
 )
+from lightning_storage_plugins.reentry import ReentrantOperationError
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +223,48 @@ def check_bytes_item(data: bytes | memoryview, where: str, weights_only: bool | 
 
 # Writer and reader --------------------------------------------------------------------------------
 class _CheckpointStorage(abc.ABC):
-    """What the writer and the reader of a plugin share: its checkpoint ids and its storage infos.
+    """What the writer and the reader of a plugin share: its checkpoint ids and its storage infos,
+    and one save or load at a time per thread.
 
     It comes first among their bases, so that its :meth:`validate_checkpoint_id` is the one DCP finds.
     """
 
     #: The plugin's own ``StorageInfo`` subclasses, which its checkpoints' metadata may hold.
     storage_info_types: tuple[type, ...] = ()
+    #: What a save or load through this instance is called in refusals: ``"saving"`` or ``"loading"``.
+    _activity = "using"
+    path: str | None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_busy": {}}  # the steps in progress belong to this process' threads
+
+    @contextlib.contextmanager
+    def _step(self, path: str | os.PathLike[str] | None = None) -> Iterator[None]:
+        """Run one of DCP's steps of a save or load through this instance (of ``path``, by default
+        this instance's), refusing it on a thread that is inside another step of this instance.
+
+        Why: a signal handler (or a callback) runs on the thread it interrupts; a save or load it
+        asks of this instance would take over the state of the one in progress (its path, save id,
+        save lock and connection) and leave that one writing into another checkpoint, or without
+        its lock. Another thread's step is not refused: one instance serves one save at a time, and
+        DCP calls each step on the thread that runs the save (or on its async-save thread).
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of this instance.
+        """
+        busy: dict[int, str] = self.__dict__.setdefault("_busy", {})
+        me = threading.get_ident()
+        target = path if path is not None else self.path
+        asked = f"{self._activity} {target if target is not None else 'a checkpoint through the same instance'}"
+        if me in busy:
+            name = type(self).__name__
+            raise ReentrantOperationError(busy[me], asked, f"a {name} serves one save or load at a time; give the "
+                                          f"one asked for inside another its own {name}")
+        busy[me] = asked
+        try:
+            yield
+        finally:
+            del busy[me]
 
     @staticmethod
     @abc.abstractmethod
@@ -293,8 +331,10 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         self._token: str | None = None
         self._lock: SaveLock | None = None
 
+    _activity = "saving"
+
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_lock": None}  # a lock belongs to the process that took it
+        return {**super().__getstate__(), "_lock": None}  # a lock belongs to the process that took it
 
     # Storage operations (relative names inside the checkpoint) --------------------------------
     @abc.abstractmethod
@@ -341,29 +381,38 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
 
     # StorageWriter ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new save, to ``checkpoint_id`` when given."""
-        self._release()  # left by an earlier save on this writer that failed without abort()
-        if checkpoint_id:
-            self.path = self._normalize(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
-        self._token = None
+        """Start a new save, to ``checkpoint_id`` when given.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a save through this writer
+                (this one was asked for from a signal handler or a callback).
+        """
+        with self._step(checkpoint_id or None):
+            self._release()  # left by an earlier save on this writer that failed without abort()
+            if checkpoint_id:
+                self.path = self._normalize(checkpoint_id)
+            self.save_id = uuid.uuid4().hex
+            self._token = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Called by DCP on every rank before planning.
 
         Raises:
             ValueError: ``dcp.save(use_collectives=False)``: rank-local metadata is not supported.
+            ReentrantOperationError: this thread is inside a step of a save through this writer.
         """
-        self._require_path()
-        if kwargs.get("use_collectives", True) is False:
-            raise ValueError(
-                f"{type(self).__name__} writes one .metadata for all ranks: use dcp.save(use_collectives=True)"
-            )
-        self.is_coordinator = is_coordinator
+        with self._step():
+            self._require_path()
+            if kwargs.get("use_collectives", True) is False:
+                raise ValueError(
+                    f"{type(self).__name__} writes one .metadata for all ranks: use dcp.save(use_collectives=True)"
+                )
+            self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Make the checkpoint location ready (every rank); the plan is unchanged."""
-        self._prepare()
+        with self._step():
+            self._prepare()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -374,27 +423,29 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
             ConcurrentWriteError: another save to this checkpoint is in progress.
             CheckpointExistsError: ``overwrite=False`` and a checkpoint is there.
         """
-        self._release()
-        lock = self._lock_checkpoint()
-        try:
-            if not self.overwrite and self._read(METADATA_NAME) is not None:
-                raise CheckpointExistsError(
-                    f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False")
-        except BaseException:
-            lock.release()
-            raise
-        self._lock = lock
+        with self._step():
+            self._release()
+            lock = self._lock_checkpoint()
+            try:
+                if not self.overwrite and self._read(METADATA_NAME) is not None:
+                    raise CheckpointExistsError(
+                        f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False")
+            except BaseException:
+                lock.release()
+                raise
+            self._lock = lock
         token = self.save_id[:TOKEN_HEX_DIGITS]
         return [dataclasses.replace(plan, storage_data=ShardPlan(rank, token)) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into its own file (none when it has no items)."""
         shard: ShardPlan = plan.storage_data
-        self._token = shard.token
-        if not plan.items:
-            return _done([])
-        name = shard_name(shard.rank, shard.token)
-        return _done(self._write_shard(name, plan.items, planner))
+        with self._step():
+            self._token = shard.token
+            if not plan.items:
+                return _done([])
+            name = shard_name(shard.rank, shard.token)
+            return _done(self._write_shard(name, plan.items, planner))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Publish ``.metadata`` (coordinator only), after checking that every file it references is
@@ -405,30 +456,32 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
             FileNotFoundError: a rank's file is missing or short (nothing is published).
             ConcurrentWriteError: the save lock was lost meanwhile (nothing is published).
         """
-        try:
-            storage: dict[MetadataIndex, Any] = {}
-            ends: dict[str, int] = {}
-            for rank_results in results:
-                for result in rank_results:
-                    storage[result.index] = result.storage_data
-                    info = result.storage_data
-                    ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-            for name, end in sorted(ends.items()):
-                size = self._size(name)
-                if size is None or size < end:
-                    raise FileNotFoundError(
-                        f"{self.checkpoint_id}/{name} is {'missing' if size is None else f'{size} bytes'}, "
-                        f"expected {end}: not publishing this checkpoint"
-                    )
-            metadata.storage_data = storage
-            metadata.storage_meta = self.storage_meta()
-            stamp_version(metadata)
-            self._held_lock().confirm()
-            self._publish(METADATA_NAME, pickle.dumps(metadata))
-            log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
-            self._sweep(set(ends))
-        finally:
-            self._release()
+        with self._step():
+            try:
+                storage: dict[MetadataIndex, Any] = {}
+                ends: dict[str, int] = {}
+                for rank_results in results:
+                    for result in rank_results:
+                        storage[result.index] = result.storage_data
+                        info = result.storage_data
+                        end = info.offset + info.length
+                        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+                for name, end in sorted(ends.items()):
+                    size = self._size(name)
+                    if size is None or size < end:
+                        raise FileNotFoundError(
+                            f"{self.checkpoint_id}/{name} is {'missing' if size is None else f'{size} bytes'}, "
+                            f"expected {end}: not publishing this checkpoint"
+                        )
+                metadata.storage_data = storage
+                metadata.storage_meta = self.storage_meta()
+                stamp_version(metadata)
+                self._held_lock().confirm()
+                self._publish(METADATA_NAME, pickle.dumps(metadata))
+                log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
+                self._sweep(set(ends))
+            finally:
+                self._release()
 
     def storage_meta(self) -> StorageMeta | None:
         """The checkpoint id and this save's id, recorded in the metadata."""
@@ -479,20 +532,21 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         killed mid-save cannot clean up after itself); safe to call on every rank. Lets go of the
         save lock. A later save to the same path deletes anything left over, too.
         """
-        try:
-            token = self._token
-            if token is None or self.path is None:
-                return
-            published = self._read(METADATA_NAME)
-            allowed = _qualified(self.storage_info_types)
-            if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
-                return
-            own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
-            log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
-            self._delete(own)
-            self._token = None
-        finally:
-            self._release()
+        with self._step():
+            try:
+                token = self._token
+                if token is None or self.path is None:
+                    return
+                published = self._read(METADATA_NAME)
+                allowed = _qualified(self.storage_info_types)
+                if published is not None and token in _referenced_tokens(published, self.checkpoint_id, allowed):
+                    return
+                own = [name for name in self._list() if is_swept(name) and f".{token}." in name]
+                log.warning("save to %s failed: deleting its %d files", self.checkpoint_id, len(own))
+                self._delete(own)
+                self._token = None
+            finally:
+                self._release()
 
     def remove(self) -> None:
         """Delete the checkpoint at this writer's path: ``.metadata`` first (so that it is no longer a
@@ -501,13 +555,14 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         Raises:
             ConcurrentWriteError: a save to this checkpoint is in progress.
         """
-        lock = self._lock_checkpoint()
-        try:
-            self._delete([METADATA_NAME])
-            self._delete([name for name in self._list() if name != LOCK_NAME])
-            self._remove_location()
-        finally:
-            lock.release()
+        with self._step():
+            lock = self._lock_checkpoint()
+            try:
+                self._delete([METADATA_NAME])
+                self._delete([name for name in self._list() if name != LOCK_NAME])
+                self._remove_location()
+            finally:
+                lock.release()
 
     def _require_path(self) -> str:
         if self.path is None:
@@ -544,6 +599,8 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
             unpickles them without restriction (only for checkpoints from a trusted source).
     """
 
+    _activity = "loading"
+
     def __init__(self, path: str | os.PathLike[str] | None, *, weights_only: bool | None = None) -> None:
         StorageReader.__init__(self)
         self.path = self._normalize(path) if path is not None else None
@@ -561,11 +618,17 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         """Read every item of ``plan`` and hand it to ``planner``."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new load, from ``checkpoint_id`` when given."""
-        self.storage_data = {}
-        if checkpoint_id:
-            self.path = self._normalize(checkpoint_id)
-        self.load_id = uuid.uuid4().hex
+        """Start a new load, from ``checkpoint_id`` when given.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a load through this reader
+                (this one was asked for from a signal handler or a callback).
+        """
+        with self._step(checkpoint_id or None):
+            self.storage_data = {}
+            if checkpoint_id:
+                self.path = self._normalize(checkpoint_id)
+            self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata (see ``weights_only``).
@@ -573,7 +636,12 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         Raises:
             FileNotFoundError: there is no complete checkpoint at the path.
             pickle.UnpicklingError: the metadata holds something other than DCP metadata.
+            ReentrantOperationError: this thread is inside a step of a load through this reader.
         """
+        with self._step():
+            return self._read_metadata(**kwargs)
+
+    def _read_metadata(self, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             # Newer torch asks for rank-local metadata after the global read failed, and some releases
             # (2.11) then drop both errors for "metadata is None": the reason is logged here so that
@@ -611,7 +679,12 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         Raises:
             CheckpointMetadataError: an item lies outside the checkpoint (see :func:`check_relative_path`)
                 or :meth:`_check_item` refuses it.
+            ReentrantOperationError: this thread is inside a step of a load through this reader.
         """
+        with self._step():
+            self._set_up(metadata)
+
+    def _set_up(self, metadata: Metadata) -> None:
         if metadata.storage_data is None:
             raise ValueError(f"{self.checkpoint_id}/{METADATA_NAME} has no storage data")
         where = f"{self.checkpoint_id}/{METADATA_NAME}"
@@ -639,8 +712,13 @@ class ShardedStorageReader(_CheckpointStorage, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items (see the plugin) and hand them to ``planner``; a completed future."""
-        self._read_items(plan, planner)
+        """Read this rank's items (see the plugin) and hand them to ``planner``; a completed future.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a load through this reader.
+        """
+        with self._step():
+            self._read_items(plan, planner)
         return _done(None)
 
     @property
