@@ -50,6 +50,8 @@ _EXPORTS = {
     "TieredCheckpointMonitor": "dataflux_ckpt.tiered",
     "TieredOptions": "dataflux_ckpt.tiered",
     "TieredStats": "dataflux_ckpt.tiered",
+    "ReentrantOperationError": "lightning_storage_plugins.reentry",
+    "DeferredOperationError": "lightning_storage_plugins.reentry",
 }
 
 __all__ = [
@@ -69,6 +71,7 @@ __all__ = [
     "DatafluxStorageWriter",
     "Deadline",
     "DeadlineExceededError",
+    "DeferredOperationError",
     "Gcs",
     "GcsPath",
     "InvalidCheckpointError",
@@ -78,6 +81,7 @@ __all__ = [
     "LocalTierInUseError",
     "ObjectReader",
     "ObjectWriter",
+    "ReentrantOperationError",
     "RetryPolicy",
     "StreamingWriter",
     "TieredCheckpointIO",
@@ -131,6 +135,7 @@ if TYPE_CHECKING:
     )
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from lightning_storage_plugins.errors import CheckpointExistsError, CheckpointMetadataError
+    from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 
 
 # Test fakes that moved to dataflux_ckpt.testing; still importable from here for one release.

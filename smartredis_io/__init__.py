@@ -13,6 +13,7 @@ Redis module's C sources. The client imports none of the others.
 
 
 from lightning_storage_plugins.lazy import lazy_exports
+from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 from smartredis_io import error
 from smartredis_io._client.wire import bfloat16
 from smartredis_io.client import Client
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigOptions",
     "Dataset",
     "DatasetConverter",
+    "DeferredOperationError",
     "LLDebug",
     "LLDeveloper",
     "LLInfo",
@@ -38,6 +40,7 @@ __all__ = [
     "Orchestrator",
     "RedisCluster",
     "RedisServer",
+    "ReentrantOperationError",
     "SRObject",
     "SmartRedisCheckpointIO",
     "SmartRedisModelCheckpoint",
