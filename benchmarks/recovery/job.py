@@ -20,8 +20,9 @@ the storage plugin).
 
 Plugins (``--plugin``), each with the storage its ``--root`` names:
 
-* single-file, on ``--strategy single``: ``dataflux`` (gs://), ``fastpersist-aio`` and
-  ``fastpersist-python`` (a local directory), ``smartredis`` (redis://), and the baselines
+* single-file, on ``--strategy single``: ``dataflux`` (gs://), ``fastpersist`` (its defaults: aio
+  saves, loads read straight into the tensors), ``fastpersist-aio`` and ``fastpersist-python`` (that
+  engine for saves and loads; a local directory), ``smartredis`` (redis://), and the baselines
   ``torch-local`` (``TorchCheckpointIO``, a local directory) and ``torch-gcsfs`` (``TorchCheckpointIO``
   through gcsfs, gs://);
 * sharded (DCP), on ``--strategy fsdp`` or ``model_parallel``: ``dataflux-dcp`` (gs://),
@@ -45,8 +46,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-SINGLE_FILE_PLUGINS = ("dataflux", "fastpersist-aio", "fastpersist-python", "smartredis", "torch-local",
-                       "torch-gcsfs")
+SINGLE_FILE_PLUGINS = ("dataflux", "fastpersist", "fastpersist-aio", "fastpersist-python", "smartredis",
+                       "torch-local", "torch-gcsfs")
 SHARDED_PLUGINS = ("dataflux-dcp", "fastpersist-dcp", "torch-dcp")
 PLUGINS = SINGLE_FILE_PLUGINS + SHARDED_PLUGINS
 STRATEGIES = ("single", "fsdp", "model_parallel")
@@ -428,10 +429,10 @@ def _checkpoint_io(config: JobConfig) -> Any:
         if config.transfer_workers:
             options["max_workers"] = config.transfer_workers
         return DatafluxCheckpointIO(**options)
-    if config.plugin in ("fastpersist-aio", "fastpersist-python"):
+    if config.plugin in ("fastpersist", "fastpersist-aio", "fastpersist-python"):
         from fastpersist import FastPersistCheckpointIO
 
-        engine = config.plugin.split("-", 1)[1]
+        engine = config.plugin.partition("-")[2] or None
         if config.io_buffer_mb:
             return FastPersistCheckpointIO(io_buffer_mb=config.io_buffer_mb, engine=engine)
         return FastPersistCheckpointIO(engine=engine)
