@@ -1,0 +1,829 @@
+"""Goodput under kills and preemptions, for every storage plugin and its baseline.
+
+``python -m benchmarks.recovery``: every row runs the same recovery job (:mod:`benchmarks.recovery.job`: the same model, the same
+checkpoint every ``--every-n-steps`` steps, the same number of steps) through its storage plugin, and
+stops it with the same schedule of disruptions, each start resuming from the run's newest checkpoint:
+by default a SIGKILL in the middle of a checkpoint interval, a SIGTERM preemption with a grace period
+(as spot VMs and Kubernetes pods give) and a SIGKILL during a save; then the job runs to its end.
+From the event log of each run it reports, as Google's ``ml-goodput-measurement`` defines them (see
+:mod:`benchmarks.recovery.accounting`):
+
+* goodput: productive step time over the job's wall time, restarts included;
+* badput by category: start-up, checkpoint restore, training preparation, checkpoint save stalls,
+  wasted progress, recovery between starts, and the rest;
+* for each restart: the time from its launch to its first step, against its ceiling: its own start-up
+  (launch to the point it loads) plus a raw read of the checkpoint's bytes at the machine's speed;
+* each save stall, against the plugin's plain save of the same checkpoint (``trainer.save_checkpoint``
+  outside training, as ``benchmarks.lightning_ckpt`` times it), measured in the same rounds;
+* the progress lost to each disruption (at most one checkpoint interval).
+
+Rows run in interleaved rounds (A B C, then B C A...), and results are medians with their min-max.
+Ratios compare each plugin with TorchCheckpointIO on the same storage (DCP's ``FileSystemWriter`` for
+the sharded rows). Every service runs on loopback: fake-gcs-server behind the XML multipart server,
+a redis-server, and a local directory that takes ``O_DIRECT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.plugins import ServiceOptions, Services
+from benchmarks.recovery import ceilings
+from benchmarks.recovery.accounting import (
+    BADPUT_TYPES,
+    CHECKPOINT_RESTORE,
+    CHECKPOINT_SAVE,
+    GOODPUT,
+    INFRASTRUCTURE_RECOVERY,
+    INJECT_EVENT,
+    INJECTOR,
+    LAUNCH_EVENT,
+    OTHER,
+    PROGRAM_STARTUP,
+    TRAINING_PREP,
+    WASTED_PROGRESS,
+    RunAccount,
+    account,
+)
+from benchmarks.recovery.events import (
+    ForkServer,
+    Job,
+    LogFollower,
+    ProcessLauncher,
+    check_resume,
+    of_process,
+    preempt,
+    read_events,
+)
+from benchmarks.recovery.job import EventLog, JobConfig
+from benchmarks.report import (
+    MB,
+    format_markdown_table,
+    format_table,
+    latencies_seconds,
+    ratio,
+    spread,
+    write_json,
+)
+
+log = logging.getLogger("benchmarks.recovery")
+
+DEFAULT_JSON = "results/recovery.json"
+LAUNCHERS = ("fork", "process")
+DISRUPTIONS = ("sigkill", "sigterm", "sigkill-save")
+DEFAULT_SCHEDULE = "sigkill@1.5,sigterm@2.5,sigkill-save@3"
+# How far into a save the kill of "sigkill-save" lands: this share of the run's median save so far.
+SAVE_KILL_FRACTION = 0.5
+# Bars every plugin is held to (the stall and restart ratios at most, the goodput ratio at least).
+STALL_BAR = 1.1
+FIRST_STEP_BAR = 1.3
+GOODPUT_BAR = 1.0
+START_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """A plugin (or a baseline) as the recovery job runs it: the job's ``plugin`` on ``strategy``, with
+    checkpoints on ``storage`` (``local``, ``gcs`` or ``redis``), compared with the ``baseline`` row."""
+
+    key: str
+    name: str
+    plugin: str
+    strategy: str
+    storage: str
+    baseline: str
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.baseline == self.key
+
+
+ROWS: dict[str, Row] = {r.key: r for r in [
+    Row("torch-local", "TorchCheckpointIO (local)", "torch-local", "single", "local", "torch-local"),
+    Row("fastpersist", "FastPersistCheckpointIO (local)", "fastpersist", "single", "local", "torch-local"),
+    Row("fastpersist-aio", "FastPersistCheckpointIO, aio loads too (local)", "fastpersist-aio", "single", "local",
+        "torch-local"),
+    Row("fastpersist-python", "FastPersistCheckpointIO, python engine (local)", "fastpersist-python", "single",
+        "local", "torch-local"),
+    Row("smartredis", "SmartRedisCheckpointIO (redis)", "smartredis", "single", "redis", "torch-local"),
+    Row("torch-gcsfs", "TorchCheckpointIO (gcsfs)", "torch-gcsfs", "single", "gcs", "torch-gcsfs"),
+    Row("dataflux", "DatafluxCheckpointIO (gcs)", "dataflux", "single", "gcs", "torch-gcsfs"),
+    Row("torch-dcp", "FSDP, DCP FileSystemWriter (local)", "torch-dcp", "fsdp", "local", "torch-dcp"),
+    Row("fastpersist-dcp", "FSDP, FastPersist DCP storage (local)", "fastpersist-dcp", "fsdp", "local",
+        "torch-dcp"),
+    Row("dataflux-dcp", "FSDP, Dataflux DCP storage (gcs)", "dataflux-dcp", "fsdp", "gcs", "torch-dcp"),
+]}
+DEFAULT_ROWS = ("torch-local", "fastpersist", "smartredis", "torch-gcsfs", "dataflux", "torch-dcp",
+                "fastpersist-dcp", "dataflux-dcp")
+
+
+# The schedule ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Disruption:
+    """One event of the schedule: ``kind`` (one of :data:`DISRUPTIONS`) at ``at`` checkpoint intervals
+    into the job: at the step ``ceil(at * every_n_steps)`` (``sigkill``, ``sigterm``), or in the save of
+    the first checkpoint from that step on (``sigkill-save``)."""
+
+    kind: str
+    at: float
+
+    def step(self, every_n_steps: int) -> int:
+        return max(1, math.ceil(self.at * every_n_steps - 1e-9))
+
+    def describe(self) -> str:
+        return {"sigkill": "SIGKILL at step {}", "sigterm": "SIGTERM (preemption) at step {}",
+                "sigkill-save": "SIGKILL in the first save from step {} on"}[self.kind]
+
+
+def parse_schedule(text: str) -> tuple[Disruption, ...]:
+    """``KIND@INTERVALS,...`` (for example ``sigkill@1.5,sigterm@2.5,sigkill-save@3``), in order.
+
+    Raises:
+        ValueError: an unknown kind, a malformed or non-positive position, or positions that do not
+            grow (each start resumes at most one interval back, so a later event must come later).
+    """
+    schedule = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, at = part.partition("@")
+        if kind not in DISRUPTIONS or not sep:
+            raise ValueError(f"schedule entry {part!r}: expected KIND@INTERVALS, KIND one of {', '.join(DISRUPTIONS)}")
+        try:
+            position = float(at)
+        except ValueError:
+            raise ValueError(f"schedule entry {part!r}: {at!r} is not a number of checkpoint intervals") from None
+        if not position > 0 or not math.isfinite(position):
+            raise ValueError(f"schedule entry {part!r}: the position must be a positive number of intervals")
+        if schedule and position <= schedule[-1].at:
+            raise ValueError(f"schedule entry {part!r} comes no later than the one before it")
+        schedule.append(Disruption(kind, position))
+    return tuple(schedule)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every row's run shares.
+
+    Args:
+        size_mb: the checkpoint's size in MiB, about (weights and AdamW's moments).
+        every_n_steps: a checkpoint (``last.ckpt``) every this many steps.
+        max_steps: the run's steps in all.
+        step_time_s: what a step waits besides its compute (a real model's step).
+        schedule: the disruptions, in order.
+        grace_s: seconds between a preemption's SIGTERM and its SIGKILL.
+        rounds: interleaved rounds of every row.
+        plain_saves: plain saves of each row per round (the save stalls' reference), made by the run's
+            last start once its training has ended. The first follows Lightning's teardown, which frees the
+            plugin's buffers and connections, as a restart's first save finds them; the others are steady.
+        raw_reads: raw reads of the last checkpoint per run (the restarts' ceiling).
+        launcher: ``fork`` (each start forked from a process that has imported torch, Lightning and
+            the plugins) or ``process`` (``python -m benchmarks.recovery.job``, imports included).
+    """
+
+    size_mb: float = 16.0
+    every_n_steps: int = 4
+    max_steps: int = 16
+    step_time_s: float = 0.05
+    schedule: tuple[Disruption, ...] = parse_schedule(DEFAULT_SCHEDULE)
+    grace_s: float = 30.0
+    rounds: int = 2
+    plain_saves: int = 4
+    raw_reads: int = 3
+    launcher: str = "fork"
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"unknown launcher {self.launcher!r}; choose from {', '.join(LAUNCHERS)}")
+        for name in ("every_n_steps", "max_steps", "rounds", "raw_reads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.plain_saves < 2:
+            raise ValueError(f"plain_saves must be at least 2 (a first and a steady one), got {self.plain_saves}")
+        if self.size_mb <= 0 or self.step_time_s < 0 or self.grace_s <= 0:
+            raise ValueError("size_mb and grace_s must be positive, step_time_s not negative")
+        last = self.schedule[-1].step(self.every_n_steps) if self.schedule else 0
+        if last >= self.max_steps:
+            raise ValueError(f"the schedule's last event (step {last}) must come before max_steps ({self.max_steps})")
+
+    def describe(self) -> str:
+        events = ", ".join(d.describe().format(d.step(self.every_n_steps)) for d in self.schedule)
+        return (f"{self.size_mb:g} MiB checkpoint every {self.every_n_steps} steps, {self.max_steps} steps of "
+                f"{self.step_time_s * 1000:g} ms + compute; {events or 'no disruption'}; grace {self.grace_s:g} s; "
+                f"{self.rounds} rounds, {self.launcher} launcher")
+
+
+# Storage: where each row's runs keep their checkpoints, and how they are read raw ------------------
+class Storages:
+    """The services of one benchmark run, and each row's place in them."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def start(self, rows: Sequence[Row]) -> None:
+        """Start every service the rows need, up front (so no run pays for it)."""
+        for storage in sorted({row.storage for row in rows}):
+            self.services.directory(storage)
+        if any(row.storage == "local" for row in rows):
+            check_o_direct(self.services.local_dir())
+
+    def root(self, row: Row, run: str) -> str:
+        """A fresh ``default_root_dir`` for one run of ``row``."""
+        if row.storage == "redis":
+            return f"redis://{self.services.redis_prefix}/{run}"
+        return f"{self.services.directory(row.storage)}/{run}"
+
+    def config(self, row: Row, root: str, event_log: str, settings: Settings, **overrides: Any) -> JobConfig:
+        endpoint = self.services.endpoint
+        fields: dict[str, Any] = {
+            "every_n_steps": settings.every_n_steps, "save_top_k": 0, "max_steps": settings.max_steps,
+            "size_mb": settings.size_mb, "step_time_s": settings.step_time_s,
+            "gcs_url": endpoint.url if endpoint is not None and row.storage == "gcs" else None,
+            "redis_address": self.services.redis_address() if row.storage == "redis" else None,
+        }
+        return JobConfig(plugin=row.plugin, root=root, event_log=event_log, strategy=row.strategy,
+                         **{**fields, **overrides})
+
+    def raw_reader(self, row: Row, path: str) -> tuple[Callable[[], int], Callable[[], None]]:
+        """A raw read of the checkpoint at ``path`` (see :mod:`benchmarks.recovery.ceilings`), and what
+        releases it."""
+        if row.storage == "gcs":
+            from dataflux_ckpt.options import CHUNK_SIZE_BYTES, MAX_WORKERS  # not the plugin: no torch here
+
+            assert self.services.endpoint is not None
+            reader = ceilings.GcsReader(path, self.services.endpoint.url, part_bytes=CHUNK_SIZE_BYTES,
+                                        workers=MAX_WORKERS)
+            return reader.read, reader.close
+        if row.storage == "redis":
+            key = path.removeprefix("redis://")
+            address = self.services.redis_address()
+            return (lambda: ceilings.read_redis(key, address)), (lambda: None)
+        return (lambda: ceilings.read_local(path)), (lambda: None)
+
+    def remove(self, row: Row, root: str) -> None:
+        """Delete a run's checkpoints (untimed, between runs)."""
+        if row.storage == "gcs":
+            from google.cloud import storage
+
+            bucket, _, prefix = root.removeprefix("gs://").partition("/")
+            client = storage.Client()
+            for blob in client.list_blobs(bucket, prefix=prefix + "/"):
+                with contextlib.suppress(Exception):
+                    blob.delete()
+        elif row.storage == "redis":
+            import redis
+
+            host, port = self.services.redis_address().rsplit(":", 1)
+            prefix = root.removeprefix("redis://")
+            with redis.Redis(host=host, port=int(port)) as db:
+                for key in db.scan_iter(match=f"*{prefix}/*"):
+                    db.delete(key)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def check_o_direct(directory: str) -> None:
+    """Raise SystemExit, naming ``--local-dir``, where ``directory`` refuses ``O_DIRECT`` (tmpfs)."""
+    probe = Path(directory) / f".odirect-{uuid.uuid4().hex[:6]}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError as err:
+        raise SystemExit(f"{directory} does not take O_DIRECT ({err}); the local rows need a directory on a "
+                         f"disk: give one with --local-dir") from None
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+# One run of a row -----------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    """One run of a row: its account, and what was measured beside it."""
+
+    row: Row
+    round: int
+    account: RunAccount
+    plain_saves_s: list[float]
+    raw_read_s: list[float]
+    checkpoint_bytes: int
+    resumes_ok: int
+    resumes: int
+    save_kills_in_save: int
+    save_kills: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def raw_read_median_s(self) -> float:
+        return statistics.median(self.raw_read_s)
+
+
+class Launcher:
+    """Starts the job's starts (forked or fresh processes) and the plain saves (always forked), and
+    writes each launch to the run's event log."""
+
+    def __init__(self, settings: Settings, server: ForkServer) -> None:
+        self.kind = settings.launcher
+        self.server = server
+        self.process = ProcessLauncher()
+
+    def start(self, config: JobConfig, log: EventLog) -> Job:
+        launched = time.time()
+        job = self.server.start_job(config) if self.kind == "fork" else self.process.start(config)
+        log.emit(LAUNCH_EVENT, source=INJECTOR, target=job.pid, time=launched, launcher=self.kind)
+        return job
+
+
+def run_row(row: Row, round_: int, settings: Settings, storages: Storages, launcher: Launcher,
+            workdir: Path) -> RunResult:
+    """Run ``row``'s job through the schedule to its end, then its plain saves and raw reads."""
+    run = f"{row.key}-r{round_}-{uuid.uuid4().hex[:6]}"
+    root = storages.root(row, run)
+    if row.storage == "local":
+        Path(root).mkdir(parents=True)
+    path = str(workdir / f"{run}.jsonl")
+    config = storages.config(row, root, path, settings)
+    follower, log = LogFollower(path), EventLog(path)
+    notes: list[str] = []
+    save_kills = in_save = 0
+    job: Job | None = None
+    try:
+        for disruption in settings.schedule:
+            job = launcher.start(config, log)
+            landed = disrupt(job, follower, log, disruption, settings)
+            if disruption.kind == "sigkill-save":
+                save_kills += 1
+                in_save += landed
+        # The last start trains to the end, then makes the plain saves (outside training, in a warm process).
+        job = launcher.start(dataclasses.replace(config, plain_saves=settings.plain_saves), log)
+        follower.wait_for(lambda e: of_process(job.pid, "exit")(e), RUN_TIMEOUT_S,
+                          f"the end of {row.name}'s run (step {settings.max_steps}) and its plain saves", job=job)
+        job.wait(60.0)
+        events = read_events(path)
+        ends = [e for e in events if of_process(job.pid, "exit")(e)]
+        if not ends or ends[-1].get("reason") != "completed":
+            raise RuntimeError(f"{row.name}'s last start did not complete: {ends[-1:]}{job.output_tail()}")
+        plain = plain_saves(events, job.pid)
+        if len(plain) != settings.plain_saves:
+            raise RuntimeError(f"{row.name}'s last start made {len(plain)} plain saves, not {settings.plain_saves}")
+        checkpoint = f"{config.checkpoint_dir}/last.ckpt"
+        raw_times, size = raw_reads(storages, row, checkpoint, settings.raw_reads)
+    finally:
+        if job is not None and job.poll() is None:  # a start left running by a failure
+            job.send(signal.SIGKILL)
+            job.wait(60.0)
+        log.close()
+        storages.remove(row, root)
+    started = [e for e in events if e["event"] == "train_start" and e.get("rank", 0) == 0]
+    checks = [check_resume(events, s) for s in started[1:]]
+    for check in checks:
+        if not check.ok:
+            notes.append(f"resume not from the newest whole checkpoint: {check.describe()}")
+    if save_kills and not in_save:
+        notes.append("no kill of a save landed inside the save (the saves were faster than the kill)")
+    return RunResult(row, round_, account(events), plain, raw_times, size, sum(c.ok for c in checks), len(checks),
+                     in_save, save_kills, notes)
+
+
+def disrupt(job: Job, follower: LogFollower, log: EventLog, disruption: Disruption, settings: Settings) -> bool:
+    """Wait for the disruption's moment in ``job``'s run, stop the job as it says, and wait for its end.
+    Returns whether a kill meant for a save landed inside it (False for the other kinds)."""
+    step = disruption.step(settings.every_n_steps)
+    started = follower.wait_for(of_process(job.pid, "train_start"), START_TIMEOUT_S,
+                                f"the training start of process {job.pid}", job=job)
+    if disruption.kind == "sigkill-save":
+        # A preemption just before may have resumed the job at this step: then the next save is the target.
+        step = max(step, started["step"] + 1)
+        begun = follower.wait_for(lambda e: of_process(job.pid, "save_start")(e) and e.get("step", 0) >= step
+                                  and e.get("blocking", True), RUN_TIMEOUT_S,
+                                  f"a save from step {step} on by process {job.pid}", job=job)
+        done = [e["seconds"] for e in follower.events if e["event"] == "save_end" and "seconds" in e]
+        delay = SAVE_KILL_FRACTION * statistics.median(done) if done else 0.0
+        time.sleep(delay)
+        sent = _kill(job, log, "save", delay, begun)
+        follower.poll()
+        return not any(of_process(job.pid, "save_end")(e) and e["path"] == begun["path"] and e["time"] <= sent
+                       for e in follower.events)
+    if started["step"] >= step:
+        raise RuntimeError(f"process {job.pid} resumed at step {started['step']}, at or past the schedule's "
+                           f"{disruption.kind} at step {step}: give the schedule more room")
+    reached = follower.wait_for(lambda e: of_process(job.pid, "step")(e) and e["step"] >= step, RUN_TIMEOUT_S,
+                                f"step {step} of process {job.pid}", job=job)
+    if disruption.kind == "sigkill":
+        _kill(job, log, "step", 0.0, reached)
+    else:
+        preempt(job, follower, grace_s=settings.grace_s, log=log)
+    return False
+
+
+def _kill(job: Job, log: EventLog, point: str, delay: float, trigger: Mapping[str, Any]) -> float:
+    """SIGKILL ``job``, record it in the log, wait for its end; returns when the signal was sent."""
+    sent = time.time()
+    job.send(signal.SIGKILL)
+    log.emit(INJECT_EVENT, source=INJECTOR, action="SIGKILL", target=job.pid, point=point, delay_s=delay,
+             trigger=trigger.get("event"), step=trigger.get("step"), sent=sent)
+    job.wait(60.0)
+    return sent
+
+
+def raw_reads(storages: Storages, row: Row, path: str, repeat: int) -> tuple[list[float], int]:
+    """Seconds of ``repeat`` raw reads of the checkpoint at ``path``, and its bytes."""
+    read, close = storages.raw_reader(row, path)
+    try:
+        size = read()  # the first one also warms the connections, as a plugin's first load would not need
+        return latencies_seconds(read, repeat), size
+    finally:
+        close()
+
+
+def plain_saves(events: Sequence[Mapping[str, Any]], pid: int) -> list[float]:
+    """Seconds of each save process ``pid`` made after its training ended (``train_end``): the plain
+    saves, ``trainer.save_checkpoint`` of the trained state through the same plugin and path, outside
+    the training loop, as ``benchmarks.lightning_ckpt`` times a save."""
+    ended = next((e["time"] for e in events if of_process(pid, "train_end")(e)), None)
+    if ended is None:
+        return []
+    return [e["seconds"] for e in events if of_process(pid, "save_end")(e) and e["time"] > ended]
+
+
+# Results ------------------------------------------------------------------------------------------
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ranged(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return spread(values)
+
+
+def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], settings: Settings) -> dict[str, Any]:
+    """The JSON row of one plugin: medians over its rounds (with min-max), and every round's details;
+    ``failures`` are the runs that failed (their errors)."""
+    if not runs:
+        return {"key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy,
+                "storage": row.storage, "baseline": row.baseline, "rounds": 0, "failures": list(failures),
+                "every_n_steps": settings.every_n_steps, "goodput": None, "runs": [], "restarts": [], "notes": []}
+    goodputs = [r.account.goodput for r in runs]
+    fractions = {name: _median([r.account.fractions[name] for r in runs]) for name in (GOODPUT, *BADPUT_TYPES)}
+    stalls = [s for r in runs for s in r.account.steady_save_stalls_s]
+    first_stalls = [s for r in runs for s in r.account.first_save_stalls_s]
+    plain = [s for r in runs for s in r.plain_saves_s[1:]]
+    first_plain = [r.plain_saves_s[0] for r in runs]
+    restarts = []
+    for r in runs:
+        for restart in r.account.restarts:
+            ceiling = restart.startup_s + r.raw_read_median_s if restart.to_first_step_s is not None else None
+            restarts.append({
+                "round": r.round, "after": restart.disruption, "startup_s": restart.startup_s,
+                "load_s": restart.load_s, "prep_s": restart.prep_s, "to_first_step_s": restart.to_first_step_s,
+                "raw_read_s": r.raw_read_median_s, "ceiling_s": ceiling,
+                "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
+                "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
+            })
+    first_step = [x["to_first_step_s"] for x in restarts if x["to_first_step_s"] is not None]
+    vs_ceiling = [x["vs_ceiling"] for x in restarts if x["vs_ceiling"] is not None]
+    loads = [x["load_s"] for x in restarts if x["load_s"] is not None]
+    lost = [x["lost_steps"] for x in restarts]
+    summary: dict[str, Any] = {
+        "key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy, "storage": row.storage,
+        "baseline": row.baseline, "size_mb": _median([r.checkpoint_bytes / MB for r in runs]),
+        "rounds": len(runs), "every_n_steps": settings.every_n_steps, "max_steps": settings.max_steps,
+        "wall_s": _median([r.account.total_s for r in runs]),
+        "goodput": _median(goodputs), "goodput_min": min(goodputs), "goodput_max": max(goodputs),
+        "badput": {name: fractions[name] for name in BADPUT_TYPES},
+        "save_stall_s": _ranged(stalls), "plain_save_s": _ranged(plain),
+        "stall_vs_plain_save": ratio(_median(stalls), _median(plain)),
+        "first_save_stall_s": _ranged(first_stalls), "first_plain_save_s": _ranged(first_plain),
+        "first_stall_vs_first_plain_save": ratio(_median(first_stalls), _median(first_plain)),
+        "load_s": _ranged(loads), "to_first_step_s": _ranged(first_step),
+        "ceiling_s": _median([x["ceiling_s"] for x in restarts if x["ceiling_s"] is not None]),
+        "first_step_vs_ceiling": _median(vs_ceiling), "first_step_vs_ceiling_max": max(vs_ceiling, default=None),
+        "raw_read_s": _median([r.raw_read_median_s for r in runs]),
+        "lost_steps_max": max(lost, default=0), "lost_steps": lost,
+        "resumes_ok": sum(r.resumes_ok for r in runs), "resumes": sum(r.resumes for r in runs),
+        "save_kills_in_save": sum(r.save_kills_in_save for r in runs), "save_kills": sum(r.save_kills for r in runs),
+        "ideal_step_s": _median([r.account.ideal_step_s for r in runs]),
+        "notes": [note for r in runs for note in r.notes], "failures": list(failures),
+        "runs": [{
+            "round": r.round, "total_s": r.account.total_s, "goodput": r.account.goodput,
+            "seconds": dict(r.account.seconds), "fractions": r.account.fractions,
+            "save_stalls_s": list(r.account.save_stalls_s), "first_save_stalls_s": list(r.account.first_save_stalls_s),
+            "plain_saves_s": r.plain_saves_s,
+            "raw_read_s": r.raw_read_s, "checkpoint_bytes": r.checkpoint_bytes, "steps_done": r.account.steps_done,
+            "progress": [list(p) for p in r.account.progress],
+            "disruptions": [list(d) for d in r.account.disruptions],
+        } for r in runs],
+        "restarts": restarts,
+    }
+    return summary
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's goodput against its baseline's (the same storage's TorchCheckpointIO, or DCP's own
+    writer), and whether it holds every bar (plugins only: the baselines are what they are held to)."""
+    by_key = {r["key"]: r for r in rows}
+    for row in rows:
+        base = by_key.get(row["baseline"])
+        row["goodput_vs_baseline"] = ratio(row["goodput"], base and base["goodput"])
+        if row["key"] == row["baseline"] or not row["runs"]:
+            row["bars"] = None
+            continue
+        row["bars"] = {
+            "save_stall": _holds(row["stall_vs_plain_save"], STALL_BAR, at_most=True),
+            "restart": _holds(row["first_step_vs_ceiling"], FIRST_STEP_BAR, at_most=True),
+            "progress_lost": row["lost_steps_max"] <= row["every_n_steps"],
+            "goodput": _holds(row["goodput_vs_baseline"], GOODPUT_BAR, at_most=False),
+        }
+
+
+def _holds(value: float | None, bar: float, *, at_most: bool) -> bool | None:
+    if value is None:
+        return None
+    return value <= bar if at_most else value >= bar
+
+
+BADPUT_TITLES = {
+    PROGRAM_STARTUP: "Start-up", CHECKPOINT_RESTORE: "Restore", TRAINING_PREP: "Prep", CHECKPOINT_SAVE: "Save",
+    WASTED_PROGRESS: "Wasted", INFRASTRUCTURE_RECOVERY: "Recovery", OTHER: "Other",
+}
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def _s_range(values: Mapping[str, float | None]) -> str | None:
+    if values["median"] is None:
+        return None
+    return f"{values['median']:.2f} ({values['min']:.2f}-{values['max']:.2f})"
+
+
+def _mark(row: Mapping[str, Any], bar: str) -> str:
+    bars = row.get("bars")
+    if not bars or bars[bar] is None:
+        return ""
+    return "" if bars[bar] else " FAIL"
+
+
+def table_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The two tables' rows: goodput and badput (shares of the wall time), and the bars."""
+    goodput = []
+    bars = []
+    for r in rows:
+        if not r["runs"]:
+            failed = f"failed in every round: {r['failures'][0].splitlines()[0][:80]}"
+            goodput.append({"type": r["type"], "goodput": failed})
+            bars.append({"type": r["type"], "stall": failed})
+            continue
+        goodput.append({
+            "type": r["type"], "size": f"{r['size_mb']:.1f}", "wall": f"{r['wall_s']:.1f}",
+            "goodput": f"{_pct(r['goodput'])} ({_pct(r['goodput_min'])}-{_pct(r['goodput_max'])})",
+            **{name: _pct(r["badput"][name]) for name in BADPUT_TYPES},
+        })
+        x = r["goodput_vs_baseline"]
+        bars.append({
+            "type": r["type"],
+            "stall": _s_range(r["save_stall_s"]), "plain": _s_range(r["plain_save_s"]),
+            "stall_x": None if r["stall_vs_plain_save"] is None else
+            f"{r['stall_vs_plain_save']:.2f}{_mark(r, 'save_stall')}",
+            "first": None if r["first_save_stall_s"]["median"] is None else
+            f"{r['first_save_stall_s']['median']:.2f} / {r['first_plain_save_s']['median']:.2f}",
+            "restart": _s_range(r["to_first_step_s"]),
+            "ceiling": None if r["ceiling_s"] is None else f"{r['ceiling_s']:.2f}",
+            "first_x": None if r["first_step_vs_ceiling"] is None else
+            f"{r['first_step_vs_ceiling']:.2f} (max {r['first_step_vs_ceiling_max']:.2f}){_mark(r, 'restart')}",
+            "lost": f"{r['lost_steps_max']} of {r['every_n_steps']}{_mark(r, 'progress_lost')}",
+            "goodput_x": None if x is None else f"{x:.2f} ({r['baseline']}){_mark(r, 'goodput')}",
+        })
+    return goodput, bars
+
+
+GOODPUT_COLUMNS = {"type": "Row", "size": "Ckpt MB", "wall": "Wall s", "goodput": "Goodput (min-max)",
+                   **{name: BADPUT_TITLES[name] for name in BADPUT_TYPES}}
+BAR_COLUMNS = {
+    "type": "Row", "stall": "Save stall s (min-max)", "plain": "Plain save s", "stall_x": "Stall x plain",
+    "first": "1st save of a start / plain s", "restart": "Restart to 1st step s", "ceiling": "Ceiling s",
+    "first_x": "x ceiling", "lost": "Steps lost (max)",
+    "goodput_x": "Goodput x baseline",
+}
+
+
+def format_report(rows: Sequence[dict[str, Any]], table: Callable[..., str] = format_table) -> str:
+    """Both tables (``table`` formats one: plain text or Markdown)."""
+    goodput, bars = table_rows(rows)
+    return f"{table(goodput, GOODPUT_COLUMNS)}\n\n{table(bars, BAR_COLUMNS)}"
+
+
+def write_chart(path: str | os.PathLike[str], rows: Sequence[dict[str, Any]], title: str) -> Path:
+    """The step counter over wall time, one line per row (its round of median goodput), each start's
+    end marked: x for a SIGKILL, v for a preemption that ended in the job's own exit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(10, 5.5), layout="constrained")
+    for index, row in enumerate(rows):
+        if not row["runs"]:
+            continue
+        runs = sorted(row["runs"], key=lambda r: r["goodput"])
+        run = runs[(len(runs) - 1) // 2]
+        color = f"C{index % 10}"
+        times = [p[0] for p in run["progress"]]
+        steps = [p[1] for p in run["progress"]]
+        ax.plot(times, steps, color=color, linewidth=1.2, drawstyle="steps-post",
+                label=f"{row['type']}: goodput {100 * run['goodput']:.1f}%")
+        for when, step, how in run["disruptions"]:
+            ax.plot([when], [step], marker="x" if how == "SIGKILL" or how == "unknown" else "v", color=color,
+                    markersize=7, linestyle="none")
+    ax.set_xlabel("wall time since the first launch (s); x: SIGKILL, v: preemption (SIGTERM, the job exits)")
+    ax.set_ylabel("global step")
+    ax.set_title(title, fontsize=9, wrap=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(fontsize=7, loc="outside lower center", ncols=2)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# The command --------------------------------------------------------------------------------------
+def run_rounds(rows: Sequence[Row], settings: Settings, storages: Storages, launcher: Launcher,
+               workdir: Path) -> tuple[dict[str, list[RunResult]], dict[str, list[str]]]:
+    """Every row once per round, the order rotating by one each round; a line as each run ends. A run
+    that fails is reported (here and in the results) and the others go on."""
+    results: dict[str, list[RunResult]] = {row.key: [] for row in rows}
+    failures: dict[str, list[str]] = {row.key: [] for row in rows}
+    started = time.monotonic()
+    for round_ in range(settings.rounds):
+        order = list(rows[round_ % len(rows):]) + list(rows[: round_ % len(rows)])
+        for row in order:
+            where = f"round {round_ + 1}/{settings.rounds}, {row.name}"
+            try:
+                result = run_row(row, round_, settings, storages, launcher, workdir)
+            except (RuntimeError, TimeoutError, OSError) as err:
+                failures[row.key].append(f"{type(err).__name__}: {err}")
+                say(f"{where}: FAILED ({time.monotonic() - started:.0f} s in all): {_brief(failures[row.key][-1])}")
+                continue
+            results[row.key].append(result)
+            say(f"{where}: goodput {100 * result.account.goodput:.1f}%, {result.account.total_s:.1f} s of training "
+                f"job ({time.monotonic() - started:.0f} s in all)")
+    return results, failures
+
+
+def _brief(error: str) -> str:
+    """An error's first line and, when it quotes a job's output, that output's last line."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} [...] {lines[-1].strip()}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.recovery", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Rows for --rows: " + ", ".join(f"{r.key} = {r.name}" for r in ROWS.values())
+               + f". Schedule kinds: {', '.join(DISRUPTIONS)}.",
+    )
+    defaults = Settings()
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated rows to run")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds of every row")
+    parser.add_argument("--size-mb", type=float, default=defaults.size_mb,
+                        help="the checkpoint's size in MiB, about (weights and AdamW's two moments)")
+    parser.add_argument("--every-n-steps", type=int, default=defaults.every_n_steps,
+                        help="a checkpoint every this many steps (the checkpoint interval)")
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="steps of the whole run")
+    parser.add_argument("--step-time-s", type=float, default=defaults.step_time_s,
+                        help="what each step waits besides its compute, standing for a real model's step")
+    parser.add_argument("--schedule", default=DEFAULT_SCHEDULE,
+                        help="the disruptions, KIND@INTERVALS in order: sigkill (at a step), sigterm (a "
+                             "preemption: SIGTERM, SIGKILL after --grace-s), sigkill-save (in the save of the "
+                             "first checkpoint from that step on); positions in checkpoint intervals")
+    parser.add_argument("--grace-s", type=float, default=defaults.grace_s,
+                        help="seconds from a preemption's SIGTERM to its SIGKILL (GCE spot VMs and GKE: 30)")
+    parser.add_argument("--plain-saves", type=int, default=defaults.plain_saves,
+                        help="plain saves per row and round, the reference of the save stalls")
+    parser.add_argument("--raw-reads", type=int, default=defaults.raw_reads,
+                        help="raw reads of each run's last checkpoint, the load part of a restart's ceiling")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default=defaults.launcher,
+                        help="fork: every start forked from a process that imported torch, Lightning and the "
+                             "plugins once; process: python -m benchmarks.recovery.job, imports included")
+    parser.add_argument("--local-dir", help="directory for the local rows; it must take O_DIRECT "
+                                            "(default: a temporary directory)")
+    parser.add_argument("--logs", metavar="DIR", help="keep every run's event log and output here")
+    parser.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
+                        help="write the rows as a JSON list here, the tables as Markdown (.md) and the chart "
+                             "(.png) next to it")
+    parser.add_argument("--chart", metavar="PATH", help="write the PNG chart here (default: the JSON path with .png)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the services and plugins do")
+    args = parser.parse_args(argv)
+    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown or not keys:
+        parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
+    args.rows = [ROWS[k] for k in keys]
+    try:
+        args.settings = Settings(size_mb=args.size_mb, every_n_steps=args.every_n_steps, max_steps=args.max_steps,
+                                 step_time_s=args.step_time_s, schedule=parse_schedule(args.schedule),
+                                 grace_s=args.grace_s, rounds=args.rounds, plain_saves=args.plain_saves,
+                                 raw_reads=args.raw_reads, launcher=args.launcher)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def configure_console(verbose: bool) -> None:
+    """Warnings only, unless ``verbose``: the console shows the progress and the tables."""
+    from benchmarks.report import quiet_self_printing_loggers
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not verbose:
+        quiet_self_printing_loggers()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _workdir(keep: str | None) -> Iterator[Path]:
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield Path(keep)
+        return
+    with tempfile.TemporaryDirectory(prefix="recovery-bench-") as name:
+        yield Path(name)
+
+
+def say(text: str) -> None:
+    """A progress line on standard error (the tables go to standard output)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_console(args.verbose)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    settings: Settings = args.settings
+    rows: list[Row] = args.rows
+    header = f"Goodput under kills and preemptions: {settings.describe()}"
+    started = time.monotonic()
+    try:
+        with Services(ServiceOptions(local_dir=args.local_dir)) as services, ExitStack() as stack:
+            storages = Storages(services)
+            say("starting the services: " + ", ".join(sorted({r.storage for r in rows})))
+            storages.start(rows)
+            workdir = stack.enter_context(_workdir(args.logs))
+            say("starting the fork server: it imports torch, Lightning and the plugins once "
+                "(a minute on a busy 2-core machine)")
+            server = stack.enter_context(ForkServer())
+            say(header)
+            results, failures = run_rounds(rows, settings, storages, Launcher(settings, server), workdir)
+    except KeyboardInterrupt:
+        say("interrupted; services stopped")
+        return 130
+    summaries = [row_summary(row, results[row.key], failures[row.key], settings) for row in rows]
+    add_ratios(summaries)
+    elapsed = time.monotonic() - started
+    context = {"settings": {**dataclasses.asdict(settings), "schedule": [dataclasses.asdict(d) for d in
+                                                                          settings.schedule]},
+               "elapsed_s": elapsed}
+    for summary in summaries:
+        summary["context"] = context
+    print()
+    print(format_report(summaries))
+    for summary in summaries:
+        for note in summary["notes"] + [f"a run failed: {_brief(failure)}" for failure in summary["failures"]]:
+            say(f"{summary['type']}: {note}")
+    write_json(args.json, summaries)
+    markdown = Path(args.json).with_suffix(".md")
+    markdown.write_text(f"{header}\n\n{format_report(summaries, format_markdown_table)}\n")
+    chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), summaries, header)
+    print(f"\n{len(rows)} rows x {settings.rounds} rounds in {elapsed:.0f} s; rows: {args.json} "
+          f"(tables as Markdown: {markdown}); chart: {chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
