@@ -18,6 +18,7 @@ import pytest
 from benchmarks.network import NetworkModel, Toxiproxy
 from benchmarks.recovery.events import DEFAULT_GRACE_S, of_process, preempt
 from tests.support.recovery import Rounds, Storage, first_part_of, interrupted, points_for, replace
+from tests.support.recovery import in_flight as saves_in_flight
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
@@ -49,7 +50,7 @@ def test_sigterm_within_the_grace_period_saves_and_resumes(plugin: str, storage:
         events = [e for e in rounds.follower.events if of_process(current.job.pid)(e)]
         assert any(e["event"] == "signal" and e["name"] == "SIGTERM" for e in events)
         # the saves in flight when the signal came were finished, none failed
-        in_flight = interrupted([e for e in events if e["time"] < injection.time], injection)
+        in_flight = saves_in_flight(rounds.follower.events, current.job.pid, injection.time)
         landed_in_save[point] += bool(in_flight)
         finished = {e["path"] for e in events if e["event"] == "save_end" and e["time"] >= injection.time}
         assert all(save["path"] in finished for save in in_flight), (in_flight, finished)

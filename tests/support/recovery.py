@@ -135,9 +135,13 @@ class Rounds:
         self.rounds.append(current)
         return current
 
+    def assert_resumed(self, current: Round) -> None:
+        """The round resumed where the log says."""
+        assert current.resume.ok, f"round {current.index}: {current.resume.describe()}"
+
     def assert_sound(self, current: Round) -> None:
         """The round resumed where the log says, and no dead start's temporary was left."""
-        assert current.resume.ok, f"round {current.index}: {current.resume.describe()}"
+        self.assert_resumed(current)
         assert not current.leftovers, (f"round {current.index}: temporaries of dead starts left after the restart's "
                                        f"sweep: {current.leftovers}")
 
@@ -153,9 +157,14 @@ class Rounds:
 
 def interrupted(events: list[Mapping[str, Any]], injection: Injection) -> list[Mapping[str, Any]]:
     """The saves of the injection's target that were started and not finished when it was stopped."""
+    return in_flight(events, injection.pid, float("inf"))
+
+
+def in_flight(events: list[Mapping[str, Any]], pid: int, moment: float) -> list[Mapping[str, Any]]:
+    """The saves of process ``pid`` that had started and not finished at ``moment``."""
     open_saves: dict[str, Mapping[str, Any]] = {}
     for event in events:
-        if event.get("pid") != injection.pid or event.get("source") == "injector":
+        if event.get("pid") != pid or event.get("source") == "injector" or event["time"] >= moment:
             continue
         if event["event"] == "save_start":
             open_saves[event["path"]] = event
