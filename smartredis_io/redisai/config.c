@@ -125,7 +125,7 @@ static void set_secret(const unsigned char *bytes, size_t len) {
     SRIO_Config.secret_len = len;
 }
 
-/* The whitespace stripped around a secret's line, as worker_protocol.SECRET_STRIP. */
+/* The whitespace stripped around a secret's line, as smartredis_io.worker.worker_protocol.SECRET_STRIP. */
 static int is_strip(unsigned char c) { return c == ' ' || c == '\t' || c == '\v' || c == '\f' || c == '\r'; }
 
 /* The first line of `path`, stripped, as the secret; REDISMODULE_ERR after logging why not. The

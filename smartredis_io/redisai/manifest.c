@@ -1,4 +1,4 @@
-/* The manifests of models and scripts: the JSON smartredis_io.protocol.Manifest is stored as. */
+/* The manifests of models and scripts: the JSON smartredis_io._client.protocol.Manifest is stored as. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,5 +1,5 @@
 /* Storing, reading and deleting models and scripts, as RedisAI 1.2.7 documents the commands, on
- * smartredis_io's manifests (smartredis_io/protocol.py): a model stored here is the same object as
+ * smartredis_io's manifests (smartredis_io/_client/protocol.py): a model stored here is the same object as
  * one stored by smartredis_io's set_model, and the execution workers run either.
  *
  * AI.MODELSTORE key backend device [TAG tag] [BATCHSIZE n [MINBATCHSIZE m [MINBATCHTIMEOUT t]]]

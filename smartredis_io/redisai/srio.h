@@ -1,8 +1,8 @@
 /* The smartredis_io Redis module: what its source files share.
  *
  * The module serves RedisAI's commands on a stock redis-server, over smartredis_io's own storage
- * (smartredis_io/wire.py and smartredis_io/protocol.py), so that SmartRedis clients in C, C++, Fortran
- * and Python and smartredis_io share one database:
+ * (smartredis_io/_client/wire.py and smartredis_io/_client/protocol.py), so that SmartRedis clients
+ * in C, C++, Fortran and Python and smartredis_io share one database:
  *
  * - a tensor is a Redis string: a header (magic "SRT1", layout, dtype code, ndim, the shape as
  *   little-endian u64) then the raw little-endian C-order bytes. A value too large for one string
@@ -46,7 +46,7 @@
 /* ---- settings (config.c): the module's load-time arguments -------------------------------- */
 
 /* A worker secret is 16 to 256 bytes of printable ASCII without spaces (0x21 to 0x7e), the rule
- * smartredis_io's worker_protocol.check_secret applies on the Python side. */
+ * smartredis_io.worker.worker_protocol.secret_from_line applies on the Python side. */
 #define SRIO_SECRET_MIN 16
 #define SRIO_SECRET_MAX 256
 #define SRIO_MAX_WORKERS 64
@@ -115,7 +115,7 @@ int SRIO_UserMayAccess(RedisModuleCtx *ctx, RedisModuleString *keyname, int flag
  * "model" or "script"); frees err. */
 int SRIO_ReplyReadError(RedisModuleCtx *ctx, int status, const char *what, char *err);
 
-/* ---- tensor values (wire.c; smartredis_io/wire.py) ------------------------------------------ */
+/* ---- tensor values (wire.c; smartredis_io/_client/wire.py) ---------------------------------- */
 
 #define SRIO_MAGIC "SRT1"
 #define SRIO_MAX_NDIM 32
@@ -179,7 +179,7 @@ int SRIO_HeaderDecode(const char *buf, size_t len, SRIO_Header *h);
 size_t SRIO_HeaderEncode(char *out, int code, int ndim, const uint64_t *shape, uint32_t chunks, uint32_t crc,
                          uint64_t payload, const unsigned char *version);
 
-/* tagged_key(key, suffix) of smartredis_io.wire: a key on the cluster slot of `key` followed by
+/* tagged_key(key, suffix) of smartredis_io._client.wire: a key on the cluster slot of `key` followed by
  * suffix. Redis hashes the text between the first '{' and the first '}' after it when that is not
  * empty, else the whole key; so the key is kept as the prefix when it has such a tag, wrapped as
  * "{key}" when it has no '}', and otherwise prefixed by "{srio<n>}", the first such tag whose slot
@@ -224,7 +224,7 @@ int SRIO_DeleteKey(RedisModuleCtx *ctx, RedisModuleString *keyname);
 int SRIO_KeyHoldsTensor(RedisModuleKey *key);
 int SRIO_KeyHoldsManifest(RedisModuleKey *key);
 
-/* ---- models and scripts (manifest.c; smartredis_io/protocol.py) ---------------------------- */
+/* ---- models and scripts (manifest.c; smartredis_io/_client/protocol.py) -------------------- */
 
 #define SRIO_MANIFEST_PREFIX "{\"kind\": "
 #define SRIO_VERSION_HEX 32
@@ -255,8 +255,8 @@ int SRIO_ManifestRead(RedisModuleCtx *ctx, RedisModuleString *keyname, SRIO_Mani
 /* Parse a manifest's JSON; SRIO_OK or SRIO_WRONGTYPE. */
 int SRIO_ManifestParse(const char *json, size_t len, SRIO_Manifest *m);
 void SRIO_ManifestFree(SRIO_Manifest *m);
-/* The JSON of a manifest, as smartredis_io writes it (json.dumps of protocol.Manifest); NULL when a
- * string field is not UTF-8 text. Free with RedisModule_Free. */
+/* The JSON of a manifest, as smartredis_io writes it (json.dumps of smartredis_io._client.protocol.Manifest);
+ * NULL when a string field is not UTF-8 text. Free with RedisModule_Free. */
 char *SRIO_ManifestJson(const SRIO_Manifest *m, size_t *len);
 /* The key of the blob a manifest stored at `keyname` points to. */
 RedisModuleString *SRIO_ManifestBlobKey(RedisModuleCtx *ctx, RedisModuleString *keyname, const SRIO_Manifest *m);

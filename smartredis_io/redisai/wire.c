@@ -1,4 +1,4 @@
-/* Tensor values in smartredis_io's wire format (see srio.h and smartredis_io/wire.py). */
+/* Tensor values in smartredis_io's wire format (see srio.h and smartredis_io/_client/wire.py). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -416,7 +416,7 @@ static int write_value(RedisModuleCtx *ctx, RedisModuleString *name, const char 
 }
 
 static void new_chunk_version(unsigned char version[SRIO_VERSION_BYTES]) {
-    /* the time it was made (ns, big-endian) then 8 random bytes, as wire.new_version */
+    /* the time it was made (ns, big-endian) then 8 random bytes, as smartredis_io._client.wire.new_version */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     uint64_t ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;

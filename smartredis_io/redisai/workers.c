@@ -23,7 +23,7 @@
 #include "exec.h"
 
 #define WORKER_CONNECTIONS 8 /* a worker's connections to one server: pops, pauses, heartbeats */
-#define HEAD_BYTES 296       /* smartredis_io.wire.HEADER_MAX_BYTES: a replaced value's header */
+#define HEAD_BYTES 296       /* smartredis_io._client.wire.HEADER_MAX_BYTES: a replaced value's header */
 #define NOT_A_WORKER \
     "NOPERM this command is for smartredis_io execution workers (a worker first says SRIO.HELLO with the module's " \
     "worker secret)"

@@ -1,4 +1,4 @@
-"""The redis-py internals that ``smartredis_io._redispy`` relies on are still there and behave as assumed.
+"""The redis-py internals that ``smartredis_io._client._redispy`` relies on are still there and behave as assumed.
 
 A redis-py release that renames or changes one of them fails here, naming it, rather than somewhere
 deep in a tensor round trip.
@@ -16,7 +16,7 @@ from redis.cluster import RedisCluster
 
 from smartredis_io._client import _redispy
 
-CHANGED = "redis-py changed under smartredis_io._redispy: "
+CHANGED = "redis-py changed under smartredis_io._client._redispy: "
 
 
 @pytest.fixture
