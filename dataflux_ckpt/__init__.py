@@ -2,7 +2,8 @@
 
 Names are imported on first use, so that ``import dataflux_ckpt`` (and the emulator and XML
 multipart server processes) need neither torch nor Lightning until a checkpoint class is used.
-``TieredCheckpointIO`` also needs the ``[nvme]`` extra (FastPersist), named when it is used.
+``TieredCheckpointIO`` and ``ShardedLocalTier`` (DCP saves with ``local_dir``) also need the ``[nvme]``
+extra (FastPersist), named when they are used.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ _EXPORTS = {
     "TieredCheckpointMonitor": "dataflux_ckpt.tiered",
     "TieredOptions": "dataflux_ckpt.tiered",
     "TieredStats": "dataflux_ckpt.tiered",
+    "ShardedLocalTier": "dataflux_ckpt.tiered_dcp",
     "ReentrantOperationError": "lightning_storage_plugins.reentry",
     "DeferredOperationError": "lightning_storage_plugins.reentry",
 }
@@ -83,6 +85,7 @@ __all__ = [
     "ObjectWriter",
     "ReentrantOperationError",
     "RetryPolicy",
+    "ShardedLocalTier",
     "StreamingWriter",
     "TieredCheckpointIO",
     "TieredCheckpointMonitor",
@@ -133,6 +136,7 @@ if TYPE_CHECKING:
         TieredOptions,
         TieredStats,
     )
+    from dataflux_ckpt.tiered_dcp import ShardedLocalTier
     from dataflux_ckpt.upload import ObjectWriter, StreamingWriter
     from lightning_storage_plugins.errors import CheckpointExistsError, CheckpointMetadataError
     from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError

@@ -26,18 +26,20 @@ seen when the lock was taken, so a save that lost its lock publishes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import logging
 import math
 import os
+import pickle
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from google.cloud import storage
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from typing_extensions import override
 
 from dataflux_ckpt._gcs_compat import raw_body_reader, release_read_connection
 from dataflux_ckpt.checksums import crc32c_extend
@@ -70,14 +73,22 @@ from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
+    TOKEN_HEX_DIGITS,
     SaveLock,
     ShardedStorageReader,
     ShardedStorageWriter,
     StorageInfo,
     narrow,
+    stamp_version,
 )
 from lightning_storage_plugins.errors import CheckpointMetadataError
 from lightning_storage_plugins.owners import Owner
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dataflux_ckpt.tiered_dcp import LoadVersion, ShardedLocalTier
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +100,8 @@ SCRATCH_BYTES = 1 * 2**20
 LOCK_LEASE_S = 30.0
 # How far before its lease runs out (by this process' clock) a holder stops counting on its lock.
 LOCK_MARGIN_S = 2.0
+# How long a load with a local tier waits for GCS to say which checkpoint it holds.
+NEWER_CHECK_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -135,6 +148,28 @@ class _Connection:
                                 connections=options.max_workers, request_timeout_s=options.request_timeout_s,
                                 connect_timeout_s=min(CONNECT_TIMEOUT_S, options.request_timeout_s))
             return self._gcs
+
+
+def _ordered_save_id(after: str | None = None) -> str:
+    from dataflux_ckpt.tiered_dcp import ordered_save_id
+
+    return ordered_save_id(after)
+
+
+def _local_tier(local_dir: str | os.PathLike[str] | ShardedLocalTier | None, owner: str,
+                connection: _Connection) -> ShardedLocalTier | None:
+    """The local tier ``local_dir`` names: the one given, or a new one on that directory (uploading
+    with ``connection``'s client and options)."""
+    if local_dir is None:
+        return None
+    from dataflux_ckpt.tiered_dcp import ShardedLocalTier
+
+    if isinstance(local_dir, ShardedLocalTier):
+        return local_dir
+    if not isinstance(local_dir, (str, os.PathLike)):
+        raise TypeError(f"{owner}: local_dir must be a directory or a ShardedLocalTier, not {local_dir!r}")
+    return ShardedLocalTier(local_dir, project_name=connection.project_name, storage_client=connection._client,
+                            options=connection.options)
 
 
 class _GcsCheckpoint:
@@ -310,10 +345,16 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             :class:`~dataflux_ckpt.TransferOptions`; an individual argument given as well must agree.
         overwrite: ``False`` refuses to save where a checkpoint exists.
         cache_staged_state_dict: as for torch's ``FileSystemWriter`` (``dcp.async_save``).
+        local_dir: a local tier (a :class:`~dataflux_ckpt.tiered_dcp.ShardedLocalTier`, or its
+            directory on the node's NVMe, for one of this writer's own): each rank then writes its
+            shard there with FastPersist and returns, and the checkpoint is uploaded and published
+            in GCS in the background (see :mod:`dataflux_ckpt.tiered_dcp`). It needs the
+            ``[nvme]`` extra too.
 
     Raises:
         ValueError: ``path`` is not a ``gs://`` path, or an option is out of range (the message names it).
         TypeError: an option has the wrong type, or conflicts with the same field of ``options``.
+        ImportError: ``local_dir`` was given without the ``[nvme]`` extra (the message names it).
     """
 
     upload_mode = option_property("upload_mode", '``"auto"``, ``"xml"`` or ``"composite"``.')
@@ -334,6 +375,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         options: TransferOptions | None = None,
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
+        local_dir: str | os.PathLike[str] | ShardedLocalTier | None = None,
     ) -> None:
         self.options = resolve_options(type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
                                        upload_mode=upload_mode, block_size=block_size, retry=retry,
@@ -341,11 +383,26 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self._connection = _Connection(project_name, storage_client, self.options)
         self._metadata_generation = 0
+        #: The local tier of a tiered save (``None``: each rank uploads its shard as it saves).
+        self.local_tier = _local_tier(local_dir, type(self).__name__, self._connection)
+        self._rank: int | None = None
+        if self.local_tier is not None:
+            self.save_id = _ordered_save_id()
+
+    @override
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, to ``checkpoint_id`` when given (see ``ShardedStorageWriter.reset``);
+        a tiered save's id begins with the time, which orders the saves of a checkpoint."""
+        super().reset(checkpoint_id)
+        if self.local_tier is not None:
+            self.save_id = _ordered_save_id(self.save_id)
 
     def _deadline(self) -> Deadline:
         return Deadline(self.deadline_s, "save", self.checkpoint_id)
 
     def _lock_checkpoint(self) -> SaveLock:
+        if self.local_tier is not None:  # GCS's save lock is the background publish's
+            return self.local_tier._save_lock(self.checkpoint_id)
         gcs = self._connection.gcs
         lock = _GcsSaveLock(gcs, self._object(LOCK_NAME), self.checkpoint_id, self.save_id, LOCK_LEASE_S,
                             self.deadline_s).acquire()
@@ -359,6 +416,12 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
 
     # Files --------------------------------------------------------------------------------------
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        if self.local_tier is not None:
+            from dataflux_ckpt.tiered_dcp import shard_rank
+
+            self._rank = shard_rank(name)[0]
+            return self.local_tier._save_shard(self.checkpoint_id, name, items, planner, self._connection,
+                                              self.block_size)
         results: list[WriteResult] = []
         target = self._object(name)
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
@@ -391,6 +454,57 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         # Part objects of a composite upload are deleted in the background: done before the save returns.
         self._connection.gcs.wait_background(self.options.cleanup_timeout_s)
         return results
+
+    @override
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Publish ``.metadata`` (see ``ShardedStorageWriter.finish``); a tiered save writes it to the
+        coordinator's local tier instead, and publishes it in GCS in the background once every
+        rank's shard is uploaded.
+
+        Raises:
+            FileNotFoundError: a rank's object is missing or short (nothing is published).
+            ConcurrentWriteError: the save lock was lost meanwhile (nothing is published).
+            OSError: a tiered save's local write failed.
+        """
+        if self.local_tier is None:
+            super().finish(metadata, results)
+            return
+        try:
+            metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+            metadata.storage_meta = self.storage_meta()
+            stamp_version(metadata)
+            self._held_lock().confirm()
+            self.local_tier._commit(self.checkpoint_id, self.save_id[:TOKEN_HEX_DIGITS], pickle.dumps(metadata),
+                                   self._connection)
+        finally:
+            self._release()
+
+    @override
+    def abort(self) -> None:
+        """Remove what the current save wrote, once it failed (see ``ShardedStorageWriter.abort``); a
+        tiered save removes this rank's files from the local tier, stops their uploads and deletes
+        what they put in GCS."""
+        if self.local_tier is None:
+            super().abort()
+            return
+        try:
+            if self._token is not None and self.path is not None:
+                self.local_tier._abort(self.checkpoint_id, self._token, self._rank)
+                self._token = None
+        finally:
+            self._release()
+
+    @override
+    def remove(self) -> None:
+        """Delete the checkpoint (see ``ShardedStorageWriter.remove``); with a local tier, its
+        uploads in this process are stopped and its local copy on this node removed first.
+
+        Raises:
+            ConcurrentWriteError: a save to this checkpoint is in progress.
+        """
+        if self.local_tier is not None:
+            self.local_tier._forget(self.checkpoint_id)
+        super().remove()
 
     def _publish(self, name: str, data: bytes) -> None:
         # .metadata replaces only the generation there when this save took the lock.
@@ -567,10 +681,21 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
         options: all of the above (and the request timeout) as one :class:`~dataflux_ckpt.TransferOptions`;
             an individual argument given as well must agree.
         weights_only: see :class:`~lightning_storage_plugins.dcp.ShardedStorageReader`.
+        local_dir: the local tier of tiered saves (a :class:`~dataflux_ckpt.tiered_dcp.ShardedLocalTier`
+            or its directory): the load reads the newest version of the checkpoint whose every file
+            each rank finds whole on its node, if it is as new as GCS's, else GCS's; each file from
+            the local tier where it is there and whole (its size and crc32c), else from GCS. The
+            version is chosen at the first read of the metadata after the reader is made (or reset
+            to another path), so that the loads of one reader (a model's, then its optimizers')
+            read one version. See :mod:`dataflux_ckpt.tiered_dcp`.
+        process_group: the ranks that choose the version together (with ``local_dir``): the group
+            ``dcp.load`` runs in; ``None``, its default, is torch's default group where one is
+            initialized (else this process alone).
 
     Raises:
         ValueError: ``path`` is not a ``gs://`` path, or an option is out of range (the message names it).
         TypeError: an option has the wrong type, or conflicts with the same field of ``options``.
+        ImportError: ``local_dir`` was given without the ``[nvme]`` extra (the message names it).
     """
 
     coalesce_gap = option_property("coalesce_gap", "Items closer than this many bytes are fetched by one GET.")
@@ -588,14 +713,71 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
         deadline_s: float | None = None,
         options: TransferOptions | None = None,
         weights_only: bool | None = None,
+        local_dir: str | os.PathLike[str] | ShardedLocalTier | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.options = resolve_options(type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
                                        coalesce_gap=coalesce_gap, retry=retry, deadline_s=deadline_s)
         super().__init__(path, weights_only=weights_only)
         self._connection = _Connection(project_name, storage_client, self.options)
+        #: The local tier of tiered saves (``None``: every file is read from GCS).
+        self.local_tier = _local_tier(local_dir, type(self).__name__, self._connection)
+        self.process_group = process_group
+        self._version: LoadVersion | None = None
+        #: With a local tier: where the version loaded was chosen from, ``"local"`` or ``"gcs"``
+        #: (``None`` until the metadata is read).
+        self.chosen_tier: str | None = None
+        #: With a local tier: how many files this reader read from the local tier, and from GCS.
+        self.files_read_locally = 0
+        self.files_read_from_gcs = 0
+
+    @override
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load, from ``checkpoint_id`` when given (see ``ShardedStorageReader.reset``);
+        a load of another path chooses its version afresh."""
+        previous = self.path
+        super().reset(checkpoint_id)
+        if self.path != previous:
+            self._version, self.chosen_tier = None, None
 
     def _read(self, name: str) -> bytes | None:
+        if self.local_tier is not None and name == METADATA_NAME:
+            return self._chosen_version().metadata
+        return self._read_gcs(name)
+
+    def _read_gcs(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), Deadline(self.deadline_s, "load", self.checkpoint_id))
+
+    @override
+    def exists(self) -> bool:
+        """Whether a complete checkpoint is at the path (its ``.metadata`` is in GCS), or, with a
+        local tier, a tiered save of it is on this node."""
+        if self.local_tier is not None and self.local_tier._local_saves(self.checkpoint_id):
+            return True
+        return self._read_gcs(METADATA_NAME) is not None
+
+    def _chosen_version(self) -> LoadVersion:
+        """The version of the checkpoint this reader loads (chosen with the other ranks at the first call)."""
+        if self._version is None:
+            from dataflux_ckpt.tiered_dcp import choose_version
+
+            assert self.local_tier is not None
+            self._version = choose_version(self.local_tier, self.checkpoint_id, self._gcs_metadata,
+                                           self.process_group)
+            self.chosen_tier = self._version.tier
+        return self._version
+
+    def _gcs_metadata(self) -> tuple[bytes, int] | None:
+        """GCS's ``.metadata`` and its generation (``None``: there is none)."""
+        gcs = self._connection.gcs
+        deadline = Deadline(min(self.deadline_s, NEWER_CHECK_TIMEOUT_S), "load", self.checkpoint_id)
+        path = self._object(METADATA_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            info = gcs.stat(path, deadline)
+            data = _read_small(gcs, path, deadline)
+            if data is not None:
+                return data, info.generation
+        return None
 
     def _check_item(self, info: Any, where: str) -> None:
         """Refuse an item whose crc32c blocks, dtype or shape cannot describe its bytes."""
@@ -667,7 +849,63 @@ class DatafluxStorageReader(_GcsCheckpoint, ShardedStorageReader):
 
     # Reading ------------------------------------------------------------------------------------
     def _read_items(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        requests = [self._request(item, planner) for item in plan.items]
+        if self.local_tier is None:
+            self._read_from_gcs(plan.items, planner)
+            return
+        version = self._chosen_version()
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        remote: list[ReadItem] = []
+        for name, items in by_file.items():
+            copy = self._local_copy(version, name)
+            if copy is None:
+                remote.extend(items)
+                self.files_read_from_gcs += 1
+                continue
+            try:
+                whole = torch.empty(0, dtype=torch.uint8).set_(copy.untyped_storage())
+                for item in items:
+                    request = self._request(item, planner)
+                    data = whole.narrow(0, request.start, request.size)
+                    if request.direct:
+                        assert request.dest is not None
+                        request.dest.copy_(data)
+                    else:
+                        request.dest = data
+                    self._use(request, planner)
+            finally:
+                copy.close()
+            self.files_read_locally += 1
+        if remote:
+            self._read_from_gcs(remote, planner)
+
+    def _local_copy(self, version: LoadVersion, name: str) -> Any:
+        """The local tier's copy of the version's file ``name`` read whole, once its size and crc32c
+        match; ``None`` when GCS is to be read instead.
+
+        Raises:
+            FileNotFoundError, DataCorruptionError: the file is not whole here, and the version is
+                not in GCS either.
+        """
+        assert self.local_tier is not None
+        entry = version.local_files.get(name)
+        if entry is None:
+            if not version.in_gcs:
+                raise FileNotFoundError(f"{self.checkpoint_id}/{name} is not on this node's local tier, and GCS "
+                                        f"does not hold this version (save {version.token}) of the checkpoint")
+            return None
+        try:
+            return self.local_tier._read_local(self.checkpoint_id, name, *entry)
+        except (OSError, DataCorruptionError) as err:
+            if not version.in_gcs:
+                raise
+            log.warning("could not read the local copy of %s/%s (%s); reading it from GCS", self.checkpoint_id,
+                        name, err)
+            return None
+
+    def _read_from_gcs(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        requests = [self._request(item, planner) for item in items]
         for request in requests:
             if request.size == 0:
                 self._use(request, planner)
