@@ -244,6 +244,10 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         os.environ.update(torchrun_environ(rank, world, spec["port"]))
         return {"rank": rank, "steps": [run_link_rotation(step["kind"], step["storage"], step["root"])
                                         for step in spec["steps"]]}
+    if spec["steps"] and all(step["op"].startswith("tiered") for step in spec["steps"]):
+        from tests.support.dcp_tiered import run_tiered
+
+        return run_tiered(spec, rank, world)
     if spec["steps"] and all(step["op"] == "lightning" for step in spec["steps"]):
         from tests.support.dcp_lightning import run_trainer, torchrun_environ
 
