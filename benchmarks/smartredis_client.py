@@ -53,6 +53,7 @@ import torch
 
 from benchmarks.report import configure_logging, format_table, latencies_seconds, ratio, write_json
 from benchmarks.smartsim_scaling.launch import published_available, published_client, raw_client
+from benchmarks.worker_python import WORKER_USER, start_servers_reaching_python
 from smartredis_io import Client, Orchestrator, RedisCluster, RedisServer
 from smartredis_io.error import RedisReplyError
 
@@ -276,13 +277,14 @@ def tiny_models() -> tuple[torch.nn.Module, dict[str, bytes]]:
 
 
 def module_worker_args() -> tuple[str, ...]:
-    """The module arguments of a redis-server whose module starts one worker (as ``nobody`` when root)."""
-    return ("WORKERS", "1", "WORKER_PYTHON", sys.executable, *(("WORKER_USER", "nobody") if os.geteuid() == 0 else ()))
+    """The module arguments of a redis-server whose module starts one worker (as ``WORKER_USER`` when root)."""
+    return ("WORKERS", "1", "WORKER_PYTHON", sys.executable, *(("WORKER_USER", WORKER_USER) if os.geteuid() == 0 else ()))
 
 
 def _set_models(client: Client, blobs: dict[str, bytes], x: np.ndarray, start_timeout_s: float = 0.0) -> None:
     """Store the models and run each a few times (the worker loads them on the first call); with
-    ``start_timeout_s``, the first run is tried again until a worker has started."""
+    ``start_timeout_s``, the first run is tried again until a worker has started (not when the module
+    says its workers cannot start)."""
     client.put_tensor("bench.x", x)
     deadline = time.monotonic() + start_timeout_s
     for name, blob in blobs.items():
@@ -292,7 +294,7 @@ def _set_models(client: Client, blobs: dict[str, bytes], x: np.ndarray, start_ti
                 client.run_model(f"bench.{name}", ["bench.x"], ["bench.y"])
                 break
             except RedisReplyError as exc:
-                if "no execution worker" not in str(exc) or time.monotonic() > deadline:
+                if "no execution worker" not in str(exc) or "cannot start" in str(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)  # the module's worker is still importing torch
         for _ in range(10):
@@ -415,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(size <= 0 or size % 4 for size in args.sizes):
         parser.error(f"--sizes must be positive multiples of 4, got {args.sizes}")
     configure_logging(logging.INFO)
+    if (server := start_servers_reaching_python()) is not None:
+        log.info("redis-server runs through %s: the Redis module's workers (%s) may not search this Python's "
+                 "directories", server, WORKER_USER)
     rows = []
     published = not args.no_published and published_available()
     if not published:

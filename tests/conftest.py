@@ -12,13 +12,13 @@ configure_gcsfs_for_emulator()
 
 import pytest  # noqa: E402
 
+from benchmarks.worker_python import redis_server_reaching_python  # noqa: E402
 from dataflux_ckpt.testing import FakeGcsServer  # noqa: E402
 from dataflux_ckpt.xml_server import XmlMultipartServer  # noqa: E402
 from smartredis_io import RedisCluster, RedisServer  # noqa: E402
 from tests.support import ROOT  # noqa: E402
 from tests.support.slurm import LocalSlurm, slurm_unavailable_reason  # noqa: E402
 from tests.support.srio_sanitizers import sanitized  # noqa: E402
-from tests.support.srio_workers import redis_server_reaching_python  # noqa: E402
 
 # The checkout's set-up (`make setup`) builds the service binaries here; the installed package never
 # looks in a checkout, so the suite (and the examples and benchmarks it runs as child processes) is told.

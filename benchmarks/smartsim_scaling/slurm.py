@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.smartsim_scaling.launch import MPI_MISSING, App, Deployment
+from benchmarks.worker_python import layout_unreached
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ def ranks_python_path(python_path: str | None) -> str:
 
 
 def check_environment(options: SlurmOptions, colocated: bool) -> None:
-    """Fail early, naming what is missing: an allocation, ``srun``, SmartSim and the module, mpi4py, an interface.
+    """Fail early, naming what is missing: an allocation, ``srun``, SmartSim and the module (with workers that
+    can run their interpreter), mpi4py, an interface.
 
     Raises:
         SlurmSetupError: the first of these that is missing.
@@ -105,6 +107,8 @@ def check_environment(options: SlurmOptions, colocated: bool) -> None:
     except SSConfigError as exc:
         raise SlurmSetupError(f"SmartSim finds no RedisAI module ({exc}): {SETUP_HINT}") from None
     log.info("SmartSim's RedisAI module: %s", os.path.realpath(redisai))
+    if (unreached := layout_unreached(CONFIG.database_exe)) is not None:
+        raise SlurmSetupError(unreached)
     if importlib.util.find_spec("mpi4py") is None:
         raise SlurmSetupError(MPI_MISSING)
     if not colocated and not options.net_ifname:

@@ -43,6 +43,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.worker_python import WORKER_USER
 from lightning_storage_plugins.services import ManagedProcess, ServiceStartError, free_port
 from smartredis_io import Client, RedisServer
 from smartredis_io.error import RedisReplyError
@@ -51,7 +52,6 @@ from tests.support import ROOT
 from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
 from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import (
-    WORKER_USER,
     protocol_client,
     registry,
     run_client,

@@ -36,9 +36,9 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+from benchmarks.worker_python import redis_server_reaching_python
 from tests.support.node_networks import NODE_INTERFACE, NetworkedSlurm
 from tests.support.smartsim_slurm import ALLOCATION_ENV
-from tests.support.srio_workers import redis_server_reaching_python
 
 REPOSITORY = "https://github.com/CrayLabs/SmartSim"
 TAG = "v0.8.0"

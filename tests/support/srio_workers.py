@@ -1,29 +1,21 @@
 """What the smartredis_io module knows of its execution workers, as a test sees it (``SRIO.WORKERS``),
-through a connection that speaks the worker protocol (it said ``SRIO.HELLO`` with the module's secret);
-and, for a test session run as root, a redis-server whose workers' user can run this environment's
-Python (:func:`redis_server_reaching_python`)."""
+through a connection that speaks the worker protocol (it said ``SRIO.HELLO`` with the module's secret).
+
+A test session run as root starts its redis-servers through
+:func:`benchmarks.worker_python.redis_server_reaching_python`, so that the workers' user can run this
+environment's Python."""
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import stat
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis
 
 from smartredis_io import Client, ConfigOptions
-from tests.support import ROOT
-
-#: who the module's workers run as when the tests run as root (the module refuses root)
-WORKER_USER = "nobody"
-REACHING_SCRIPT = ROOT / ".tools" / "srio" / "redis-server-reaching-python"
 
 
 @dataclass(frozen=True)
@@ -89,62 +81,3 @@ def busy_worker(client: redis.Redis | list[redis.Redis], seconds: float = 10, ex
                                     if entry.running and name not in exclude), None),
                       seconds, "a worker takes the request")
 
-
-def _hidden_by(path: str) -> tuple[Path, str] | None:
-    """The first directory on ``path`` (links resolved) that other users may not search, and the entry
-    of it the path goes through; None when others may search every directory on it."""
-    parts = Path(os.path.realpath(path)).parts
-    for depth in range(1, len(parts) - 1):
-        directory = Path(*parts[:depth])
-        if not os.stat(directory).st_mode & stat.S_IXOTH:
-            return directory, parts[depth]
-    return None
-
-
-def redis_server_reaching_python() -> str | None:
-    """A redis-server command in which the Redis module's workers, run as ``WORKER_USER``, can run this
-    test environment's Python; None when they can anyway (tests not run as root, or a Python every
-    user may run).
-
-    The module drops to its ``WORKER_USER`` before the interpreter starts, so that user must be able
-    to run it. Where this environment's Python lives under a directory only root may search (pyenv
-    under ``/root``), the command is a script that starts redis-server in a mount namespace of its
-    own, where that directory is an empty one everyone may search, holding only the entries on the
-    way to the Python installation (and to the checkout). It replaces ``$REDIS_SERVER_BIN`` for the
-    session: the launchers and SmartSim's layout start redis-server through it.
-    """
-    if os.geteuid() != 0:
-        return None
-    hidden: dict[Path, set[str]] = {}
-    for path in {sys.base_prefix, sys.prefix, str(ROOT)}:
-        found = _hidden_by(path)
-        if found:
-            hidden.setdefault(found[0], set()).add(found[1])
-    if not hidden:
-        return None
-    server = os.environ.get("REDIS_SERVER_BIN") or shutil.which("redis-server")
-    if server is None or shutil.which("unshare") is None or str(REACHING_SCRIPT) == server:
-        return None
-    steps = ['stage=$(mktemp -d)']
-    for directory, entries in sorted(hidden.items()):
-        steps += [f"mount --bind {shlex.quote(str(directory))} \"$stage\"",
-                  f"mount -t tmpfs -o mode=0755,size=1m srio-tests {shlex.quote(str(directory))}"]
-        for entry in sorted(entries):
-            inside = shlex.quote(str(directory / entry))
-            steps += [f"mkdir {inside}", f"mount --bind \"$stage\"/{shlex.quote(entry)} {inside}"]
-        steps.append('umount "$stage"')
-    steps += ['rmdir "$stage"', 'exec "$0" "$@"']
-    script = "\n".join([
-        "#!/bin/sh",
-        "# Written by tests/support/srio_workers.py for a test session run as root: redis-server in a mount",
-        f"# namespace of its own, where {WORKER_USER} (the module's workers) can reach this test environment's Python.",
-        f"exec unshare --mount --propagation private /bin/sh -ec {shlex.quote(chr(10).join(steps))} "
-        f'{shlex.quote(server)} "$@"',
-        "",
-    ])
-    REACHING_SCRIPT.parent.mkdir(parents=True, exist_ok=True)
-    temporary = REACHING_SCRIPT.with_name(f".{REACHING_SCRIPT.name}.{os.getpid()}")
-    temporary.write_text(script)
-    temporary.chmod(0o755)
-    os.replace(temporary, REACHING_SCRIPT)
-    return str(REACHING_SCRIPT)
