@@ -419,16 +419,21 @@ def _recovery_events_class() -> type:
     return RecoveryEvents
 
 
+def _transfer_options(config: JobConfig) -> dict[str, Any]:
+    """Dataflux's transfer options the config sets (the plugin's defaults for the others)."""
+    options: dict[str, Any] = {}
+    if config.transfer_chunk_kib:
+        options["chunk_size"] = config.transfer_chunk_kib * 1024
+    if config.transfer_workers:
+        options["max_workers"] = config.transfer_workers
+    return options
+
+
 def _checkpoint_io(config: JobConfig) -> Any:
     if config.plugin == "dataflux":
         from dataflux_ckpt import DatafluxCheckpointIO
 
-        options: dict[str, Any] = {}
-        if config.transfer_chunk_kib:
-            options["chunk_size"] = config.transfer_chunk_kib * 1024
-        if config.transfer_workers:
-            options["max_workers"] = config.transfer_workers
-        return DatafluxCheckpointIO(**options)
+        return DatafluxCheckpointIO(**_transfer_options(config))
     if config.plugin in ("fastpersist", "fastpersist-aio", "fastpersist-python"):
         from fastpersist import FastPersistCheckpointIO
 
@@ -469,12 +474,7 @@ def _sharded_strategy(config: JobConfig, log: EventLog) -> Any:
         from dataflux_ckpt import DatafluxFSDPStrategy as FSDP
         from dataflux_ckpt import DatafluxModelParallelStrategy as ModelParallel
 
-        writer: dict[str, Any] = {}
-        if config.transfer_chunk_kib:
-            writer["chunk_size"] = config.transfer_chunk_kib * 1024
-        if config.transfer_workers:
-            writer["max_workers"] = config.transfer_workers
-        options: dict[str, Any] = {"writer_options": writer}
+        options: dict[str, Any] = {"writer_options": _transfer_options(config)}
     elif config.plugin == "fastpersist-dcp":
         from fastpersist import FastPersistFSDPStrategy as FSDP
         from fastpersist import FastPersistModelParallelStrategy as ModelParallel

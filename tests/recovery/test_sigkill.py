@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 
 from benchmarks.recovery.events import kill_at
-from tests.support.recovery import Rounds, Storage, first_part_of, interrupted, points_for, replace
+from tests.support.recovery import (
+    EVENT_PLUGINS,
+    Rounds,
+    Storage,
+    first_part_of,
+    interrupted,
+    points_for,
+    replace,
+)
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
 KILL_ROUNDS = 20
-PLUGINS = ["dataflux", "fastpersist-aio", "fastpersist-python", "smartredis"]
+PLUGINS = EVENT_PLUGINS
 
 
 @pytest.mark.parametrize("plugin", PLUGINS, ids=[f"{plugin}-sigkill" for plugin in PLUGINS])

@@ -17,13 +17,21 @@ import pytest
 
 from benchmarks.network import NetworkModel, Toxiproxy
 from benchmarks.recovery.events import DEFAULT_GRACE_S, of_process, preempt
-from tests.support.recovery import Rounds, Storage, first_part_of, interrupted, points_for, replace
+from tests.support.recovery import (
+    EVENT_PLUGINS,
+    Rounds,
+    Storage,
+    first_part_of,
+    interrupted,
+    points_for,
+    replace,
+)
 from tests.support.recovery import in_flight as saves_in_flight
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
 PREEMPTION_ROUNDS = 20
-PLUGINS = ["dataflux", "fastpersist-aio", "fastpersist-python", "smartredis"]
+PLUGINS = EVENT_PLUGINS
 
 
 @pytest.mark.parametrize("plugin", PLUGINS, ids=[f"{plugin}-sigterm" for plugin in PLUGINS])

@@ -19,11 +19,11 @@ import pytest
 
 from benchmarks.recovery.events import ProcessLauncher, check_resume, hpc_number, slurm_requeue, wait_point
 from tests.support import ROOT
-from tests.support.recovery import Rounds, Storage, in_flight
+from tests.support.recovery import EVENT_PLUGINS, Rounds, Storage, in_flight
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
-PLUGINS = ["dataflux", "fastpersist-aio", "fastpersist-python", "smartredis"]
+PLUGINS = EVENT_PLUGINS
 # Steps of 0.2 s: the job is still training when Slurm's SIGTERM (after the requeue) reaches it.
 STEP_TIME_S = 0.2
 MAX_STEPS = 40

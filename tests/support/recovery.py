@@ -25,6 +25,8 @@ from benchmarks.recovery.job import CHECKPOINT_SUBDIR, EventLog, JobConfig
 from lightning_storage_plugins.dcp import LOCK_NAME
 from lightning_storage_plugins.owners import Owner
 
+# The single-file plugins each event is tried with (the baselines run once: tests/recovery/test_job.py).
+EVENT_PLUGINS = ["dataflux", "fastpersist-aio", "fastpersist-python", "smartredis"]
 # Every test run of the job: checkpoints of about 2 MiB, a save every 2 steps, steps of 20 ms.
 TEST_JOB = {"size_mb": 2.0, "every_n_steps": 2, "step_time_s": 0.02, "io_buffer_mb": 4,
             "transfer_chunk_kib": 256, "transfer_workers": 2}
@@ -228,3 +230,16 @@ def sharded_leftovers(storage: Storage, follower: LogFollower, live: set[int]) -
         if pid not in live:
             left.append(name)
     return left, lock_only
+
+
+def expect_no_leftovers(plugin: str, leftovers: Mapping[int, Any]) -> None:
+    """Fail on what killed saves left when restarts began (by restart); for the gs:// DCP storage, whose
+    killed saves under a path never saved again nothing sweeps, an expected failure naming them."""
+    if leftovers and plugin == "dataflux-dcp":
+        import pytest
+
+        first = min(leftovers)
+        pytest.xfail(f"a killed DCP save on gs:// leaves its shards and part objects under a checkpoint path "
+                     f"that is never saved again (no .metadata; no restart sweeps it): {len(leftovers[first])} "
+                     f"when restart {first} of {sorted(leftovers)} began, such as {sorted(leftovers[first])[0]}")
+    assert not leftovers, f"leftovers of killed saves when restarts began: {leftovers}"
