@@ -15,7 +15,7 @@ import torch
 from google.cloud import storage
 from typing_extensions import override
 
-from dataflux_ckpt.download import ObjectReader
+from dataflux_ckpt.download import ObjectReader, RangedReader
 from dataflux_ckpt.errors import BucketNotFoundError, InvalidCheckpointError
 from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, Gcs, make_client
 from dataflux_ckpt.options import (
@@ -68,7 +68,7 @@ ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive com
 _Target = GcsPath | str
 
 
-def _check_torch_format(stream: ObjectReader) -> None:
+def _check_torch_format(stream: RangedReader) -> None:
     """Refuse, naming the object, what ``torch.load`` could only fail on with a misleading message.
 
     Raises:
@@ -92,7 +92,7 @@ def _check_torch_format(stream: ObjectReader) -> None:
     stream.seek(0)
 
 
-def _load_object(stream: ObjectReader, map_location: Any = None, weights_only: bool | None = None) -> Any:
+def _load_object(stream: RangedReader, map_location: Any = None, weights_only: bool | None = None) -> Any:
     """What ``torch.load(stream, map_location, weights_only=weights_only)`` returns, unpickled while the
     download goes on, with CPU tensors as views of the downloaded buffer instead of copies of it.
 
@@ -140,6 +140,39 @@ def _load_object(stream: ObjectReader, map_location: Any = None, weights_only: b
     return loaded
 
 
+def _load_checkpoint(stream: RangedReader, map_location: Any, weights_only: bool | None) -> Any:
+    """The checkpoint ``stream`` holds, once its bytes are checked; errors name the checkpoint, and
+    damaged bytes are reported as such rather than as what torch made of them.
+
+    Raises:
+        InvalidCheckpointError: not a torch checkpoint, or one torch cannot load.
+        pickle.UnpicklingError: ``weights_only`` refused something in it.
+        DataCorruptionError, DeadlineExceededError, TransferError: from the stream.
+    """
+    uri = stream.path.uri
+    try:
+        _check_torch_format(stream)
+    except InvalidCheckpointError:
+        stream.verify()  # damaged bytes in transit explain it better
+        raise
+    try:
+        checkpoint = _load_object(stream, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        stream.raise_if_failed()
+        stream.verify()  # damaged bytes explain a failed unpickling better than its own error
+        raise pickle.UnpicklingError(f"{uri}: {plain_text(str(exc))}") from exc
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
+        stream.raise_if_failed()
+        stream.verify()
+        raise InvalidCheckpointError(
+            f"{uri} could not be loaded as a torch checkpoint: {plain_text(str(exc))}") from exc
+    except Exception:
+        stream.raise_if_failed()  # the stream's own error, not what torch made of it
+        raise
+    stream.verify()
+    return checkpoint
+
+
 class DatafluxModelCheckpoint(RemoteModelCheckpoint):
     """``ModelCheckpoint`` with which ``trainer.fit(model, ckpt_path="last")`` resumes from a
     ``gs://`` directory.
@@ -156,7 +189,12 @@ class DatafluxModelCheckpoint(RemoteModelCheckpoint):
 
     @override
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
+
         found = super()._find_last_checkpoints(trainer)
+        if isinstance(trainer.strategy, (DatafluxFSDPStrategy, DatafluxModelParallelStrategy)):
+            # Sharded checkpoints are prefixes, which Lightning cannot date: the strategy names them.
+            found = trainer.strategy.last_checkpoints(found, self.checkpoint_directory(trainer))
         plugin = storage_plugin(trainer.strategy.checkpoint_io)
         if isinstance(plugin, DatafluxCheckpointIO):
             found |= set(plugin.last_checkpoints(self.checkpoint_directory(trainer)).values())
@@ -314,28 +352,7 @@ class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
                 raise FileNotFoundError(f"Checkpoint file not found: {target}")
             return torch.load(target, map_location=map_location, weights_only=weights_only)
         with self._reader(target) as stream:
-            uri = target.uri
-            try:
-                _check_torch_format(stream)
-            except InvalidCheckpointError:
-                stream.verify()  # damaged bytes in transit explain it better
-                raise
-            try:
-                checkpoint = _load_object(stream, map_location=map_location, weights_only=weights_only)
-            except pickle.UnpicklingError as exc:
-                stream.raise_if_failed()
-                stream.verify()  # damaged bytes explain a failed unpickling better than its own error
-                raise pickle.UnpicklingError(f"{uri}: {plain_text(str(exc))}") from exc
-            except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
-                stream.raise_if_failed()
-                stream.verify()
-                raise InvalidCheckpointError(
-                    f"{uri} could not be loaded as a torch checkpoint: {plain_text(str(exc))}") from exc
-            except Exception:
-                stream.raise_if_failed()  # the download's own error, not what torch made of it
-                raise
-            stream.verify()
-        return checkpoint
+            return _load_checkpoint(stream, map_location, weights_only)
 
     @override
     def _delete(self, target: _Target) -> None:

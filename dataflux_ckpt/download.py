@@ -1,13 +1,13 @@
-"""Parallel ranged downloads into one preallocated buffer, readable while it fills.
+"""Parallel ranged reads into one preallocated buffer, readable while it fills.
 
-:class:`ObjectReader` runs ``chunk_size`` ranged GETs, ``max_workers`` at a time on the GCS helper's
-transfer threads (the object's last MiB first, as a range of its own: a torch zip archive is read
-from its end), and serves reads as soon as the bytes they touch have arrived, so loading overlaps
-with the download (``DatafluxCheckpointIO`` unpickles a checkpoint while it arrives, with its tensors
-as views of the buffer). The whole object's crc32c, combined from the crc32c each download thread
-takes of its range, is checked against the server's metadata by :meth:`ObjectReader.verify` (called
-on close).
-"""
+:class:`RangedReader` is the buffer: ranges fetched on other threads, each one's crc32c taken as its
+bytes arrive, reads served as soon as the bytes they touch are there. :class:`ObjectReader` fills it
+from GCS: ``chunk_size`` ranged GETs, ``max_workers`` at a time on the GCS helper's transfer threads
+(the object's last MiB first, as a range of its own: a torch zip archive is read from its end), so
+loading overlaps with the download (``DatafluxCheckpointIO`` unpickles a checkpoint while it arrives,
+with its tensors as views of the buffer). The whole object's crc32c, combined from the crc32c each
+download thread takes of its range, is checked against the server's metadata by
+:meth:`ObjectReader.verify` (called on close)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ import io
 import logging
 import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING
+
+from typing_extensions import override
 
 from dataflux_ckpt import _gcs_compat
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
@@ -36,51 +39,48 @@ TAIL_BYTES = 2**20  # holds the zip directory of a torch archive of some 10,000 
 DEADLINE_S = 1800.0
 
 
-class ObjectReader(io.RawIOBase):
-    """A seekable, read-only file-like over one GCS object generation.
+class RangedReader(io.RawIOBase):
+    """A seekable, read-only file-like over ``size`` bytes that arrive, range by range, into one
+    preallocated buffer on other threads, and are read as soon as the bytes a read touches are there.
+
+    A subclass fetches range ``index`` in :meth:`_fill`, handing each block's bytes over with
+    :meth:`_receive`, and starts the fetching lanes with :meth:`_start`. Each range's crc32c is taken
+    as its bytes arrive; :meth:`verify` combines them and checks the whole against ``expected_crc32c``.
 
     Args:
-        gcs: the GCS helper to talk through.
-        path: the object to read.
-        chunk_size: bytes per ranged GET.
-        max_workers: concurrent ranged GETs (at most ``gcs.connections``: they run on
-            :meth:`Gcs.transfer_threads`); ``parallel=False`` fetches the object with one GET.
-        deadline_s: waiting for the bytes (the whole download) ends by this many seconds from now.
-
-    Raises:
-        FileNotFoundError: no object at ``path`` (the message names it).
-        BucketNotFoundError: the bucket does not exist.
-        DeadlineExceededError: the download did not finish in time (from reads and :meth:`verify`).
-        DataCorruptionError: from :meth:`verify` and ``close()``, when the bytes do not match their crc32c.
+        path: the object the bytes are (errors name it).
+        size: how many bytes.
+        expected_crc32c: their crc32c in GCS's form (base64); ``None``: not checked.
+        range_bytes: bytes per range (``None``: one range).
+        tail_first: the last ``TAIL_BYTES`` are a range of their own, fetched first (a torch zip
+            archive is read from its end).
+        deadline: waiting for the bytes ends by it.
     """
 
-    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, parallel: bool = True,
-                 deadline_s: float = DEADLINE_S) -> None:
+    def __init__(self, path: GcsPath, size: int, expected_crc32c: str | None, *, range_bytes: int | None,
+                 tail_first: bool, deadline: Deadline) -> None:
         super().__init__()
-        self._gcs, self.path = gcs, path
-        self._deadline = Deadline(deadline_s, "load", path.uri)
-        info = gcs.stat(path, self._deadline)
-        self.size, self._expected_crc, self.generation = info.size, info.crc32c, info.generation
-        # The one copy of the object in memory; loaded tensors are views of it. Anonymous mmap
-        # pages are zeroed lazily by the kernel, as the download threads first touch them, not all
-        # up front by this thread as bytearray(size) would.
-        self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, info.size) if info.size else bytearray()
+        self.path, self.size, self._expected_crc, self._deadline = path, size, expected_crc32c, deadline
+        # The one copy of the bytes in memory; loaded tensors are views of it. Anonymous mmap pages
+        # are zeroed lazily by the kernel, as the fetching threads first touch them, not all up
+        # front by this thread as bytearray(size) would.
+        self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, size) if size else bytearray()
         self._view = memoryview(self._buffer)
         self._pos = 0
-        step = chunk_size if parallel else max(info.size, 1)
-        self._ranges = [(start, min(start + step, info.size)) for start in range(0, info.size, step)]
-        if parallel and info.size > 2 * TAIL_BYTES:
+        step = range_bytes or max(size, 1)
+        self._ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
+        if tail_first and size > 2 * TAIL_BYTES:
             # The end of the object gets a range of its own, fetched first: a torch archive's zip
             # directory is there, and a loader reads it before any record.
-            cut = info.size - TAIL_BYTES
-            self._ranges = [(start, min(end, cut)) for start, end in self._ranges if start < cut] + [(cut, info.size)]
+            cut = size - TAIL_BYTES
+            self._ranges = [(start, min(end, cut)) for start, end in self._ranges if start < cut] + [(cut, size)]
         self._starts = [start for start, _ in self._ranges]
         self._arrived = [threading.Event() for _ in self._ranges]  # done, or failed
         # How many bytes from the start of each range have arrived: a reader waits only for the bytes
-        # it reads, so unpickling follows the download instead of waiting for whole ranges.
+        # it reads, so unpickling follows the fetching instead of waiting for whole ranges.
         self._got = [0] * len(self._ranges)
         self._progress = threading.Condition()
-        # Each range's crc32c, taken by its download thread block by block as the bytes arrive;
+        # Each range's crc32c, taken by its fetching thread block by block as the bytes arrive;
         # verify() combines them instead of reading the whole buffer once more at the end.
         self._range_crcs = [0] * len(self._ranges)
         self._complete = False  # every range arrived without error: reads skip the waits
@@ -90,18 +90,19 @@ class ObjectReader(io.RawIOBase):
         self._read_error: BaseException | None = None
         self._verified = False
         order = list(range(len(self._ranges)))
-        if len(order) > 1:
+        if len(order) > 1 and tail_first:
             order = order[-1:] + order[:-1]
         self._abandoned = False
-        # Each lane fetches the next range not yet taken until none is left: ``max_workers`` GETs at a
-        # time on the helper's long-lived threads, however many ranges there are.
+        # Each lane fetches the next range not yet taken until none is left.
         self._queue = iter(order)
         self._queue_lock = threading.Lock()
-        threads = gcs.transfer_threads()
-        lanes = min(max_workers if parallel else 1, len(order))
-        self._lanes: list[Future[None]] = [threads.submit(self._lane) for _ in range(lanes)]
+        self._lanes: list[Future[None]] = []
 
-    # Download --------------------------------------------------------------------------------
+    def _start(self, submit: Callable[[Callable[[], None]], Future[None]], lanes: int) -> None:
+        """Start ``lanes`` fetching lanes (at most one per range) through ``submit``."""
+        self._lanes = [submit(self._lane) for _ in range(min(lanes, len(self._ranges)))]
+
+    # Fetching --------------------------------------------------------------------------------
     def _lane(self) -> None:
         while True:
             with self._queue_lock:
@@ -110,18 +111,30 @@ class ObjectReader(io.RawIOBase):
                 return
             self._fetch(index)
 
+    def _describe(self, start: int, end: int) -> str:
+        """What fetching bytes ``start``-``end - 1`` is, for errors."""
+        return f"read of bytes {start}-{end - 1} of {self.path.uri}"
+
+    def _fill(self, index: int, what: str) -> None:
+        """Fetch range ``index`` into the buffer through :meth:`_receive`."""
+        raise NotImplementedError
+
+    def _failure(self, exc: BaseException, what: str) -> BaseException:
+        """The error a read reports for ``exc``, which ended fetching ``what``."""
+        return exc
+
+    def _ended_early(self, what: str, got: int, total: int) -> BaseException:
+        """The error for a source that ended after ``got`` of a range's ``total`` bytes."""
+        return EOFError(f"{what}: the source ended after {got} of {total} bytes")
+
     def _fetch(self, index: int) -> None:
         start, end = self._ranges[index]
-        what = f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
+        what = self._describe(start, end)
         try:
             if self._error is None and not self._abandoned:
-                self._gcs.retry.call(lambda: self._fetch_once(index, what), what, self._deadline)
+                self._fill(index, what)
         except BaseException as exc:
-            if isinstance(exc, DeadlineExceededError):
-                self._error = exc
-            else:
-                self._error = TransferError(f"{what} failed: {exc}")
-                self._error.__cause__ = exc
+            self._error = self._failure(exc, what)
             for event in self._arrived:
                 event.set()
         finally:
@@ -132,26 +145,25 @@ class ObjectReader(io.RawIOBase):
             with self._progress:
                 self._progress.notify_all()
 
-    def _fetch_once(self, index: int, what: str) -> None:
+    def _receive(self, index: int, readinto: Callable[[memoryview, int], int], what: str) -> None:
+        """Fill range ``index`` block by block: ``readinto(block, offset)`` puts the bytes from
+        ``offset`` into ``block`` and returns how many (0: the source has ended)."""
         start, end = self._ranges[index]
-        with self._gcs.open_range(self.path, self.generation, start, end, self._deadline) as response:
-            source = _gcs_compat.raw_body_reader(response)
-            target = self._view[start:end]
-            got = crc = 0
-            while got < end - start:
-                self._deadline.check(what)
-                block = target[got : got + READ_BLOCK_BYTES]
-                n = source.readinto(block)
-                if not n:
-                    raise ConnectionError(f"{what}: connection closed after {got} of {end - start} bytes")
-                crc = crc32c_extend(crc, block[:n])  # while the bytes are still in the CPU's cache
-                got += n
-                # A retry writes the same generation's bytes again: what arrived stays valid.
-                if got > self._got[index]:
-                    with self._progress:
-                        self._got[index] = got
-                        self._progress.notify_all()
-            _gcs_compat.release_read_connection(response, source)
+        target = self._view[start:end]
+        got = crc = 0
+        while got < end - start:
+            self._deadline.check(what)
+            block = target[got : got + READ_BLOCK_BYTES]
+            n = readinto(block, start + got)
+            if not n:
+                raise self._ended_early(what, got, end - start)
+            crc = crc32c_extend(crc, block[:n])  # while the bytes are still in the CPU's cache
+            got += n
+            # A retry writes the same bytes again: what arrived stays valid.
+            if got > self._got[index]:
+                with self._progress:
+                    self._got[index] = got
+                    self._progress.notify_all()
         self._range_crcs[index] = crc
 
     def _wait(self, start: int, end: int) -> None:
@@ -171,7 +183,7 @@ class ObjectReader(io.RawIOBase):
             raise self._error
 
     def raise_if_failed(self) -> None:
-        """Raise the error a read met (a failed download, the deadline), if any.
+        """Raise the error a read met (a failed fetch, the deadline), if any.
 
         A reader's errors reach a caller that reads through ``torch.load`` disguised (torch's zip
         reader reports a failed read as a missing ``read`` attribute); this gives the real one.
@@ -181,27 +193,32 @@ class ObjectReader(io.RawIOBase):
             raise error
 
     def wait_all(self) -> None:
-        """Block until every range's download has ended (and raise if one failed)."""
+        """Block until every range has arrived (and raise if one failed)."""
         for event in self._arrived:
             # Requests end by the deadline on their own; the grace covers a last backoff.
             if not event.wait(max(self._deadline.remaining(), 0) + 1.0):
-                raise self._deadline.exceeded(f"waiting for the download of {self.path.uri}")
+                raise self._deadline.exceeded(f"waiting for the bytes of {self.path.uri}")
         if self._error is not None:
             raise self._error
 
-    def verify(self) -> None:
-        """Wait for the download and check the whole object's crc32c against the server's."""
-        if self._verified:
-            return
-        self.wait_all()
+    def _crc32c(self) -> str:
+        """The crc32c of the bytes that arrived (every range must have), in GCS's form."""
         crc = 0
         for (start, end), range_crc in zip(self._ranges, self._range_crcs, strict=True):
             crc = crc32c_combine(crc, range_crc, end - start)
-        actual = crc32c_b64(crc)
-        if actual != self._expected_crc:
-            raise DataCorruptionError(
-                f"{self.path}: downloaded bytes have crc32c {actual}, the server says {self._expected_crc}"
-            )
+        return crc32c_b64(crc)
+
+    def _mismatch(self, actual: str) -> str:
+        """The message of a crc32c mismatch: the bytes have ``actual``, not the expected one."""
+        return f"{self.path}: the bytes read have crc32c {actual}, expected {self._expected_crc}"
+
+    def verify(self) -> None:
+        """Wait for every byte and check the whole's crc32c against the expected one (if any)."""
+        if self._verified:
+            return
+        self.wait_all()
+        if self._expected_crc is not None and (actual := self._crc32c()) != self._expected_crc:
+            raise DataCorruptionError(self._mismatch(actual))
         self._verified = True
 
     def pread(self, size: int, offset: int) -> bytes:
@@ -219,7 +236,7 @@ class ObjectReader(io.RawIOBase):
         return bytes(self._view[start:end])
 
     def untyped_storage(self) -> torch.UntypedStorage:
-        """The whole object as one torch storage over this reader's buffer (no copy).
+        """All the bytes as one torch storage over this reader's buffer (no copy).
 
         Only the bytes that have arrived are valid (see :meth:`pread`, :meth:`verify`). Slices of it
         are views: tensors built on them keep the buffer alive after :meth:`close`, as long as they live.
@@ -233,7 +250,7 @@ class ObjectReader(io.RawIOBase):
         return torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
 
     def getbuffer(self) -> memoryview:
-        """The verified bytes of the object (no copy)."""
+        """The verified bytes (no copy)."""
         self.verify()
         return self._view.toreadonly()
 
@@ -278,11 +295,11 @@ class ObjectReader(io.RawIOBase):
         return end - start
 
     def close(self) -> None:
-        """Verify the object's crc32c (raising on mismatch) and release the buffer."""
+        """Verify the bytes' crc32c (raising on mismatch) and release the buffer."""
         if self.closed:
             return
         try:
-            if not self._abandoned and self._error is None:  # a failed download was reported already
+            if not self._abandoned and self._error is None:  # a failed fetch was reported already
                 self.verify()
         finally:
             self._abandoned = True  # running lanes fetch nothing more; queued ones need not start
@@ -292,6 +309,11 @@ class ObjectReader(io.RawIOBase):
             super().close()
             self._view.release()
             self._buffer = bytearray()  # the mmap is unmapped once no view (or tensor) of it is left
+
+    def abandon(self) -> None:
+        """Stop fetching and release the buffer without checking the bytes (they are not to be used)."""
+        self._abandoned = True
+        self.close()
 
     def __del__(self) -> None:
         if "_lanes" in self.__dict__ and not self.closed:  # not when __init__ failed
@@ -303,3 +325,63 @@ class ObjectReader(io.RawIOBase):
             self._abandoned = True  # an error is already on its way out; skip the verification
         self.close()
 
+
+class ObjectReader(RangedReader):
+    """A seekable, read-only file-like over one GCS object generation.
+
+    Args:
+        gcs: the GCS helper to talk through.
+        path: the object to read.
+        chunk_size: bytes per ranged GET.
+        max_workers: concurrent ranged GETs (at most ``gcs.connections``: they run on
+            :meth:`Gcs.transfer_threads`); ``parallel=False`` fetches the object with one GET.
+        deadline_s: waiting for the bytes (the whole download) ends by this many seconds from now.
+
+    Raises:
+        FileNotFoundError: no object at ``path`` (the message names it).
+        BucketNotFoundError: the bucket does not exist.
+        DeadlineExceededError: the download did not finish in time (from reads and :meth:`verify`).
+        DataCorruptionError: from :meth:`verify` and ``close()``, when the bytes do not match their crc32c.
+    """
+
+    def __init__(self, gcs: Gcs, path: GcsPath, *, chunk_size: int, max_workers: int, parallel: bool = True,
+                 deadline_s: float = DEADLINE_S) -> None:
+        deadline = Deadline(deadline_s, "load", path.uri)
+        info = gcs.stat(path, deadline)
+        self._gcs, self.generation = gcs, info.generation
+        super().__init__(path, info.size, info.crc32c, range_bytes=chunk_size if parallel else None,
+                         tail_first=parallel, deadline=deadline)
+        # Each lane fetches the next range not yet taken until none is left: ``max_workers`` GETs at a
+        # time on the helper's long-lived threads, however many ranges there are.
+        self._start(gcs.transfer_threads().submit, max_workers if parallel else 1)
+
+    @override
+    def _describe(self, start: int, end: int) -> str:
+        return f"download of bytes {start}-{end - 1} of {self.path.uri} (bucket {self.path.bucket}, key {self.path.key})"
+
+    @override
+    def _fill(self, index: int, what: str) -> None:
+        self._gcs.retry.call(lambda: self._fetch_once(index, what), what, self._deadline)
+
+    @override
+    def _failure(self, exc: BaseException, what: str) -> BaseException:
+        if isinstance(exc, DeadlineExceededError):
+            return exc
+        error = TransferError(f"{what} failed: {exc}")
+        error.__cause__ = exc
+        return error
+
+    @override
+    def _ended_early(self, what: str, got: int, total: int) -> BaseException:
+        return ConnectionError(f"{what}: connection closed after {got} of {total} bytes")  # retried
+
+    @override
+    def _mismatch(self, actual: str) -> str:
+        return f"{self.path}: downloaded bytes have crc32c {actual}, the server says {self._expected_crc}"
+
+    def _fetch_once(self, index: int, what: str) -> None:
+        start, end = self._ranges[index]
+        with self._gcs.open_range(self.path, self.generation, start, end, self._deadline) as response:
+            source = _gcs_compat.raw_body_reader(response)
+            self._receive(index, lambda block, offset: source.readinto(block), what)
+            _gcs_compat.release_read_connection(response, source)

@@ -46,7 +46,6 @@ import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import threading
@@ -62,18 +61,16 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from dataflux_ckpt.checkpoint_io import DatafluxCheckpointIO, _Target
-from dataflux_ckpt.checksums import crc32c_b64, crc32c_combine, crc32c_extend
-from dataflux_ckpt.download import ObjectReader
+from dataflux_ckpt.checkpoint_io import DatafluxCheckpointIO, _load_checkpoint, _Target
+from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
+from dataflux_ckpt.download import DEADLINE_S, RangedReader
 from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.upload import UploadStopped, upload_file
-from lightning_storage_plugins.memoryfile import MemoryFile
 from lightning_storage_plugins.ordering import CheckpointDir, remove_local
 
 if TYPE_CHECKING:
-    import torch
 
     from fastpersist import FastPersistContext
 
@@ -106,6 +103,8 @@ ARCHIVE_OVERHEAD_BYTES = 1 * 2**20
 RECORD_ALIGNMENT_BYTES = 4096  # FastPersist starts each tensor record on a block boundary
 READ_BLOCK_BYTES = 8 * 2**20
 LOCAL_READ_THREADS = 4
+# A local load reads its file this much at a time per thread; unpickling follows the reads.
+LOCAL_RANGE_BYTES = 8 * 2**20
 # A failed upload is tried again after this long, doubling up to the maximum.
 RETRY_INITIAL_S = 1.0
 RETRY_MAX_S = 60.0
@@ -500,71 +499,77 @@ def _estimated_size(obj: Any) -> int:
 
 
 # Reading a local copy ----------------------------------------------------------------------------
-class _LocalCopy(MemoryFile):
-    """A local tier file read whole into memory, with its crc32c; read like an :class:`ObjectReader`.
+class _LocalCopy(RangedReader):
+    """A local tier file read into memory by ``LOCAL_READ_THREADS`` threads, ``LOCAL_RANGE_BYTES`` at a
+    time (its end first), each range's crc32c taken as it is read; read like an :class:`ObjectReader`,
+    as soon as the bytes a read touches are in (a load unpickles while the rest is read).
 
-    ``path`` is the checkpoint's ``gs://`` path: the bytes are the checkpoint's (their crc32c is
-    compared with the manifest before this is used), so a format error names the checkpoint.
+    ``path`` is the checkpoint's ``gs://`` path (a format error names the checkpoint). With ``crc32c``
+    (the manifest's), :meth:`verify` and ``close()`` check the bytes against it.
+
+    Raises:
+        OSError: the file cannot be opened.
+        DataCorruptionError: from reads, :meth:`verify` and ``close()``: the file ends early, or its
+            bytes do not match ``crc32c``.
+        DeadlineExceededError: the bytes were not read within ``deadline_s``.
     """
 
-    def __init__(self, path: GcsPath, file_path: str, size: int) -> None:
-        self.path, self.file_path, self.size = path, file_path, size
-        # Anonymous pages, zeroed by the kernel as the reading threads first touch them.
-        self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, size) if size else bytearray()
-        step = max(READ_BLOCK_BYTES, -(-size // LOCAL_READ_THREADS))
-        ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
-        fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+    def __init__(self, path: GcsPath, file_path: str, size: int, crc32c: str | None = None, *,
+                 deadline_s: float = DEADLINE_S) -> None:
+        self.file_path = file_path
+        self._fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            with memoryview(self._buffer) as view:
-                if len(ranges) > 1:
-                    with ThreadPoolExecutor(len(ranges), thread_name_prefix="dataflux-tiered-read") as pool:
-                        crcs = list(pool.map(lambda span: self._read_range(fd, view, *span), ranges))
-                else:
-                    crcs = [self._read_range(fd, view, *span) for span in ranges]
-        finally:
-            os.close(fd)
-        crc = 0
-        for (start, end), range_crc in zip(ranges, crcs, strict=True):
-            crc = crc32c_combine(crc, range_crc, end - start)
-        #: The crc32c of the bytes read, in GCS's form.
-        self.crc32c = crc32c_b64(crc)
-        super().__init__(self._buffer)
+            super().__init__(path, size, crc32c, range_bytes=LOCAL_RANGE_BYTES, tail_first=True,
+                             deadline=Deadline(deadline_s, "load", path.uri))
+            pool = ThreadPoolExecutor(LOCAL_READ_THREADS, thread_name_prefix="dataflux-tiered-read")
+            self._start(pool.submit, LOCAL_READ_THREADS)
+            pool.shutdown(wait=False)  # its threads end once the ranges are read
+        except BaseException:
+            os.close(self._fd)
+            raise
 
-    def _read_range(self, fd: int, view: memoryview, start: int, end: int) -> int:
-        crc, offset = 0, start
-        while offset < end:
-            block = view[offset : min(offset + READ_BLOCK_BYTES, end)]
-            got = os.preadv(fd, [block], offset)
-            if got == 0:
-                raise DataCorruptionError(f"{self.file_path} ends after {offset} of {self.size} bytes")
-            crc = crc32c_extend(crc, block[:got])
-            offset += got
-        return crc
+    @override
+    def _describe(self, start: int, end: int) -> str:
+        return f"read of bytes {start}-{end - 1} of the local copy {self.file_path} of {self.path.uri}"
 
-    # What DatafluxCheckpointIO's load reads through, as ObjectReader has it -------------------
-    def verify(self) -> None:
-        """Nothing to wait for: the bytes were read, and checked, when this was made."""
+    @override
+    def _fill(self, index: int, what: str) -> None:
+        self._receive(index, lambda block, offset: os.preadv(self._fd, [block], offset), what)
 
-    def raise_if_failed(self) -> None:
-        """Nothing failed: a failed read raised when this was made."""
+    @override
+    def _ended_early(self, what: str, got: int, total: int) -> BaseException:
+        return DataCorruptionError(f"{what}: the file ends {got} bytes into these {total}")
 
-    def pread(self, size: int, offset: int) -> bytes:
-        """Up to ``size`` bytes from ``offset``, as ``os.pread``."""
-        start = min(max(offset, 0), self.size)
-        return bytes(self._view[start : min(start + max(size, 0), self.size)])
+    @override
+    def _mismatch(self, actual: str) -> str:
+        return (f"the local copy {self.file_path} of {self.path.uri} has crc32c {actual}, it was written with "
+                f"{self._expected_crc}")
 
-    def untyped_storage(self) -> torch.UntypedStorage:
-        """The whole file as one torch storage over this buffer (no copy); slices of it are views."""
-        import torch
+    @property
+    def crc32c(self) -> str:
+        """The crc32c of the file's bytes, in GCS's form (once every byte is read).
 
-        if not self.size:
-            return torch.UntypedStorage(0)
-        return torch.frombuffer(self._buffer, dtype=torch.uint8).untyped_storage()
+        Raises:
+            OSError, DataCorruptionError, DeadlineExceededError: the file could not be read whole.
+        """
+        self.wait_all()
+        return self._crc32c()
 
+    @property
+    def checked(self) -> bool:
+        """Whether every byte was read and matched the crc32c it was written with."""
+        return self._verified and self._expected_crc is not None
+
+    @override
     def close(self) -> None:
-        """Let go of the buffer (it is unmapped once no loaded tensor is a view of it)."""
-        super().close()
-        self._buffer = bytearray()
+        """Check the bytes (as :meth:`verify`, unless abandoned) and let go of the file and the buffer
+        (it is unmapped once no loaded tensor is a view of it)."""
+        try:
+            super().close()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 # Background work ---------------------------------------------------------------------------------
@@ -1090,13 +1095,49 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         return super()._target(path)
 
     @override
-    def _reader(self, target: GcsPath) -> ObjectReader:
-        """The newest whole copy of ``target``: the local tier's when its bytes match its manifest
-        (and GCS holds no newer one), else the GCS object's."""
+    def _reader(self, target: GcsPath) -> RangedReader:
+        """The newest whole copy of ``target``: the local tier's, read and checked against its manifest
+        before this returns (when GCS holds no newer one), else the GCS object's."""
         local = self._local_copy(target)
-        return local if local is not None else super()._reader(target)  # type: ignore[return-value]
+        if local is not None:
+            try:
+                local.verify()
+            except OSError as exc:  # DataCorruptionError too
+                self._local_copy_failed(target, local, exc)
+            else:
+                log.info("loading %s from the local tier (%s)", target, local.file_path)
+                return local
+        return super()._reader(target)
+
+    @override
+    def _read(self, target: _Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Load the newest whole copy of ``target``. A local copy is unpickled while it is read (as a
+        GCS load is while it downloads) and returned only once every byte matched its manifest's
+        crc32c; one that does not match, or cannot be read, is loaded from GCS instead."""
+        if isinstance(target, str):
+            return super()._read(target, map_location, weights_only)
+        local = self._local_copy(target)
+        if local is not None:
+            try:
+                with local:
+                    checkpoint = _load_checkpoint(local, map_location, weights_only)
+            except Exception as exc:
+                if local.checked:
+                    raise  # the bytes are the ones written: the checkpoint itself does not load
+                self._local_copy_failed(target, local, exc)
+            else:
+                log.info("loaded %s from the local tier (%s)", target, local.file_path)
+                return checkpoint
+        with super()._reader(target) as stream:
+            return _load_checkpoint(stream, map_location, weights_only)
+
+    def _local_copy_failed(self, target: GcsPath, local: _LocalCopy, exc: BaseException) -> None:
+        local.abandon()
+        log.warning("the local copy of %s is damaged or unreadable (%s); loading it from GCS", target, exc)
 
     def _local_copy(self, target: GcsPath) -> _LocalCopy | None:
+        """The local tier's copy of ``target``, being read, when its manifest names a file of the size
+        written and GCS holds no newer copy (asked while the file is read); else ``None``."""
         self._in_this_process()
         key = self._tier.key(target.uri)
         with self._state_lock:
@@ -1115,19 +1156,14 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             log.warning("the local copy of %s is %s; loading it from GCS", target,
                         "missing" if size is None else f"{size} bytes, not the {manifest.size} written")
             return None
-        if self._newer_in_gcs(target, manifest):
-            return None
         try:
-            copy = _LocalCopy(target, path, manifest.size)
-        except (OSError, DataCorruptionError) as exc:
+            copy = _LocalCopy(target, path, manifest.size, manifest.crc32c, deadline_s=self.deadline_s)
+        except OSError as exc:
             log.warning("could not read the local copy of %s (%s); loading it from GCS", target, exc)
             return None
-        if manifest.crc32c is not None and copy.crc32c != manifest.crc32c:
-            log.warning("the local copy of %s is damaged (crc32c %s, written with %s); loading it from GCS",
-                        target, copy.crc32c, manifest.crc32c)
-            copy.close()
+        if self._newer_in_gcs(target, manifest):
+            copy.abandon()
             return None
-        log.info("loading %s from the local tier (%s)", target, path)
         return copy
 
     def _newer_in_gcs(self, target: GcsPath, manifest: Manifest) -> bool:
