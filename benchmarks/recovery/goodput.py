@@ -608,7 +608,7 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
             "first_x": None if r["first_step_vs_ceiling"] is None else
             f"{r['first_step_vs_ceiling']:.2f} (max {r['first_step_vs_ceiling_max']:.2f}){_mark(r, 'restart')}",
             "lost": f"{r['lost_steps_max']} of {r['every_n_steps']}{_mark(r, 'progress_lost')}",
-            "goodput_x": None if x is None else f"{x:.2f} ({r['baseline']}){_mark(r, 'goodput')}",
+            "goodput_x": None if x is None else f"{x:.3f} ({r['baseline']}){_mark(r, 'goodput')}",
         })
     return goodput, bars
 
