@@ -21,10 +21,11 @@ processes (:mod:`smartredis_io.worker.executor`), each serving every server of t
 own workers: the server that started them, in a cluster its shard). A worker that
 exits while the supervisor is not stopping (killed, even by a signal, crashed, or stopped by its
 deadline watchdog because a run outlived its deadline) is started again at once when it had run
-``HEALTHY_AFTER_S``, else after pauses that double up to ``RESTART_BACKOFF_MAX_S`` while workers keep
-dying young. A worker whose server closes its connection logs it in one line and exits
-(``EXIT_SERVER_GONE``), to be started again likewise. Each SIGTERM / SIGINT the supervisor gets
-is passed to every worker once: an idle worker stops at once, a busy one finishes its request, and
+``--healthy-after`` seconds (``HEALTHY_AFTER_S`` by default), else after pauses that double up to
+``RESTART_BACKOFF_MAX_S`` while workers keep dying young. A worker whose server closes its
+connection logs it in one line and exits (``EXIT_SERVER_GONE``), to be started again likewise.
+Each SIGTERM / SIGINT the supervisor gets is passed to every worker once: an idle worker stops at
+once, a busy one finishes its request, and
 a second signal stops it anyway (its request then runs on another worker). Workers are in a process
 group of their own, so a signal to the supervisor's group reaches them once, through it.
 
@@ -66,7 +67,7 @@ from smartredis_io.worker.worker_protocol import (
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF_MAX_S = 10.0  # longest pause before starting a worker again
-HEALTHY_AFTER_S = 30.0  # a worker that ran this long resets the pause
+HEALTHY_AFTER_S = 30.0  # a worker that ran this long resets the pause (--healthy-after)
 STOP_GRACE_S = 2.0  # once the server is gone: SIGTERM to the workers, SIGKILL this much later
 SECRET_WAIT_S = 30.0  # how long --secret-stdin waits for the secret's line
 START_ERROR_MAX_BYTES = 400  # of a reason a worker could not start, sent to the module
@@ -255,11 +256,14 @@ class _Supervisor:
 
     ``lifeline``: a file descriptor whose end (EOF) means the server is gone: the workers are then
     stopped, by SIGKILL after ``STOP_GRACE_S`` if SIGTERM has not stopped them. Started by the module,
-    it is the module's control socket, where a worker's reason for not starting goes.
+    it is the module's control socket, where a worker's reason for not starting goes. A worker that ran
+    ``healthy_after_s`` is started again at once when it exits.
     """
 
-    def __init__(self, options: WorkerOptions, base: str, count: int, lifeline: int | None = None) -> None:
+    def __init__(self, options: WorkerOptions, base: str, count: int, lifeline: int | None = None,
+                 healthy_after_s: float = HEALTHY_AFTER_S) -> None:
         self._options = options
+        self._healthy_after_s = healthy_after_s
         self._base = base
         self._lifeline = lifeline
         self._context = multiprocessing.get_context("spawn")
@@ -345,7 +349,7 @@ class _Supervisor:
         if self._stopping:
             return
         lived = time.monotonic() - slot["started"]
-        if lived >= HEALTHY_AFTER_S:
+        if lived >= self._healthy_after_s:
             slot["pause"] = 0.0  # it served a while: a new one starts at once
         else:  # it died young, whatever killed it (a signal too: OOM, a CUDA fault): wait longer each time
             slot["pause"] = min(max(slot["pause"] * 2, 0.5), RESTART_BACKOFF_MAX_S)
@@ -353,12 +357,12 @@ class _Supervisor:
         if reason is not None:
             self._tell_module(f"worker {index} could not start: {reason}")
         if code == EXIT_SERVER_GONE:
-            log.info("worker %d left (its server closed the connection); starting a new one in %.1f s", index,
-                     slot["pause"])
+            log.info("worker %d left (its server closed the connection) after %.1f s; starting a new one in %.1f s",
+                     index, lived, slot["pause"])
             return
         why = ("a run outlived its deadline" if code == EXIT_DEADLINE
                else f"killed by signal {-code}" if code < 0 else f"exit status {code}")
-        log.warning("worker %d exited (%s); starting a new one in %.1f s", index, why, slot["pause"])
+        log.warning("worker %d exited (%s) after %.1f s; starting a new one in %.1f s", index, why, lived, slot["pause"])
 
     @staticmethod
     def _reason(slot: dict[str, Any]) -> str | None:
@@ -467,6 +471,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run models as this user: started as root, the worker connects, then drops to it")
     parser.add_argument("--allow-root", action="store_true",
                         help="run models as root (refused without this flag or --user when started as root)")
+    parser.add_argument("--healthy-after", type=float, default=HEALTHY_AFTER_S, metavar="S",
+                        help="a worker that exits after running this many seconds is started again at once; one that "
+                             f"dies sooner, after pauses that double up to {RESTART_BACKOFF_MAX_S:g} s; default: "
+                             "%(default)s")
     secret = parser.add_mutually_exclusive_group()
     secret.add_argument("--secret-file", default=None,
                         help="the module's worker secret is this file's first line: the file the module reads as its "
@@ -482,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--workers must be at least 1")
     if args.threads < 1 or (args.interop_threads is not None and args.interop_threads < 1):
         parser.error("--threads and --interop-threads must be at least 1")
+    if not args.healthy_after >= 0:
+        parser.error(f"--healthy-after must be a number of seconds, at least 0, got {args.healthy_after}")
     if os.geteuid() == 0 and not args.user and not args.allow_root:
         parser.error("refusing to run stored models as root: pass --user NAME (e.g. --user nobody) to drop to "
                      "an unprivileged user, or --allow-root if the database's writers are trusted with root")
@@ -505,5 +515,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
                             own_server=args.secret_stdin)
     lifeline = sys.stdin.fileno() if args.secret_stdin else None
-    return _Supervisor(options, base, args.workers, lifeline).run()
+    return _Supervisor(options, base, args.workers, lifeline, args.healthy_after).run()
 

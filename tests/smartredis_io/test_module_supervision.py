@@ -14,8 +14,8 @@ PYTHONPATH) and ``--loadmodule`` with no launcher of ours.
   secret reaches no argv, environment, MONITOR, SLOWLOG, CLIENT LIST or INFO; under redis-server as
   PID 1 finished supervisors leave no zombie and BGSAVE no "unmatched pid"; requests that come while
   the first worker starts wait for it.
-- The worker command: restarts back off after a worker killed by a signal; without a secret it says
-  in one line how to give one.
+- The worker command: restarts back off after a worker killed by a signal, and start over once a
+  worker ran a while (``--healthy-after``); without a secret it says in one line how to give one.
 """
 
 from __future__ import annotations
@@ -614,7 +614,9 @@ def test_without_a_random_source_the_module_makes_no_secret(tmp_path: Path) -> N
 
 # ---- the worker command -------------------------------------------------------------------------
 
-PAUSE = re.compile(r"worker 0 exited \(killed by signal 9\); starting a new one in ([\d.]+) s")
+PAUSE = re.compile(r"worker 0 exited \(killed by signal 9\) after [\d.]+ s; starting a new one in ([\d.]+) s")
+EXIT = re.compile(r"worker 0 exited \(killed by signal 9\) after ([\d.]+) s; starting a new one in ([\d.]+) s")
+HEALTHY_AFTER_S = 5.0  # the test's --healthy-after: far longer than a worker killed as its interpreter starts lives
 
 
 def test_workers_killed_by_a_signal_are_restarted_after_growing_pauses(redis_server: RedisServer,
@@ -641,6 +643,62 @@ def test_workers_killed_by_a_signal_are_restarted_after_growing_pauses(redis_ser
     pauses = [float(p) for p in PAUSE.findall(log.read_text())]
     assert pauses[:4] == [0.5, 1.0, 2.0, 4.0], pauses
     assert max(pauses) <= 10.0
+
+
+def test_a_worker_that_ran_a_while_is_restarted_at_once_and_the_pauses_start_over(redis_server: RedisServer,
+                                                                                   tmp_path: Path) -> None:
+    """Workers killed as their interpreter starts (by a sitecustomize, while a marker file exists) are
+    restarted after growing pauses; one that ran ``--healthy-after`` seconds, killed then, is restarted
+    at once, and the next that dies young waits the first pause again."""
+    shim = _shared_dir("srio-healthy-")
+    marker = shim / "kill-workers"
+    (shim / "sitecustomize.py").write_text(
+        "import os, signal, sys\n\n"
+        f"if '--multiprocessing-fork' in sys.argv and os.path.exists({str(marker)!r}):  # a worker, not the supervisor\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    (shim / "sitecustomize.py").chmod(0o644)
+    marker.touch()
+    env = {**worker_env(redis_server), "PYTHONPATH": f"{shim}{os.pathsep}{os.environ['PYTHONPATH']}"}
+    log = tmp_path / "supervisor.log"
+    name = f"healthy-{os.getpid()}"
+    plain = protocol_client(redis_server)
+
+    def exits() -> list[tuple[float, float]]:
+        return [(float(lived), float(pause)) for lived, pause in EXIT.findall(log.read_text())]
+
+    try:
+        with log.open("wb") as out:
+            supervisor = subprocess.Popen(
+                [sys.executable, "-m", "smartredis_io.worker", "--address", redis_server.address, "--name", name,
+                 "--healthy-after", str(HEALTHY_AFTER_S), *(["--user", WORKER_USER] if AS_ROOT else [])],
+                stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_until(lambda: len(exits()) >= 2, 120, "two workers are killed as they start")
+            marker.unlink()
+            healthy = wait_until(lambda: next((entry.pid for worker, entry in registry(plain).items()
+                                               if worker.startswith(name)), None), WORKER_START_S,
+                                 "the next worker starts and registers")
+            wait_until(lambda: _age(healthy) >= HEALTHY_AFTER_S + 1, 60, f"the worker has run {HEALTHY_AFTER_S} s")
+            marker.touch()
+            before = len(exits())
+            os.kill(healthy, signal.SIGKILL)
+            wait_until(lambda: len(exits()) >= before + 2, 120, "its successor starts, and is killed as it starts")
+        finally:
+            supervisor.terminate()
+            supervisor.wait(60)
+    finally:
+        shutil.rmtree(shim)
+    found = exits()
+    (at,) = [index for index, (lived, _) in enumerate(found) if lived >= HEALTHY_AFTER_S]
+    assert at >= 2 and [pause for _, pause in found[:at]] == [0.5 * 2 ** i for i in range(at)], found
+    assert found[at][1] == 0.0, f"the worker that ran a while is restarted at once: {found}"
+    assert found[at + 1][1] == 0.5, f"the pauses start over: {found}"
+
+
+def _age(pid: int) -> float:
+    """Seconds since the process ``pid`` started."""
+    started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK")
 
 
 def test_a_worker_without_a_secret_says_how_to_give_one_in_one_line(redis_server: RedisServer) -> None:
