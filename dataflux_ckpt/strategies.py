@@ -5,17 +5,21 @@
 
 Model, optimizer and trainer state go through :class:`DatafluxStorageWriter` as one DCP checkpoint
 per ``ModelCheckpoint`` path (an object prefix); ``ckpt_path=`` resumes from one, and top-k removal
-deletes the whole prefix.
+deletes the whole prefix. With ``local_dir``, every rank saves its shard to the node's NVMe and
+training goes on while the checkpoint is uploaded (:mod:`dataflux_ckpt.tiered_dcp`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
 from dataflux_ckpt.options import FIELDS, TransferOptions, resolve_options
+from dataflux_ckpt.tiered_dcp import ShardedLocalTier
+from lightning_storage_plugins.dcp import METADATA_NAME
 from lightning_storage_plugins.sharded import ShardedFSDPMixin, ShardedModelParallelMixin
 
 __all__ = ["DatafluxFSDPStrategy", "DatafluxModelParallelStrategy"]
@@ -25,9 +29,15 @@ class _DatafluxStorage:
     writer_options: dict
     reader_options: dict
 
-    def __init__(self, *args: Any, options: TransferOptions | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, options: TransferOptions | None = None,
+                 local_dir: str | os.PathLike[str] | ShardedLocalTier | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.options = options
+        self.local_dir = local_dir
+        self._local_tier: ShardedLocalTier | None = None
+        if local_dir is not None and not isinstance(local_dir, (str, os.PathLike, ShardedLocalTier)):
+            raise TypeError(f"{type(self).__name__}: local_dir must be a directory or a ShardedLocalTier, not "
+                            f"{local_dir!r}")
         # A conflict or an option out of range is reported here, not at the first save or load.
         for owner, given in (("writer_options", self.writer_options), ("reader_options", self.reader_options)):
             if options is not None and given.get("options") is not None:
@@ -38,13 +48,69 @@ class _DatafluxStorage:
     def _storage_options(self, given: dict[str, Any]) -> dict[str, Any]:
         return given if self.options is None else {"options": self.options, **given}
 
+    def local_tier(self) -> ShardedLocalTier | None:
+        """This process' local tier (``None`` without ``local_dir``): made on first use, with the
+        writers' transfer options for the uploads a crashed process left."""
+        if self.local_dir is None or isinstance(self.local_dir, ShardedLocalTier):
+            return self.local_dir
+        if self._local_tier is None:
+            given = self._storage_options(self.writer_options)
+            options = resolve_options(f"{type(self).__name__} writer_options", given.get("options"),
+                                      **{name: value for name, value in given.items() if name in FIELDS})
+            self._local_tier = ShardedLocalTier(self.local_dir, options=options,
+                                                project_name=given.get("project_name"),
+                                                storage_client=given.get("storage_client"))
+        return self._local_tier
+
     def storage_writer(self, path: str) -> DatafluxStorageWriter:
-        """A :class:`DatafluxStorageWriter` for ``path`` with ``options`` and ``writer_options``."""
-        return DatafluxStorageWriter(path, **self._storage_options(self.writer_options))
+        """A :class:`DatafluxStorageWriter` for ``path`` with ``options``, ``writer_options`` and the
+        local tier."""
+        return DatafluxStorageWriter(path, local_dir=self.local_tier(), **self._storage_options(self.writer_options))
 
     def storage_reader(self, path: str, weights_only: bool | None = None) -> DatafluxStorageReader:
-        """A :class:`DatafluxStorageReader` for ``path`` with ``options`` and ``reader_options``."""
-        return DatafluxStorageReader(path, weights_only=weights_only, **self._storage_options(self.reader_options))
+        """A :class:`DatafluxStorageReader` for ``path`` with ``options``, ``reader_options`` and the
+        local tier. ``path`` may also name a checkpoint by its ``.metadata`` (in GCS or, for a save
+        of the local tier, its local file), as :meth:`last_checkpoints` gives them to Lightning."""
+        return DatafluxStorageReader(self._checkpoint_of(path), weights_only=weights_only,
+                                     local_dir=self.local_tier(), **self._storage_options(self.reader_options))
+
+    def _checkpoint_of(self, path: str) -> str:
+        text = os.fspath(path)
+        tier = self.local_tier()
+        if "://" not in text and tier is not None and (uri := tier.checkpoint_of(text)) is not None:
+            return uri
+        suffix = "/" + METADATA_NAME
+        if "://" in text and text.endswith(suffix):
+            return text[: -len(suffix)]
+        return text
+
+    def last_checkpoints(self, found: set[str], directory: str) -> set[str]:
+        """For ``ckpt_path="last"``: the ``last`` checkpoints ``ModelCheckpoint`` listed in the
+        ``gs://`` ``directory`` (``found``), a sharded one named by its ``.metadata`` object (which
+        Lightning dates; it cannot date a prefix), and the local tier's (the local metadata files of
+        its newest saves of them, which GCS may not hold yet)."""
+        from fsspec.core import url_to_fs
+
+        candidates = set()
+        for path in found:
+            filesystem, stripped = url_to_fs(path)
+            metadata = f"{stripped.rstrip('/')}/{METADATA_NAME}"
+            sharded = filesystem.isdir(stripped) and filesystem.exists(metadata)
+            candidates.add(filesystem.unstrip_protocol(metadata) if sharded else path)
+        tier = self.local_tier()
+        if tier is not None:
+            candidates |= set(tier.last_checkpoints(directory).values())
+        return candidates
+
+    def teardown(self) -> None:
+        """Tear down as the strategy does, then wait (up to the tier's ``teardown_timeout_s``) for the
+        local tier's uploads in flight, saying which."""
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            tier = self.local_dir if isinstance(self.local_dir, ShardedLocalTier) else self._local_tier
+            if tier is not None:
+                tier.close()
 
 
 class DatafluxFSDPStrategy(_DatafluxStorage, ShardedFSDPMixin, FSDPStrategy):
@@ -55,6 +121,10 @@ class DatafluxFSDPStrategy(_DatafluxStorage, ShardedFSDPMixin, FSDPStrategy):
         writer_options: keyword arguments for :class:`DatafluxStorageWriter` (``overwrite``, ``chunk_size``,
             ...); a transfer option here must agree with ``options``.
         reader_options: keyword arguments for :class:`DatafluxStorageReader`.
+        local_dir: the local tier on each node's NVMe (a directory, the same for the ranks of a
+            node, or a :class:`~dataflux_ckpt.tiered_dcp.ShardedLocalTier`): every rank saves its
+            shard there and training goes on while the checkpoint is uploaded; loads read the newest
+            whole version (see :mod:`dataflux_ckpt.tiered_dcp`). ``teardown`` waits for the uploads.
         *args, **kwargs: as for ``FSDPStrategy``.
 
     Raises:
@@ -71,6 +141,7 @@ class DatafluxModelParallelStrategy(_DatafluxStorage, ShardedModelParallelMixin,
         writer_options: keyword arguments for :class:`DatafluxStorageWriter` (``overwrite``, ``chunk_size``,
             ...); a transfer option here must agree with ``options``.
         reader_options: keyword arguments for :class:`DatafluxStorageReader`.
+        local_dir: the local tier on each node's NVMe, as for :class:`DatafluxFSDPStrategy`.
         *args, **kwargs: as for ``ModelParallelStrategy``.
 
     Raises:
