@@ -128,3 +128,29 @@ def test_metadata_waits_for_every_rank_and_a_restart_on_the_node_publishes(
     assert (seed, bad, source.chosen_tier) == (2, [], "gcs")
     assert load_seed(path, None)[:2] == (2, [])
     assert not [name for name in _names(path) if name.endswith((".uploaded", ".pending"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "model_parallel"])
+def test_lightning_resumes_last_on_the_node_and_on_a_new_node(kind: str, gs_root: str, local_root: Path,
+                                                             tmp_path: Path) -> None:
+    import torch
+
+    if kind == "model_parallel" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7):
+        pytest.skip("FSDP2 (fully_shard) cannot train on CPU before torch 2.7 (CPU streams lack record_event)")
+    root, node, new_node = f"{gs_root}/{kind}", str(local_root / "node"), str(local_root / "new-node")
+    fit = {"op": "tiered_lightning", "kind": kind, "root": root}
+    steps = [{**fit, "local_dir": node, "max_steps": 3}, {**fit, "local_dir": node, "max_steps": 5},
+             {**fit, "local_dir": new_node, "max_steps": 6}]
+    reports = run(steps, 2, tmp_path, timeout_s=600)
+    first, second, third = reports[0]["steps"]
+    assert (first["started"]["step"], first["ended"]["step"]) == (0, 3)
+    # ckpt_path="last": the same node resumes the model and optimizer state the first fit ended with...
+    assert second["started"] == first["ended"]
+    # ... and a new node (an empty local_dir) the second's, from GCS: teardown waited for its uploads.
+    assert third["started"] == second["ended"]
+    # Each step saves twice (its own checkpoint and last.ckpt), a shard per rank each time.
+    assert (third["ended"]["step"], [s["saves"] for s in (first, second, third)]) == (6, [6, 4, 2])
+    assert [s["pending"] for s in (first, second, third)] == [0, 0, 0]
+    assert reports[1]["steps"] == reports[0]["steps"]
+    assert ".metadata" in _names(f"{root}/checkpoints/last.ckpt")

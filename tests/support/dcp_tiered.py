@@ -15,6 +15,11 @@ Ops:
   crashed run left, then save seed after seed, each rank touching ``<events>/<rank>-saving-<seed>``
   and ``<events>/<rank>-saved-<seed>``, until killed (or ``saves`` saves).
 * ``tiered_hold``: touch ``<events>/<rank>-held``, then wait to be killed.
+* ``tiered_lightning``: a Trainer with ``DatafluxFSDPStrategy`` or ``DatafluxModelParallelStrategy``
+  (``kind``) and ``local_dir``, ``DatafluxModelCheckpoint(save_last=True)`` every step, fitting to
+  ``max_steps`` from ``ckpt_path="last"``; reports the step it started at, the model and optimizer
+  state it started from and ended with, and its tier's stats (torchrun's environment: Lightning
+  makes the process group).
 """
 
 from __future__ import annotations
@@ -90,6 +95,11 @@ def run_tiered(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
     from tests.support.dcp_ranks import full_state, sharded_state
 
+    if all(step["op"] == "tiered_lightning" for step in spec["steps"]):
+        from tests.support.dcp_lightning import torchrun_environ
+
+        os.environ.update(torchrun_environ(rank, world, spec["port"]))
+        return {"rank": rank, "steps": [_fit(step) for step in spec["steps"]]}
     endpoint = next((step["endpoint"] for step in spec["steps"] if step.get("endpoint")), None)
     if endpoint:
         os.environ["STORAGE_EMULATOR_HOST"] = endpoint
@@ -152,3 +162,60 @@ def _loop(step: dict[str, Any], rank: int, mesh: Any, local_tier: Any, report: d
         (events / f"{rank}-saved-{seed}").touch()
     local_tier.close()
     return report
+
+
+def _fit(step: dict[str, Any]) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from dataflux_ckpt import DatafluxFSDPStrategy, DatafluxModelCheckpoint, DatafluxModelParallelStrategy
+
+    kind = step["kind"]
+
+    def states(module: Any) -> dict[str, Any]:
+        model, optimizer = module.trainer.strategy.model, module.trainer.optimizers[0]
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        return {"model": {k: v.sum().item() for k, v in model_state.items()},
+                "exp_avg": [s["exp_avg"].sum().item() for s in optimizer_state["state"].values()]}
+
+    class Model(BoringModel):
+        started: dict[str, Any] = {}
+
+        def configure_model(self) -> None:
+            if kind == "fsdp":  # wrapped here: Lightning wraps with the GPU's device id only
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                if not isinstance(self.layer, FullyShardedDataParallel):
+                    self.layer = FullyShardedDataParallel(self.layer, device_id=torch.device("cpu"),
+                                                          use_orig_params=True)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def on_train_start(self) -> None:
+            self.started = {"step": self.trainer.global_step, **states(self)}
+
+    options = {"writer_options": {"options": _options()}, "reader_options": {"options": _options()},
+               "local_dir": step["local_dir"]}
+    if kind == "fsdp":
+        strategy: Any = DatafluxFSDPStrategy(state_dict_type="sharded", **options)
+    else:
+        strategy = DatafluxModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]),
+                                                 tensor_parallel_size=1, **options)
+    torch.manual_seed(0)
+    model = Model()
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                        max_steps=step["max_steps"], limit_val_batches=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=step["root"],
+                        callbacks=[DatafluxModelCheckpoint(dirpath=f"{step['root']}/checkpoints",
+                                                           every_n_train_steps=1, save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+    stats = strategy.local_tier().stats()
+    return {"started": model.started, "ended": {"step": trainer.global_step, **states(model)},
+            "saves": stats.saves, "pending": stats.uploads_pending}
