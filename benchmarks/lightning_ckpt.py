@@ -10,12 +10,20 @@ to the ceiling of the row's upload path, measured in the same rounds with raw HT
 and of every load to the pure parallel download of those bytes. Below the tables, each row also gets
 the Dataflux Lightning benchmark's two lines, "Average time to save (load) one checkpoint: X seconds".
 
+A Tiered row (``TieredCheckpointIO``: a local tier on the local rows' disk, uploaded to GCS in the
+background) times each save until the checkpoint is durable in GCS, with the time training was
+blocked beside it, and loads each checkpoint twice: from its local tier, and from GCS through a
+second plugin whose local tier is empty (a new node). Its bars compare it with what the same rounds
+measure, which it brings along: FastPersist's save to the same disk, the direct Dataflux save and
+load, and the raw parallel upload and raw parallel read of the local tier's file.
+
 With no ``CKPT_DIR_PATH`` the GCS rows run against a local fake-gcs-server, behind the XML multipart
 server (GCS's parallel-upload API) and, with ``--network cloud``, behind a toxiproxy model of a cloud
 network; everything is torn down at the end. Configuration follows the Dataflux Lightning benchmark's
 environment variables (``CKPT_DIR_PATH``, ``STEPS``, ``LAYERS``, ``PROJECT``, ``DATAFLUX_CKPT``,
 ``USE_TRANSFER_MANAGER``); flags win over them. Without ``DATAFLUX_CKPT`` the run compares the
-Dataflux Lightning benchmark's three rows; ``DATAFLUX_CKPT=1`` (or 0) runs its single row. MB is 10^6 bytes.
+Dataflux Lightning benchmark's three rows and a Tiered row; ``DATAFLUX_CKPT=1`` (or 0) runs its single
+row. MB is 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,8 +94,17 @@ log = logging.getLogger("benchmarks.lightning_ckpt")
 
 PEER_KEY = "peer"
 DEFAULT_JSON = "results/lightning_ckpt.json"
-DEFAULT_ROWS = ("torch-gcsfs", "dataflux-no-tm", "dataflux-tm")
+TIERED_KEY = "tiered"
+FASTPERSIST_KEY = "fastpersist"
+DIRECT_KEY = "dataflux-tm"
+DEFAULT_ROWS = ("torch-gcsfs", "dataflux-no-tm", "dataflux-tm", TIERED_KEY)
+# What a Tiered row's bars compare it with: these rows run in its rounds whenever it does.
+TIERED_COMPARED = (DIRECT_KEY, FASTPERSIST_KEY)
 ASYNC_SUFFIX = "-async"
+TIER_FILE = "tier-file"
+LOCAL_READ = "local-read"
+DURABLE_POLL_S = 0.002
+DURABLE_TIMEOUT_S = 1800.0
 
 
 # Rows: what a run can measure ----------------------------------------------------------------------
@@ -232,6 +250,68 @@ class PluginRow(Subject):
             self.inner.teardown()
 
 
+def wait_until_durable(checkpoint_io: Any, path: str, uploads_done: int, timeout_s: float = DURABLE_TIMEOUT_S) -> None:
+    """Wait until a ``TieredCheckpointIO`` has no upload pending, and check that it made ``path``
+    durable (its ``uploads_done`` grew past ``uploads_done``).
+
+    Raises:
+        TimeoutError: uploads are still pending after ``timeout_s``.
+        RuntimeError: the upload ended without publishing ``path`` (the plugin logged why).
+    """
+    end = time.monotonic() + timeout_s
+    # stats() is the plugin's public view of its uploads; polling it adds at most DURABLE_POLL_S.
+    while (stats := checkpoint_io.stats()).uploads_pending:
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {timeout_s:g} s for the upload of {path} to GCS; "
+                               f"{stats.uploads_pending} upload(s) still pending")
+        time.sleep(DURABLE_POLL_S)
+    if stats.uploads_done <= uploads_done or stats.last_durable != path:
+        raise RuntimeError(f"the upload of {path} to GCS ended without publishing it (the plugin's warnings say why)")
+
+
+class TieredRow(PluginRow):
+    """``TieredCheckpointIO``, as training sees it and as GCS does.
+
+    A save is timed until the checkpoint is durable in GCS (its upload published); how long the
+    caller was blocked, training's stall, is kept as for async rows. Each round loads the checkpoint
+    twice: from the local tier (the row's load), and from GCS (:attr:`gcs_loads`) through another
+    ``TieredCheckpointIO`` whose local tier is empty, as a new node resumes.
+    """
+
+    def __init__(self, spec: RowSpec, upload_mode: str | None, services: Services, trainer: Any,
+                 run_id: str, keep: bool, meter: CpuMeter) -> None:
+        super().__init__(spec, upload_mode, services, trainer, run_id, keep, meter)
+        self.new_node = self.plugin.make(services, upload_mode or "auto")
+        self.gcs_loads: list[Op] = []
+
+    def save(self, step: int) -> Op:
+        path, blocked = self.path(step), []
+
+        def run() -> None:
+            uploads_done = self.inner.stats().uploads_done
+            start = time.perf_counter()
+            save(self.trainer, self.io, path)
+            blocked.append(time.perf_counter() - start)
+            wait_until_durable(self.inner, path, uploads_done)
+
+        op = _timed(run, self.meter)
+        op.blocked_s = blocked[0]
+        if self.size_bytes is None:
+            self.size_bytes = self.plugin.size(path, self.inner)
+        return op
+
+    def load(self, step: int) -> Op:
+        local = super().load(step)
+        self.gcs_loads.append(_timed(lambda: self.new_node.load_checkpoint(self.path(step)), self.meter))
+        return local
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.new_node.teardown()
+
+
 class PeerRow(Subject):
     """A variant of the peer package, run by its worker process on the same endpoint and data."""
 
@@ -274,18 +354,24 @@ CEILING_NAMES = {
     "download": "raw parallel download",
     "download_crc32c": "raw parallel download + crc32c",
     "load": "raw parallel download + torch.load",
+    f"xml-{TIER_FILE}": "raw parallel XML multipart upload of the local tier's file",
+    f"composite-{TIER_FILE}": "raw parallel composite upload of the local tier's file",
+    LOCAL_READ: "raw parallel read of the local tier's file",
 }
 
 
 class UploadCeiling(Subject):
-    """The bytes of the checkpoint uploaded with raw HTTP: one request, XML multipart or composite."""
+    """The bytes of the checkpoint uploaded with raw HTTP: one request, XML multipart or composite.
+    ``of`` names other bytes than ``torch.save``'s (``TIER_FILE``: the local tier's file)."""
 
-    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter) -> None:
-        super().__init__(f"ceiling-{mode}", f"ceiling: {CEILING_NAMES[mode]}", "ceiling", meter, mode,
+    def __init__(self, mode: str, raw: RawGcs, bucket: str, data: mmap.mmap, run_id: str, meter: CpuMeter,
+                 of: str | None = None) -> None:
+        bound = f"{mode}-{of}" if of else mode
+        super().__init__(f"ceiling-{bound}", f"ceiling: {CEILING_NAMES[bound]}", "ceiling", meter, bound,
                          does_load=False)
         self.raw, self.bucket, self.data, self.mode = raw, bucket, data, mode
         self.size_bytes = len(data)
-        self.prefix = f"{run_id}/ceiling-{mode}"
+        self.prefix = f"{run_id}/ceiling-{bound}"
 
     def save(self, step: int) -> Op:
         name = f"{self.prefix}/ckpt_{step}"
@@ -340,6 +426,75 @@ class DownloadCeiling(Subject):
         self.raw.delete(self.bucket, self.name_)
 
 
+def raw_local_read(path: str, threads: int, range_bytes: int, block_bytes: int) -> mmap.mmap:
+    """The bytes of the file at ``path`` read into one new anonymous mapping, as the local tier's
+    reader reads them (``threads`` threads taking ``range_bytes`` at a time, ``block_bytes`` a
+    call), and nothing else: no checksum, no unpickling."""
+    size = os.path.getsize(path)
+    buffer = mmap.mmap(-1, max(size, 1))
+    view = memoryview(buffer)
+    starts, lock = iter(range(0, size, range_bytes)), threading.Lock()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def lane() -> None:
+        while True:
+            with lock:
+                start = next(starts, None)
+            if start is None:
+                return
+            offset, end = start, min(start + range_bytes, size)
+            while offset < end:
+                got = os.preadv(fd, [view[offset : min(offset + block_bytes, end)]], offset)
+                if not got:
+                    raise EOFError(f"{path} ended at byte {offset} of {size}")
+                offset += got
+
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="raw-local-read") as pool:
+            for lane_done in [pool.submit(lane) for _ in range(threads)]:
+                lane_done.result()
+    finally:
+        os.close(fd)
+        view.release()
+    return buffer
+
+
+class LocalReadCeiling(Subject):
+    """The local tier's file read into new memory, as the tier's loads read it, and nothing else: the
+    bound of a load from the local tier. The file is a FastPersist save of the same checkpoint on the
+    same disk; it is read once before the rounds, so that the page cache holds it as it holds the
+    tier's own file, which the tier reads for its checksum right after each save."""
+
+    def __init__(self, path: str, meter: CpuMeter) -> None:
+        from dataflux_ckpt.download import READ_BLOCK_BYTES
+        from dataflux_ckpt.tiered import LOCAL_RANGE_BYTES, LOCAL_READ_THREADS
+
+        super().__init__(f"ceiling-{LOCAL_READ}", f"ceiling: {CEILING_NAMES[LOCAL_READ]}", "ceiling", meter,
+                         LOCAL_READ, does_save=False)
+        self.file = path
+        self.size_bytes = os.path.getsize(path)
+        self.read = lambda: raw_local_read(path, LOCAL_READ_THREADS, LOCAL_RANGE_BYTES, READ_BLOCK_BYTES)
+        self.read().close()
+
+    def load(self, step: int) -> Op:
+        return _timed(self.read, self.meter)  # unmapped once the clock has stopped
+
+
+def tier_file(trainer: Any, directory: str, stack: ExitStack) -> str:
+    """A FastPersist save of the Trainer's checkpoint, the file a TieredCheckpointIO save leaves on
+    its local tier (the Tiered rows' ceilings move its bytes)."""
+    from fastpersist import FastPersistCheckpointIO
+
+    path = Path(directory) / f"ceiling-{uuid.uuid4().hex[:8]}-tier.ckpt"
+    checkpoint_io = FastPersistCheckpointIO()
+    try:
+        save(trainer, checkpoint_io, str(path))
+    finally:
+        checkpoint_io.teardown()
+    stack.callback(path.unlink, missing_ok=True)
+    return str(path)
+
+
 def checkpoint_bytes(trainer: Any, directory: str, stack: ExitStack) -> mmap.mmap:
     """The bytes a TorchCheckpointIO save of the Trainer writes (the ceilings move the same bytes),
     mapped from a local file: the page cache, not this process, holds them between uses."""
@@ -370,7 +525,7 @@ def select_rows(args: argparse.Namespace) -> list[RowSpec]:
         unknown = [k for k in keys if k not in ROW_SPECS]
         if unknown or not keys:
             raise SystemExit(f"unknown --types {unknown}; choose from {', '.join(ROW_SPECS)}")
-        return [ROW_SPECS[k] for k in keys]
+        return with_compared_rows([ROW_SPECS[k] for k in keys])
     if args.compare:
         return [ROW_SPECS[k] for k in COMPARE_ROWS]
     local = bool(args.ckpt_dir) and not is_gcs(args.ckpt_dir)
@@ -378,7 +533,15 @@ def select_rows(args: argparse.Namespace) -> list[RowSpec]:
         return [ROW_SPECS["dataflux-tm" if args.use_transfer_manager else "dataflux-no-tm"]]
     if args.dataflux is False or local:
         return [ROW_SPECS["torch-local" if local else "torch-gcsfs"]]
-    return [ROW_SPECS[k] for k in DEFAULT_ROWS]
+    return with_compared_rows([ROW_SPECS[k] for k in DEFAULT_ROWS])
+
+
+def with_compared_rows(specs: list[RowSpec]) -> list[RowSpec]:
+    """``specs`` and, with a Tiered row among them, the rows its bars compare it with (the direct
+    Dataflux save and load, FastPersist's save to the same disk), after it, unless asked for already."""
+    if not any(spec.key == TIERED_KEY for spec in specs):
+        return specs
+    return specs + [ROW_SPECS[key] for key in TIERED_COMPARED if key not in {spec.key for spec in specs}]
 
 
 def upload_modes(args: argparse.Namespace) -> list[str]:
@@ -417,13 +580,35 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
             f"{prefix}_times_s": [op.seconds for op in ops],
             f"{prefix}_extra_rss_mb": max(op.extra_rss_mb for op in ops) if ops else None,
         })
-        row[f"{prefix}_cpu_s"] = {name: statistics.median(op.cpu_s.get(name, 0.0) for op in ops)
-                                  for name in sorted({n for op in ops for n in op.cpu_s})}
-        row[f"{prefix}_cpu_total_s"] = statistics.median(sum(op.cpu_s.values()) for op in ops) if ops else None
+        row.update(_cpu_fields(prefix, ops))
     blocked = [op.blocked_s for op in subject.saves if op.blocked_s is not None]
     row["save_blocked_median_s"] = statistics.median(blocked) if blocked else None
+    row["tiered"] = isinstance(subject, TieredRow)
+    if isinstance(subject, TieredRow):
+        row.update(tiered_fields(size, blocked, subject.gcs_loads))
     row["average_time_lines"] = average_time_lines(row)
     return row
+
+
+def tiered_fields(size: int, stalls: list[float], gcs_loads: list[Op]) -> dict[str, Any]:
+    """A Tiered row's own measurements: the training stall of each save (``stall_*``; its ``save_*``
+    are the times until durable, ``durable_median_s``) and each load from GCS (``gcs_load_*``)."""
+    fields: dict[str, Any] = {"stall_times_s": stalls, "stall_median_s": None, "stall_min_s": None,
+                              "stall_max_s": None, "gcs_load_times_s": [op.seconds for op in gcs_loads]}
+    if stalls:
+        stall = spread(stalls)
+        fields.update(stall_median_s=stall["median"], stall_min_s=stall["min"], stall_max_s=stall["max"])
+    rates = _rates(size, gcs_loads)
+    fields.update({f"gcs_load_{name}": rates[name] for name in ("median_mbps", "min_mbps", "max_mbps", "median_s")})
+    fields.update(_cpu_fields("gcs_load", gcs_loads))
+    return fields
+
+
+def _cpu_fields(prefix: str, ops: list[Op]) -> dict[str, Any]:
+    """The median CPU seconds of each process in ``ops`` (``<prefix>_cpu_s``) and of them all (``_total_s``)."""
+    return {f"{prefix}_cpu_s": {name: statistics.median(op.cpu_s.get(name, 0.0) for op in ops)
+                                for name in sorted({n for op in ops for n in op.cpu_s})},
+            f"{prefix}_cpu_total_s": statistics.median(sum(op.cpu_s.values()) for op in ops) if ops else None}
 
 
 def average_time_lines(row: dict[str, Any]) -> list[str]:
@@ -466,7 +651,7 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
         row["save_ceiling"] = save_ceiling and save_ceiling["type"]
         row["save_ceiling_mbps"] = save_ceiling and save_ceiling["save_median_mbps"]
         row["save_vs_ceiling"] = ratio(row["save_median_mbps"], row["save_ceiling_mbps"])
-        gcs_row = row["upload"] is not None
+        gcs_row = row["upload"] is not None and not row.get("tiered")  # a Tiered row's load is local
         row["load_ceiling_mbps"] = load_ceiling["load_median_mbps"] if load_ceiling and gcs_row else None
         row["load_vs_ceiling"] = ratio(row["load_median_mbps"], row["load_ceiling_mbps"])
         row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if gcs_row else None
@@ -475,6 +660,57 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
         bounded = row["upload"] in ("load", "download_crc32c")
         row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if bounded else None
         row["load_vs_verified_download"] = None
+    add_tiered_ratios(rows, ceilings)
+
+
+# A Tiered row's bars: (ratio, comparison, limit).
+TIERED_BARS = {
+    "stall_vs_fastpersist": ("<=", 1.15),
+    "direct_save_vs_stall": (">=", 5.0),
+    "durable_vs_ceiling": ("<=", 1.15),
+    "local_load_vs_raw_read": (">=", 0.9),
+}
+
+
+def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, Any]]) -> None:
+    """Each Tiered row against what its bars name, from medians of this run, as time ratios:
+
+    - ``stall_vs_fastpersist``: its training stall / FastPersist's save of the same checkpoint to the
+      same disk;
+    - ``direct_save_vs_stall``: the direct Dataflux save (same upload mode) / its stall;
+    - ``durable_vs_ceiling``: its time until durable / (FastPersist's save + the raw parallel upload of
+      the local tier's file, ``durable_ceiling_s``), which is also its save ceiling;
+    - ``local_load_vs_raw_read``: the raw read of the local tier's file / its load from the local tier
+      (its load ceiling);
+    - ``gcs_load_vs_dataflux``: the direct Dataflux load / its load from GCS (as a new node).
+
+    ``bars`` holds each bar's value, limit and whether it holds (``None``: not measured).
+    """
+    by_key = {row["key"]: row for row in rows}
+    fastpersist_s = by_key.get(FASTPERSIST_KEY, {}).get("save_median_s")
+    read = ceilings.get(LOCAL_READ)
+    for row in rows:
+        if not row.get("tiered"):
+            continue
+        direct = by_key.get(f"{DIRECT_KEY}[{row['upload']}]", {})
+        upload = ceilings.get(f"{row['upload']}-{TIER_FILE}")
+        ceiling_s = fastpersist_s + upload["save_median_s"] if fastpersist_s and upload else None
+        row["stall_vs_fastpersist"] = ratio(row["stall_median_s"], fastpersist_s)
+        row["direct_save_vs_stall"] = ratio(direct.get("save_median_s"), row["stall_median_s"])
+        row["durable_median_s"] = row["save_median_s"]
+        row["durable_ceiling_s"] = ceiling_s
+        row["durable_vs_ceiling"] = ratio(row["save_median_s"], ceiling_s)
+        row["save_ceiling"] = upload and f"FastPersist save + {upload['type'].removeprefix('ceiling: ')}"
+        row["save_ceiling_mbps"] = per_second(row["size_mb"] * MB, ceiling_s) if ceiling_s else None
+        row["save_vs_ceiling"] = ratio(row["save_median_mbps"], row["save_ceiling_mbps"])
+        row["local_load_vs_raw_read"] = ratio(read and read["load_median_s"], row["load_median_s"])
+        row["load_ceiling_mbps"] = read and read["load_median_mbps"]
+        row["load_vs_ceiling"] = row["local_load_vs_raw_read"]
+        row["gcs_load_vs_dataflux"] = ratio(direct.get("load_median_s"), row["gcs_load_median_s"])
+        row["bars"] = {name: {"value": row[name], "bar": f"{op} {limit:g}",
+                              "holds": None if row[name] is None else
+                              (row[name] <= limit if op == "<=" else row[name] >= limit)}
+                       for name, (op, limit) in TIERED_BARS.items()}
 
 
 def _range(row: dict[str, Any], op: str) -> str | None:
@@ -508,6 +744,20 @@ RATIO_COLUMNS = {
     "load_vs_verified_download": "Load x download+crc32c",
     "upload": "Save ceiling",
 }
+TIERED_COLUMNS = {
+    "type": "Tiered row",
+    "stall_median_s": "Stall s",
+    "stall_range": "(min-max)",
+    "stall_vs_fastpersist": "Stall / FastPersist save (bar <= 1.15)",
+    "direct_save_vs_stall": "Dataflux save / stall (bar >= 5)",
+    "durable_median_s": "Durable s",
+    "durable_ceiling_s": "FastPersist save + raw upload s",
+    "durable_vs_ceiling": "Durable / that (bar <= 1.15)",
+    "load_median_s": "Local load s",
+    "local_load_vs_raw_read": "Local load x raw read (bar >= 0.9)",
+    "gcs_load_median_s": "GCS load s",
+    "gcs_load_vs_dataflux": "GCS load x Dataflux load",
+}
 CEILING_COLUMNS = {
     "type": "Ceiling",
     "save_median_mbps": "Save MB/s",
@@ -538,24 +788,46 @@ def format_report(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]
         return table(items, kept) if len(kept) > 1 else ""
 
     parts = [shown(ranged(rows), TABLE_COLUMNS), shown(rows, RATIO_COLUMNS)]
+    tiered = [{**r, "stall_range": f"{r['stall_min_s']:.3f}-{r['stall_max_s']:.3f}" if r["stall_times_s"] else None}
+              for r in rows if r.get("tiered")]
+    if tiered:
+        parts.append(shown(tiered, TIERED_COLUMNS))
     if ceiling_rows:
         parts.append(shown(ranged(ceiling_rows), CEILING_COLUMNS))
     return "\n\n".join(filter(None, parts))
 
 
+def format_bars(rows: list[dict[str, Any]]) -> str:
+    """One line per bar of each Tiered row: its value, its limit, and whether it holds."""
+    lines = []
+    for row in rows:
+        for name, bar in (row.get("bars") or {}).items():
+            value = "not measured" if bar["value"] is None else f"{bar['value']:.3f}"
+            verdict = "" if bar["holds"] is None else " (holds)" if bar["holds"] else " (does not hold)"
+            lines.append(f"{row['type']}: {TIERED_COLUMNS[name].split(' (bar')[0]} = {value}, bar {bar['bar']}{verdict}")
+    return "\n".join(lines)
+
+
 def write_chart(path: str | os.PathLike[str], rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]],
                 title: str) -> Path:
-    """Save and load median MB/s per row (min-max whiskers), the ceilings as lines."""
+    """Save and load median MB/s per row (min-max whiskers), the ceilings as lines; rows whose caller
+    is blocked for less than the save (async, Tiered) also get that rate, and Tiered rows their load
+    from GCS."""
     lines = [(r["type"].removeprefix("ceiling: "), r["save_median_mbps"], "save")
              for r in ceiling_rows if r["save_median_mbps"]]
     lines += [(r["type"].removeprefix("ceiling: "), r["load_median_mbps"], "load")
               for r in ceiling_rows if r["load_median_mbps"]]
-    return bar_chart(
-        path, [r["type"] for r in rows],
-        {"save": [r["save_median_mbps"] for r in rows], "load": [r["load_median_mbps"] for r in rows]},
-        spreads={op: [(r[f"{op}_min_mbps"], r[f"{op}_max_mbps"]) for r in rows] for op in ("save", "load")},
-        lines=lines, title=title, xlabel="MB/s (median of the steps; whiskers: min-max)",
-    )
+    series = {"save": [r["save_median_mbps"] for r in rows], "load": [r["load_median_mbps"] for r in rows]}
+    spreads = {op: [(r[f"{op}_min_mbps"], r[f"{op}_max_mbps"]) for r in rows] for op in ("save", "load")}
+    if any(r["save_blocked_median_s"] for r in rows):
+        series["save: caller blocked"] = [per_second(r["size_mb"] * MB, r["save_blocked_median_s"])
+                                          if r["save_blocked_median_s"] else None for r in rows]
+    if any(r.get("tiered") for r in rows):
+        series["load from GCS (new node)"] = [r["gcs_load_median_mbps"] if r.get("tiered") else None for r in rows]
+        spreads["load from GCS (new node)"] = [(r["gcs_load_min_mbps"], r["gcs_load_max_mbps"]) if r.get("tiered")
+                                               else None for r in rows]
+    return bar_chart(path, [r["type"] for r in rows], series, spreads=spreads, lines=lines, title=title,
+                     xlabel="MB/s (median of the steps; whiskers: min-max)")
 
 
 # The run ---------------------------------------------------------------------------------------------
@@ -611,7 +883,8 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
             continue
         if spec.plugin is not None:
             modes = upload_modes(args) if spec.plugin.follows_upload_mode else [None]
-            subjects += [PluginRow(spec, mode, services, trainer, run_id, args.keep, meter) for mode in modes]
+            row = TieredRow if spec.key == TIERED_KEY else PluginRow
+            subjects += [row(spec, mode, services, trainer, run_id, args.keep, meter) for mode in modes]
             continue
         if worker is None:
             try:
@@ -640,6 +913,16 @@ def build_subjects(specs: Sequence[RowSpec], args: argparse.Namespace, services:
                 subjects.append(UploadCeiling(mode, raw, bucket, data, run_id, meter))
         subjects += [DownloadCeiling(mode, raw, bucket, data, run_id, meter)
                      for mode in ("download", "download_crc32c", "load")]
+    tiered_modes = sorted({s.upload for s in subjects if isinstance(s, TieredRow)})
+    if tiered_modes:
+        path = tier_file(trainer, services.local_dir(), stack)
+        if endpoint is not None:
+            with open(path, "rb") as f:
+                tier_data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            stack.callback(tier_data.close)
+            subjects += [UploadCeiling(mode, raw, bucket, tier_data, run_id, meter, of=TIER_FILE)
+                         for mode in tiered_modes]
+        subjects.append(LocalReadCeiling(path, meter))
     return subjects
 
 
@@ -669,14 +952,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--project", default=env.get("PROJECT"), help="GCP project (env PROJECT)")
     parser.add_argument("--dataflux", action=argparse.BooleanOptionalAction, default=_env_flag("DATAFLUX_CKPT", None),
                         help="run only DatafluxCheckpointIO (env DATAFLUX_CKPT=1) or only TorchCheckpointIO "
-                             "(DATAFLUX_CKPT=0); default: compare the Dataflux Lightning benchmark's three GCS rows")
+                             "(DATAFLUX_CKPT=0); default: compare the Dataflux Lightning benchmark's three GCS rows and "
+                             "a Tiered row")
     parser.add_argument("--use-transfer-manager", action=argparse.BooleanOptionalAction,
                         default=_env_flag("USE_TRANSFER_MANAGER", True),
                         help="with DATAFLUX_CKPT=1: parallel part uploads and ranged downloads "
                              "(env USE_TRANSFER_MANAGER, default on)")
     parser.add_argument("--compare", action="store_true",
                         help="run every available row: local, GCS, Redis, and the peer package")
-    parser.add_argument("--types", help="comma-separated rows to run (see below)")
+    parser.add_argument("--types", help="comma-separated rows to run (see below); a Tiered row brings the rows "
+                                        "its bars compare it with")
     parser.add_argument("--upload-mode", choices=(*UPLOAD_MODES, "both"), default="xml",
                         help="parallel uploads by XML multipart (GCS's API; default), by composite objects, or "
                              "a row of each; each mode's raw ceiling is measured in the same run")
@@ -795,11 +1080,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_ratios(rows, ceiling_rows)
     print()
     print(format_report(rows, ceiling_rows))
+    bars = format_bars(rows)
+    if bars:
+        print()
+        print(bars)
     print()
     print(format_average_times(rows))
     write_json(args.json, rows + ceiling_rows)
     markdown = Path(args.json).with_suffix(".md")
-    markdown.write_text(f"{header}\n\n{format_report(rows, ceiling_rows, format_markdown_table)}\n")
+    markdown.write_text(f"{header}\n\n{format_report(rows, ceiling_rows, format_markdown_table)}\n"
+                        + (f"\n{bars}\n" if bars else ""))
     chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), rows, ceiling_rows, header)
     print(f"\nrows: {args.json} (tables as Markdown: {markdown}); chart: {chart}")
     return 0

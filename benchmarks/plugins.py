@@ -14,6 +14,7 @@ first use and stops everything on exit:
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -184,9 +185,9 @@ class Plugin:
     ``make(services, upload_mode)`` builds it (``upload_mode`` is ``"auto"`` or one of
     :data:`UPLOAD_MODES`; only plugins with ``follows_upload_mode`` use it). ``upload`` names the kind
     of upload its saves make, which picks its ceiling: ``"single"`` (one stream), ``"parallel"``
-    (parallel parts: XML multipart or composite) or ``None`` (not GCS). ``requires`` is a module whose
-    absence makes the plugin unavailable. ``native_async`` wraps it in its own async path, where it has one.
-    ``settle(io)`` waits for work a save leaves running in the background (untimed: it overlaps
+    (parallel parts: XML multipart or composite) or ``None`` (not GCS). ``requires`` names the modules
+    (one, or a tuple) without which the plugin is unavailable. ``native_async`` wraps it in its own
+    async path, where it has one. ``settle(io)`` waits for work a save leaves running in the background (untimed: it overlaps
     training in real use, and must not slow the next measurement).
     """
 
@@ -194,7 +195,7 @@ class Plugin:
     name: str
     storage: str
     make: Callable[[Services, str], Any]
-    requires: str | None = None
+    requires: str | tuple[str, ...] | None = None
     size: Callable[[str, Any], int] = fsspec_size
     upload: str | None = None
     follows_upload_mode: bool = False
@@ -202,13 +203,12 @@ class Plugin:
     settle: Callable[[Any], None] | None = None
 
     def unavailable_reason(self) -> str | None:
-        """Why the plugin cannot run here (its module is missing), or None."""
-        if self.requires is None:
-            return None
-        try:
-            __import__(self.requires)
-        except ImportError as err:
-            return f"{type(err).__name__}: {err}"
+        """Why the plugin cannot run here (a module it requires is missing), or None."""
+        for module in (self.requires,) if isinstance(self.requires, str) else self.requires or ():
+            try:
+                __import__(module)
+            except ImportError as err:
+                return f"{type(err).__name__}: {err}"
         return None
 
 
@@ -230,6 +230,15 @@ def _dataflux_io(use_transfer_manager: bool) -> Callable[[Services, str], Any]:
 
 def _dataflux_settle(checkpoint_io: Any) -> None:
     checkpoint_io.teardown()  # waits for the background deletion of composite-upload parts
+
+
+def _tiered_io(services: Services, upload_mode: str) -> Any:
+    from dataflux_ckpt import TieredCheckpointIO
+
+    # A local tier of its own on the local rows' disk: each plugin made is a node of its own.
+    local_dir = tempfile.mkdtemp(prefix="tier-", dir=services.local_dir())
+    services.stack.callback(shutil.rmtree, local_dir, ignore_errors=True)
+    return TieredCheckpointIO(local_dir, project_name=services.options.project, upload_mode=upload_mode)
 
 
 def _fastpersist_io(services: Services, upload_mode: str) -> Any:
@@ -260,6 +269,9 @@ PLUGINS: dict[str, Plugin] = {
         Plugin("dataflux-tm", "Dataflux (Transfer Manager Enabled)", "gcs", _dataflux_io(True),
                requires="dataflux_ckpt.checkpoint_io", upload="parallel", follows_upload_mode=True,
                settle=_dataflux_settle),
+        Plugin("tiered", "TieredCheckpointIO (NVMe, then GCS)", "gcs", _tiered_io,
+               requires=("dataflux_ckpt.checkpoint_io", "fastpersist.checkpoint_io"), upload="parallel",
+               follows_upload_mode=True),
         Plugin("fastpersist", "FastPersistCheckpointIO (local)", "local", _fastpersist_io,
                requires="fastpersist.checkpoint_io"),
         Plugin("smartredis", "SmartRedisCheckpointIO (redis)", "redis", _smartredis_io,

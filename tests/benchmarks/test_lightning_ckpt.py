@@ -8,6 +8,7 @@ import os
 import re
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks import lightning_ckpt
 from benchmarks.lightning_peer import PEER_PATH_ENV, default_peer_path
@@ -23,6 +26,9 @@ from tests.support.processes import foreground_sigint
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE_ROWS = ["TorchCheckpointIO (gcsfs)", "Dataflux (Transfer Manager Disabled)",
                   "Dataflux (Transfer Manager Enabled)"]
+TIERED_ROW = "TieredCheckpointIO (NVMe, then GCS)"
+FASTPERSIST_ROW = "FastPersistCheckpointIO (local)"
+DEFAULT_ROWS = [*REFERENCE_ROWS, TIERED_ROW, FASTPERSIST_ROW]
 ROW_KEYS = {"type", "kind", "upload", "layers", "steps", "size_mb", "save_s", "save_mbps", "load_s", "load_mbps",
             "save_median_mbps", "load_median_mbps", "save_min_mbps", "save_max_mbps", "save_times_s",
             "load_times_s", "save_extra_rss_mb", "load_extra_rss_mb", "network"}
@@ -94,7 +100,8 @@ def test_flags_win_over_environment(monkeypatch):
 def test_rows_follow_the_reference_variables(monkeypatch):
     for key in ENV_KEYS:
         monkeypatch.delenv(key, raising=False)
-    assert _names([]) == ["torch-gcsfs", "dataflux-no-tm", "dataflux-tm"]  # the comparison by default
+    # The comparison by default, and a Tiered row with the FastPersist row its bars compare it with.
+    assert _names([]) == ["torch-gcsfs", "dataflux-no-tm", "dataflux-tm", "tiered", "fastpersist"]
     monkeypatch.setenv("DATAFLUX_CKPT", "1")
     assert _names([]) == ["dataflux-tm"]
     monkeypatch.setenv("USE_TRANSFER_MANAGER", "0")
@@ -106,6 +113,9 @@ def test_rows_follow_the_reference_variables(monkeypatch):
     assert _names(["--ckpt-dir", "/tmp/x"]) == ["torch-local"]
     compared = _names(["--compare"])
     assert {"torch-local", "torch-gcsfs", "dataflux-tm", "peer", "peer-async", "smartredis"} <= set(compared)
+    assert _names(["--types", "tiered"]) == ["tiered", "dataflux-tm", "fastpersist"]
+    assert _names(["--types", "fastpersist,tiered"]) == ["fastpersist", "tiered", "dataflux-tm"]
+    assert _names(["--types", "dataflux-tm"]) == ["dataflux-tm"]
     with pytest.raises(SystemExit, match="unknown --types"):
         _names(["--types", "nope"])
 
@@ -122,12 +132,12 @@ def test_bad_arguments_are_refused(argv, capsys):
 def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
     out, err, rows, chart = _run(tmp_path)
     by_type, ceilings = _by_kind(rows)
-    assert [t.removesuffix(" [xml]") for t in by_type] == REFERENCE_ROWS
-    assert set(ceilings) == {"single", "xml", "download", "download_crc32c", "load"}
+    assert [t.removesuffix(" [xml]") for t in by_type] == DEFAULT_ROWS
+    assert set(ceilings) == {"single", "xml", "download", "download_crc32c", "load", "xml-tier-file", "local-read"}
     for row in rows:
         assert ROW_KEYS <= row.keys()
         assert row["layers"] == 1 and row["network"] == "loopback" and row["size_mb"] > 1
-        load_ceiling = row["upload"] in ("download", "download_crc32c", "load")
+        load_ceiling = row["upload"] in ("download", "download_crc32c", "load", "local-read")
         assert len(row["save_times_s"]) == (1 if row["kind"] == "row" or not load_ceiling else 0)
     for row in by_type.values():
         assert row["save_median_mbps"] > 0 and row["load_median_mbps"] > 0
@@ -171,12 +181,103 @@ def test_default_run_compares_the_reference_rows_with_their_ceilings(tmp_path):
         assert m["s"] == str(row[f"{m['op']}_s"])
         assert float(m["s"]) == pytest.approx(sum(row[f"{m['op']}_times_s"]) / len(row[f"{m['op']}_times_s"]))
         assert m.group(0).removeprefix(f"{m['row']}: ") in row["average_time_lines"]
-    for name in REFERENCE_ROWS:
+    for name in DEFAULT_ROWS:
         assert name in err  # its progress bar
     assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
     assert str(chart) in out
     markdown = chart.with_suffix(".md").read_text()
     assert "| Checkpoint Type |" in markdown and "| Ceiling |" in markdown
+
+
+@pytest.mark.slow
+def test_tiered_rows_are_held_to_their_bars_with_what_the_same_rounds_measured(tmp_path):
+    """Each Tiered row (one per upload mode), through the cloud model, against the rows and ceilings it
+    brings into its rounds: its stall to FastPersist's save and to the direct Dataflux save of its mode,
+    its time until durable to FastPersist's save plus the raw upload of the local tier's file, its
+    local load to the raw read of that file, its GCS load (a new node) to the Dataflux load."""
+    steps = 2
+    out, _, rows, chart = _run(tmp_path, "--types", "tiered", "--upload-mode", "both", "--network", "cloud",
+                               env={"STEPS": str(steps)})
+    by_key = {r["key"]: r for r in rows}
+    assert set(by_key) == {"tiered[xml]", "tiered[composite]", "dataflux-tm[xml]", "dataflux-tm[composite]",
+                           "fastpersist", "ceiling-xml", "ceiling-composite", "ceiling-xml-tier-file",
+                           "ceiling-composite-tier-file", "ceiling-local-read", "ceiling-download",
+                           "ceiling-download_crc32c", "ceiling-load"}
+    fastpersist, read = by_key["fastpersist"], by_key["ceiling-local-read"]
+    for mode in ("xml", "composite"):
+        row, direct, upload = by_key[f"tiered[{mode}]"], by_key[f"dataflux-tm[{mode}]"], by_key[f"ceiling-{mode}-tier-file"]
+        assert row["type"] == f"{TIERED_ROW} [{mode}]" and row["tiered"] and row["network"] == "cloud"
+        # The ceilings move the local tier's file: a FastPersist save of the same checkpoint.
+        assert row["size_mb"] == upload["size_mb"] == read["size_mb"] == fastpersist["size_mb"]
+        # Training waits for the local write only; the save is timed until the upload is published.
+        assert len(row["stall_times_s"]) == len(row["save_times_s"]) == len(row["gcs_load_times_s"]) == steps
+        assert all(0 < stall < durable for stall, durable in zip(row["stall_times_s"], row["save_times_s"], strict=True))
+        assert row["stall_median_s"] == row["save_blocked_median_s"]
+        assert row["durable_median_s"] == row["save_median_s"]
+        assert row["stall_vs_fastpersist"] == pytest.approx(row["stall_median_s"] / fastpersist["save_median_s"])
+        assert row["direct_save_vs_stall"] == pytest.approx(direct["save_median_s"] / row["stall_median_s"])
+        ceiling_s = fastpersist["save_median_s"] + upload["save_median_s"]
+        assert row["durable_ceiling_s"] == pytest.approx(ceiling_s)
+        assert row["durable_vs_ceiling"] == pytest.approx(row["save_median_s"] / ceiling_s)
+        assert row["local_load_vs_raw_read"] == pytest.approx(read["load_median_s"] / row["load_median_s"])
+        assert row["gcs_load_vs_dataflux"] == pytest.approx(direct["load_median_s"] / row["gcs_load_median_s"])
+        # The local load reads the local tier (GCS is only asked whether it holds a newer copy); the
+        # load as a new node downloads the object.
+        assert row["gcs_load_cpu_s"]["fake-gcs-server"] > row["load_cpu_s"].get("fake-gcs-server", 0.0)
+        for name, (op, limit) in lightning_ckpt.TIERED_BARS.items():
+            bar = row["bars"][name]
+            assert bar["value"] == row[name] and bar["bar"] == f"{op} {limit:g}"
+            assert bar["holds"] == (row[name] <= limit if op == "<=" else row[name] >= limit)
+        for line in (f"{row['type']}: Stall / FastPersist save = {row['stall_vs_fastpersist']:.3f}, bar <= 1.15",
+                     f"{row['type']}: Local load x raw read = {row['local_load_vs_raw_read']:.3f}, bar >= 0.9"):
+            assert line in out and line in chart.with_suffix(".md").read_text()
+    assert "Tiered row" in out and "raw parallel read of the local tier's file" in out
+    assert chart.read_bytes().startswith(PNG_MAGIC)
+
+
+@settings(max_examples=50, deadline=None)
+@given(times=st.fixed_dictionaries({name: st.lists(st.floats(0.01, 100.0), min_size=1, max_size=5) for name in (
+    "stall", "durable", "local_load", "gcs_load", "fastpersist_save", "direct_save", "direct_load", "raw_upload",
+    "raw_read")}))
+def test_a_tiered_rows_bars_are_ratios_of_the_medians_they_name(times):
+    meter = lightning_ckpt.CpuMeter()
+
+    def subject(key: str, upload: str | None, saves: list[float], loads: list[float],
+                kind: str = "row") -> lightning_ckpt.Subject:
+        made = lightning_ckpt.Subject(key, key, kind, meter, upload)
+        made.saves = [lightning_ckpt.Op(seconds, 0.0) for seconds in saves]
+        made.loads = [lightning_ckpt.Op(seconds, 0.0) for seconds in loads]
+        made.size_bytes = 10**8
+        return made
+
+    rows = [lightning_ckpt.subject_row(s, {}) for s in (
+        subject("tiered[xml]", "xml", times["durable"], times["local_load"]),
+        subject("dataflux-tm[xml]", "xml", times["direct_save"], times["direct_load"]),
+        subject("fastpersist", None, times["fastpersist_save"], times["local_load"]))]
+    rows[0].update(tiered=True, **lightning_ckpt.tiered_fields(
+        10**8, times["stall"], [lightning_ckpt.Op(seconds, 0.0) for seconds in times["gcs_load"]]))
+    ceilings = [lightning_ckpt.subject_row(s, {}) for s in (
+        subject("ceiling-xml-tier-file", "xml-tier-file", times["raw_upload"], [], "ceiling"),
+        subject("ceiling-local-read", "local-read", [], times["raw_read"], "ceiling"))]
+    lightning_ckpt.add_ratios(rows, ceilings)
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    expected = {
+        "stall_vs_fastpersist": median["stall"] / median["fastpersist_save"],
+        "direct_save_vs_stall": median["direct_save"] / median["stall"],
+        "durable_vs_ceiling": median["durable"] / (median["fastpersist_save"] + median["raw_upload"]),
+        "local_load_vs_raw_read": median["raw_read"] / median["local_load"],
+    }
+    tiered = rows[0]
+    for name, value in expected.items():
+        assert tiered[name] == pytest.approx(value)
+        op, limit = lightning_ckpt.TIERED_BARS[name]
+        assert tiered["bars"][name]["holds"] == (tiered[name] <= limit if op == "<=" else tiered[name] >= limit)
+    assert tiered["gcs_load_vs_dataflux"] == pytest.approx(median["direct_load"] / median["gcs_load"])
+    # Its save ceiling is the local save plus the raw upload; its load is local, so no GCS load ratio.
+    assert tiered["save_vs_ceiling"] == pytest.approx(1 / expected["durable_vs_ceiling"])
+    assert tiered["load_vs_download"] is None and tiered["load_vs_ceiling"] == tiered["local_load_vs_raw_read"]
+    assert rows[1].get("bars") is None and not rows[1]["tiered"]
 
 
 @pytest.mark.slow
