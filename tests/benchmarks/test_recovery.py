@@ -225,7 +225,7 @@ def test_help_lists_the_rows_the_schedule_and_the_defaults():
 def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     logs, out_json = tmp_path / "logs", tmp_path / "recovery.json"
     argv = ["--rows", "torch-local,fastpersist", "--rounds", "2", "--size-mb", "1", "--every-n-steps", "2",
-            "--max-steps", "10", "--step-time-s", "0", "--schedule", "sigkill@1.5,sigterm@2.5,sigkill-save@3",
+            "--max-steps", "10", "--step-time-s", "0.02", "--schedule", "sigkill@1.5,sigterm@2.5,sigkill-save@3",
             "--plain-saves", "2", "--raw-reads", "2", "--local-dir", str(tmp_path / "local"), "--logs", str(logs),
             "--json", str(out_json)]
     (tmp_path / "local").mkdir()
