@@ -156,6 +156,7 @@ _OVER = (PUBLISHED, SUPERSEDED)
 _SHARD_RE = re.compile(r"^__(?P<rank>\d+)_(?P<index>\d+)\.(?P<token>[0-9a-f]+)\.distcp")
 _PENDING_RE = re.compile(rf"^\.metadata\.(?P<token>[0-9a-f]+){re.escape(PENDING_SUFFIX)}$")
 _TOKEN_RE = re.compile(rf"^[0-9a-f]{{{TOKEN_HEX}}}$")
+_LAST_RE = re.compile(r"^last(-v?\d+)?\.ckpt$")
 _JOB_RE = re.compile(rf"^{re.escape(JOB_PREFIX)}(?P<token>[0-9a-f]{{{TOKEN_HEX}}})-(?P<who>\d+|metadata)"
                      rf"{re.escape(JOB_SUFFIX)}$")
 
@@ -1196,6 +1197,34 @@ class ShardedLocalTier:
             context.close()
 
     # Reading ---------------------------------------------------------------------------------------
+    def last_checkpoints(self, directory: str) -> dict[str, str]:
+        """The ``last`` checkpoints (``last.ckpt``, ``last-v1.ckpt``...) of the ``gs://`` ``directory``
+        whose metadata this node holds: by ``gs://`` path, the local metadata file of the newest
+        save (for ``ckpt_path="last"``, which dates the candidates by their files)."""
+        prefix = directory.rstrip("/") + "/"
+        newest: dict[str, _JobManifest] = {}
+        for _, manifests in _checkpoint_dirs(self.local_dir):
+            for manifest in manifests:
+                name = manifest.uri[len(prefix) :] if manifest.uri.startswith(prefix) else ""
+                if (manifest.rank is None and manifest.state != WRITING and _LAST_RE.match(name)
+                        and (manifest.uri not in newest or manifest.token > newest[manifest.uri].token)):
+                    newest[manifest.uri] = manifest
+        return {uri: self._dir(uri).file(manifest.name) for uri, manifest in newest.items()
+                if os.path.exists(self._dir(uri).file(manifest.name))}
+
+    def checkpoint_of(self, path: str | os.PathLike[str]) -> str | None:
+        """The ``gs://`` checkpoint whose local metadata file ``path`` is (``None`` for any other path)."""
+        text = os.path.abspath(os.fspath(path))
+        directory, name = os.path.split(text)
+        if os.path.dirname(directory) != self.local_dir or not name.startswith(METADATA_NAME + "."):
+            return None
+        token = name[len(METADATA_NAME) + 1 :]
+        for _, manifests in _checkpoint_dirs(self.local_dir):
+            for manifest in manifests:
+                if manifest.rank is None and manifest.token == token and self._dir(manifest.uri).path == directory:
+                    return manifest.uri
+        return None
+
     def _local_saves(self, uri: str) -> dict[str, dict[str, Any]]:
         """What this node holds of ``uri``, by save token: whether its metadata is here
         (``"metadata"``: its path), and which shard files are here whole by size (``"shards"``:
@@ -1231,11 +1260,12 @@ class ShardedLocalTier:
             OSError: it cannot be read.
         """
         base = parse_gcs_path(uri)
-        copy = _LocalCopy(GcsPath(base.bucket, f"{base.key}/{name}"), path, size)
-        if crc32c is not None and copy.crc32c != crc32c:
-            copy.close()
-            raise DataCorruptionError(f"the local copy {path} of {uri}/{name} has crc32c {copy.crc32c}, it was "
-                                      f"written with {crc32c}")
+        copy = _LocalCopy(GcsPath(base.bucket, f"{base.key}/{name}"), path, size, crc32c)
+        try:
+            copy.verify()  # every byte read, and checked where the crc32c is known
+        except BaseException:
+            copy.abandon()
+            raise
         return copy
 
 
