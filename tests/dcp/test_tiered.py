@@ -9,28 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.dcp_ranks import Ranks, run
 from tests.support.dcp_tiered import load_seed, tier
-from tests.support.direct_io import o_direct_dir
 from tests.support.gcs import FaultProxy
-
-
-@pytest.fixture
-def gcs_proxy(gcs_emulator: object) -> Iterator[FaultProxy]:
-    """A proxy in front of the session emulator, through which the ranks reach GCS."""
-    with FaultProxy(gcs_emulator.url) as proxy:  # type: ignore[attr-defined]
-        yield proxy
-
-
-@pytest.fixture
-def local_root(tmp_path: Path) -> Path:
-    """Where the runs' local tiers go: a filesystem that accepts O_DIRECT."""
-    return o_direct_dir(tmp_path)
 
 
 def _names(path: str) -> list[str]:

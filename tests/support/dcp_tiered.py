@@ -71,6 +71,8 @@ def load_seed(path: str, local_dir: Any, mesh: Any = None) -> tuple[int, list[st
     from tests.support.dcp_ranks import full_state, mismatches, same_bits, sharded_state
 
     source = reader(path, local_dir)
+    if not source.exists():  # as the strategies ask, on every rank, before DCP's collectives
+        raise FileNotFoundError(f"no checkpoint at {path}")
     probe = {"s": torch.zeros(())}
     dcp.load(probe, storage_reader=source)
     seed = int(probe["s"].item())
@@ -153,6 +155,8 @@ def _loop(step: dict[str, Any], rank: int, mesh: Any, local_tier: Any, report: d
         resumed, bad, _ = load_seed(step["path"], local_tier, mesh)
     except FileNotFoundError:
         resumed, bad = 0, []
+    if bad:
+        raise AssertionError(f"resumed a mixed checkpoint: tensors {bad} are not seed {resumed}'s")
     (events / f"{rank}-resumed-{resumed}").touch()
     report["steps"].append({"resumed": resumed, "mismatches": bad})
     local_tier.finish_pending()
