@@ -36,9 +36,10 @@ OLDEST_PINS := torch==2.6.0 lightning==2.5.0.post0 pytorch-lightning==2.5.0.post
 # What the oldest environment runs: everything of fastpersist, the Lightning plugins of all three, and
 # smartredis_io's own client, wire and module paths under numpy 2 (the published client there is absent).
 OLDEST_TESTS := tests/fastpersist tests/test_fast_paths.py tests/test_checkpoint_io.py tests/lightning_storage_plugins/test_ordering.py tests/lightning_storage_plugins/test_collector.py tests/lightning_storage_plugins/test_release.py tests/dataflux_ckpt/test_trainer.py \
-	tests/lightning_storage_plugins/test_resume_last.py \
+	tests/lightning_storage_plugins/test_resume_last.py tests/lightning_storage_plugins/test_reentrant_saves.py \
 	tests/lightning_storage_plugins/test_torch_compat.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
+	tests/dcp/test_sharded_reentry.py tests/dcp/test_requeue_signal.py \
 	tests/smartredis_io/test_lightning.py \
 	tests/smartredis_io/test_client.py tests/smartredis_io/test_fast_paths.py tests/smartredis_io/test_dataset.py \
 	tests/smartredis_io/test_redis_module.py

@@ -15,7 +15,6 @@ and another thread saving meanwhile.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -38,11 +37,19 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning_storage_plugins.ordering import OrderedCheckpointIO, SaveOrder
 from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 from tests.support.direct_io import o_direct_dir
-from tests.support.signals import Refuses, Tripwire, handling, result_in_fork, signal_later, spread
+from tests.support.signals import (
+    DEFERRAL_LOG,
+    Refuses,
+    Tripwire,
+    deferral_log,
+    handling,
+    result_in_fork,
+    signal_later,
+    spread,
+)
 
 Result = TypeVar("Result")
 MiB = 1 << 20
-ORDERING_LOG = "lightning_storage_plugins.ordering"
 
 
 @dataclass
@@ -127,23 +134,6 @@ def _assert_whole(plugin: CheckpointIO, path: str, expected: dict[str, Any]) -> 
         assert got.dtype == tensor.dtype and torch.equal(got, tensor), f"{path}: {name} differs"
 
 
-@contextlib.contextmanager
-def _ordering_log() -> Iterator[list[logging.LogRecord]]:
-    """The records the ordered-save base logs inside the block (also in a forked child)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger(ORDERING_LOG)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def _messages(records: list[logging.LogRecord]) -> list[str]:
     return [record.getMessage() for record in records]
 
@@ -161,7 +151,7 @@ def test_a_save_asked_for_by_a_handler_inside_a_save_lands_whole_right_after_it(
             returned.append(True)
 
         try:
-            with _ordering_log() as records, handling(handler):
+            with deferral_log() as records, handling(handler):
                 # The signal is sent while the save pickles the tripwire: after "state_dict" is on its way.
                 plugin.save_checkpoint(_checkpoint(1, tripwire=Tripwire()), last)
             assert returned == [True]
@@ -196,7 +186,7 @@ def test_saves_asked_for_by_signals_at_random_points_of_a_save_land_whole(storag
             start = time.perf_counter()
             plugin.save_checkpoint(outer, storage.path("warm-up.ckpt"))
             duration = time.perf_counter() - start
-            with _ordering_log() as records:
+            with deferral_log() as records:
                 for index, delay in enumerate(spread(duration, rounds, seed=PLUGINS.index(storage.name))):
                     last, hpc = storage.path(f"last-{index}.ckpt"), storage.path(f"hpc_ckpt_{index}.ckpt")
 
@@ -256,7 +246,7 @@ def test_a_second_signal_during_the_deferred_save_is_saved_after_it(local: tuple
         path, checkpoint = queue.pop(0)  # the first one's save sends the second signal
         plugin.save_checkpoint(checkpoint, path)
 
-    with _ordering_log() as records, handling(handler):
+    with deferral_log() as records, handling(handler):
         plugin.save_checkpoint(_checkpoint(1, tripwire=Tripwire()), root / "last.ckpt")
     assert queue == []
     _assert_whole(plugin, str(root / "last.ckpt"), _checkpoint(1))
@@ -301,7 +291,7 @@ def test_a_failed_deferred_save_is_raised_by_the_save_it_waited_for(
     assert not hpc.exists()
 
     # Both fail: the interrupted save's own error is raised; the deferred one's is logged, and noted on it.
-    caplog.set_level(logging.ERROR, ORDERING_LOG)
+    caplog.set_level(logging.ERROR, DEFERRAL_LOG)
     with handling(handler), pytest.raises(RuntimeError, match="refuses to be pickled") as both:
         plugin.save_checkpoint(_checkpoint(1, tripwire=Tripwire(), refuses=Refuses()), root / "other.ckpt")
     assert not isinstance(both.value, DeferredOperationError)
@@ -323,7 +313,7 @@ def test_a_removal_asked_for_by_the_handler_skips_the_save_it_deferred_before(
         plugin.remove_checkpoint(root / "old.ckpt")
         plugin.save_checkpoint(_checkpoint(3), root / "old.ckpt")  # asked for after its removal: kept
 
-    with _ordering_log() as records, handling(handler):
+    with deferral_log() as records, handling(handler):
         plugin.save_checkpoint(_checkpoint(1, tripwire=Tripwire()), root / "last.ckpt")
     assert sorted(os.listdir(root)) == ["last.ckpt", "old.ckpt"]
     _assert_whole(plugin, str(root / "old.ckpt"), _checkpoint(3))
@@ -392,7 +382,7 @@ def test_a_teardown_asked_for_by_the_handler_waits_for_the_save(local: tuple[Ord
         plugin.save_checkpoint(_checkpoint(2), root / "hpc_ckpt_1.ckpt")
         plugin.teardown()  # the buffers in use are freed after the save, then the deferred save makes new ones
 
-    with _ordering_log() as records, handling(handler):
+    with deferral_log() as records, handling(handler):
         plugin.save_checkpoint(_checkpoint(1, tripwire=Tripwire()), root / "last.ckpt")
     _assert_whole(plugin, str(root / "last.ckpt"), _checkpoint(1))
     _assert_whole(plugin, str(root / "hpc_ckpt_1.ckpt"), _checkpoint(2))
@@ -412,7 +402,7 @@ def test_a_save_from_another_thread_during_a_save_lands_too(storage: Storage) ->
                 errors.append(exc)
 
         try:
-            with _ordering_log() as records:
+            with deferral_log() as records:
                 beside = threading.Thread(target=save_beside)
                 beside.start()
                 plugin.save_checkpoint(_checkpoint(1, mib=2), storage.path("main.ckpt"))
@@ -526,7 +516,7 @@ def test_lightnings_slurm_handler_firing_inside_a_model_checkpoint_save_leaves_b
             plugins=[SLURMEnvironment(auto_requeue=True), FastPersistCheckpointIO(io_buffer_mb=4, engine=engine)],
             callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)],
         )
-        with _ordering_log() as records:
+        with deferral_log() as records:
             watcher = _signal_when_a_save_starts(dirpath, stop)
             try:
                 trainer.fit(_large_model())

@@ -35,6 +35,51 @@ def _strategy(kind: str, storage: str) -> Any:
     return ModelParallel(data_parallel_size=int(os.environ["WORLD_SIZE"]), tensor_parallel_size=1, **options)
 
 
+def model_class(kind: str, widths: tuple[int, ...] = (64,)) -> type:
+    """A BoringModel whose ``layer`` is a stack of linear layers of ``widths`` (32 inputs, 2 outputs)
+    sharded for ``kind``, with AdamW, that logs its step (for ``ModelCheckpoint(monitor=...)``) and
+    records the full model and optimizer states it starts training from (``started_from``)."""
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Model(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            sizes = (32, *widths)
+            layers: list[torch.nn.Module] = []
+            for inputs, outputs in zip(sizes[:-1], sizes[1:], strict=True):
+                layers += [torch.nn.Linear(inputs, outputs), torch.nn.ReLU()]
+            self.layer = torch.nn.Sequential(*layers, torch.nn.Linear(sizes[-1], 2))
+            self.started_from: dict[str, Any] | None = None
+
+        def configure_model(self) -> None:
+            if kind == "fsdp":  # wrapped here: Lightning wraps with the GPU's device id only
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                if not isinstance(self.layer, FullyShardedDataParallel):
+                    self.layer = FullyShardedDataParallel(self.layer, device_id=torch.device("cpu"),
+                                                          use_orig_params=True)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in self.layer:
+                    if isinstance(layer, torch.nn.Linear):
+                        fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            self.log("global_step", float(self.global_step))
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+        def on_train_start(self) -> None:
+            self.started_from = _full_states(self.trainer.strategy.model, self.trainer.optimizers[0])
+            self.started_from["step"] = self.trainer.global_step
+
+    return Model
+
+
 def _full_states(model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -48,37 +93,8 @@ def run_trainer(kind: str, storage: str, root: str) -> dict[str, Any]:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.demos.boring_classes import BoringModel
 
-    class Model(BoringModel):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
-            self.started_from: dict[str, Any] | None = None
-
-        def configure_model(self) -> None:
-            if kind == "fsdp":  # wrapped here: Lightning wraps with the GPU's device id only
-                from torch.distributed.fsdp import FullyShardedDataParallel
-
-                if not isinstance(self.layer, FullyShardedDataParallel):
-                    self.layer = FullyShardedDataParallel(self.layer, device_id=torch.device("cpu"),
-                                                          use_orig_params=True)
-            else:
-                from torch.distributed.fsdp import fully_shard
-
-                for layer in (self.layer[0], self.layer[2]):
-                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            self.log("global_step", float(self.global_step))
-            return super().training_step(batch, batch_idx)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-        def on_train_start(self) -> None:
-            self.started_from = _full_states(self.trainer.strategy.model, self.trainer.optimizers[0])
-            self.started_from["step"] = self.trainer.global_step
+    Model = model_class(kind)
 
     def trainer(max_steps: int, checkpoint: ModelCheckpoint | None) -> L.Trainer:
         return L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(kind, storage),

@@ -60,12 +60,13 @@ class Ranks:
 
     def __exit__(self, *exc: object) -> None:
         if self._launcher.poll() is None:
-            for pid in self._rank_pids():
+            for pid in self.pids():
                 _kill(pid)
             self._launcher.kill()
         self._launcher.wait()
 
-    def _rank_pids(self) -> list[int]:
+    def pids(self) -> list[int]:
+        """The ranks' process ids (none until they are forked)."""
         try:
             return json.loads(self._pids.read_text())
         except (OSError, ValueError):
@@ -78,7 +79,7 @@ class Ranks:
     def kill(self, rank: int) -> None:
         """SIGKILL one rank."""
         self._killed.add(rank)
-        _kill(self._rank_pids()[rank])
+        _kill(self.pids()[rank])
 
     def wait_for(self, marker: Path) -> None:
         """Wait until ``marker`` exists (a rank reached a point of its steps)."""
@@ -90,23 +91,29 @@ class Ranks:
     def join(self) -> list[dict[str, Any] | None]:
         """Wait for every rank not killed to exit 0 before the deadline; each rank's report (``None``
         for a killed rank)."""
+        reports = self.finish()
+        for rank, report in enumerate(reports):
+            if report is None and rank not in self._killed:
+                raise AssertionError(f"rank {rank} failed:\n{self.output()}")
+        return reports
+
+    def finish(self) -> list[dict[str, Any] | None]:
+        """Wait for every rank to end before the deadline, however it ends; each rank's report
+        (``None`` for a rank that wrote none: killed, died, or failed).
+
+        Raises:
+            AssertionError: a rank was still running at the deadline.
+        """
         try:
             self._launcher.wait(timeout=max(self._deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             raise AssertionError(f"ranks still running after {self.timeout_s} s:\n{self.output()}") from None
-        reports: list[dict[str, Any] | None] = []
-        for rank, path in enumerate(self.reports):
-            if rank in self._killed:
-                reports.append(None)
-            elif not path.exists():
-                raise AssertionError(f"rank {rank} failed:\n{self.output()}")
-            else:
-                reports.append(json.loads(path.read_text()))
-        return reports
+        return [None if rank in self._killed or not path.exists() else json.loads(path.read_text())
+                for rank, path in enumerate(self.reports)]
 
     def output(self) -> str:
         if self._launcher.poll() is None:
-            for pid in self._rank_pids():
+            for pid in self.pids():
                 _kill(pid)
             self._launcher.kill()
         out = self._launcher.stdout.read().decode(errors="replace") if self._launcher.stdout else ""
@@ -244,6 +251,14 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         os.environ.update(torchrun_environ(rank, world, spec["port"]))
         return {"rank": rank, "steps": [run_link_rotation(step["kind"], step["storage"], step["root"])
                                         for step in spec["steps"]]}
+    if spec["steps"] and all(step["op"] == "lightning_requeue" for step in spec["steps"]):
+        from tests.support.dcp_requeue import run_requeue, slurm_environ
+
+        outcomes = []
+        for step in spec["steps"]:
+            os.environ.update(slurm_environ(rank, world, spec["port"], step["bin"]))
+            outcomes.append(run_requeue(step["kind"], step["storage"], step["root"], **step.get("options", {})))
+        return {"rank": rank, "steps": outcomes}
     if spec["steps"] and all(step["op"].startswith("tiered") for step in spec["steps"]):
         from tests.support.dcp_tiered import run_tiered
 
@@ -315,6 +330,10 @@ def launch(spec: dict[str, Any]) -> int:
 
     import dataflux_ckpt  # noqa: F401
     import fastpersist  # noqa: F401
+
+    if any(step["op"].startswith("lightning") for step in spec["steps"]):
+        import dataflux_ckpt.strategies  # noqa: F401 - Lightning too, once here rather than in every rank
+        import fastpersist.strategies  # noqa: F401
 
     pids = []
     for rank in range(spec["world"]):

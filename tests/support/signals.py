@@ -7,6 +7,7 @@ import collections
 import contextlib
 import faulthandler
 import gc
+import logging
 import os
 import pickle
 import random
@@ -20,6 +21,9 @@ import pytest
 import torch
 
 Result = TypeVar("Result")
+
+#: Where the deferral of operations asked for inside another logs (when they start, land or fail).
+DEFERRAL_LOG = "lightning_storage_plugins.ordering"
 
 #: The signal the tests send: the one Slurm's ``--signal=B:USR1@90`` and Lightning's
 #: ``SLURMEnvironment`` use (pytest-timeout keeps SIGALRM for itself).
@@ -36,13 +40,40 @@ def handling(handler: Callable[[int, Any], None], signum: int = REQUEUE_SIGNAL) 
         signal.signal(signum, previous)
 
 
+@contextlib.contextmanager
+def deferral_log() -> Iterator[list[logging.LogRecord]]:
+    """The records of :data:`DEFERRAL_LOG` inside the block, at INFO and above (also in a forked child)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(DEFERRAL_LOG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def to_main_thread(signum: int = REQUEUE_SIGNAL) -> None:
+    """Send ``signum`` to this process' main thread, where Python runs the handler (between two of
+    its bytecodes, wherever it then is). Sent to the process, the kernel may give it to another
+    thread, and then a wait the main thread is blocked in (an ``Event.wait``) is not interrupted:
+    the handler would run only when that wait ends."""
+    main = threading.main_thread().ident
+    assert main is not None
+    signal.pthread_kill(main, signum)
+
+
 def signal_later(delay: float, signum: int = REQUEUE_SIGNAL) -> threading.Thread:
-    """A started thread that sends ``signum`` to this process after ``delay`` seconds (Python runs
-    the handler on the main thread, between two of its bytecodes, wherever it then is)."""
+    """A started thread that sends ``signum`` to this process' main thread after ``delay`` seconds
+    (see :func:`to_main_thread`)."""
     def send() -> None:
         if delay > 0:
             threading.Event().wait(delay)  # the delay is the point of the test: where the signal lands
-        os.kill(os.getpid(), signum)
+        to_main_thread(signum)
 
     thread = threading.Thread(target=send, name="signal-later", daemon=True)
     thread.start()
