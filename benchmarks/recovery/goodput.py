@@ -333,17 +333,17 @@ class RunResult:
 
 
 class Launcher:
-    """Starts the job's starts (forked or fresh processes) and the plain saves (always forked), and
-    writes each launch to the run's event log."""
+    """Starts the job's starts, forked from ``server`` or (without one) as fresh processes, and writes
+    each launch to the run's event log."""
 
-    def __init__(self, settings: Settings, server: ForkServer) -> None:
-        self.kind = settings.launcher
+    def __init__(self, server: ForkServer | None) -> None:
         self.server = server
+        self.kind = "fork" if server is not None else "process"
         self.process = ProcessLauncher()
 
     def start(self, config: JobConfig, log: EventLog) -> Job:
         launched = time.time()
-        job = self.server.start_job(config) if self.kind == "fork" else self.process.start(config)
+        job = self.server.start_job(config) if self.server is not None else self.process.start(config)
         log.emit(LAUNCH_EVENT, source=INJECTOR, target=job.pid, time=launched, launcher=self.kind)
         return job
 
@@ -794,11 +794,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             say("starting the services: " + ", ".join(sorted({r.storage for r in rows})))
             storages.start(rows)
             workdir = stack.enter_context(_workdir(args.logs))
-            say("starting the fork server: it imports torch, Lightning and the plugins once "
-                "(a minute on a busy 2-core machine)")
-            server = stack.enter_context(ForkServer())
+            server = None
+            if settings.launcher == "fork":
+                say("starting the fork server: it imports torch, Lightning and the plugins once "
+                    "(a minute on a busy 2-core machine)")
+                server = stack.enter_context(ForkServer())
             say(header)
-            results, failures = run_rounds(rows, settings, storages, Launcher(settings, server), workdir)
+            results, failures = run_rounds(rows, settings, storages, Launcher(server), workdir)
     except KeyboardInterrupt:
         say("interrupted; services stopped")
         return 130
