@@ -15,16 +15,20 @@
  * else python3 on PATH.
  *
  * The supervisor is started by a double fork, so that it is not redis-server's child (redis-server
- * reaps its own children, and this one must outlive none of them); where redis-server is PID 1 (a
- * container without an init), the kernel makes it the parent of such orphans, and the module reaps
- * them. It runs in a session of its own, in `/`, with descriptors 0 to 2 only:
+ * reaps its own children, and this one must outlive none of them). Where redis-server is PID 1 (a
+ * container without an init), the kernel makes it the parent of such orphans, which redis-server's
+ * own wait for its background saves would reap and log as "child with unmatched pid": the module
+ * reaps an ending supervisor as it ends (see reap_supervisor), and other orphans while the server has
+ * no background save. The supervisor runs in a session of its own, in `/`, with descriptors 0 to 2
+ * only:
  *
  * - standard input is the module's control socket (a socket pair of datagrams in order): the module
- *   sends the worker secret and a newline; the supervisor may send `error <text>` when a worker
- *   cannot start. Each side sees the other's end: the module holds its end for its whole life (no
- *   child of redis-server keeps it), so the supervisor sees end-of-file when the server is gone, even
- *   by SIGKILL, or when the module stops it, and stops its workers; the module sees end-of-file when
- *   the supervisor has exited;
+ *   sends the worker secret and a newline, and `stop` when it stops the workers; the supervisor may
+ *   send `error <text>` when a worker cannot start, and `ending` once its workers (and every process
+ *   it started) have ended, then waits for the module to close the socket before it exits. Each side
+ *   sees the other's end: the module holds its end for its whole life (no child of redis-server keeps
+ *   it), so the supervisor sees end-of-file when the server is gone, even by SIGKILL, and stops its
+ *   workers; the module sees end-of-file when a supervisor that said nothing has exited;
  * - standard output and error are a pipe the module reads: each line goes on to the server's log
  *   file (its standard output when it has none), and the last one names why a supervisor that exits
  *   before any worker registered could not start (an import error's last line). Once its own code
@@ -66,6 +70,7 @@
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "exec.h"
@@ -78,6 +83,9 @@
 #define MAX_GROUPS 1024
 #define OUTPUT_CHUNK 16384
 #define CONTROL_MAX 1024 /* bytes of one message from the supervisor */
+#define REAP_WAIT_MS 1000 /* how long the module waits for an ending supervisor to exit, to reap it */
+#define STOP "stop"       /* the module's word to a supervisor: stop the workers, then end */
+#define ENDING "ending"   /* a supervisor's last word: its processes have ended, it exits once answered */
 
 #ifndef SRIO_BUILD_PYTHON
 #define SRIO_BUILD_PYTHON "" /* build.py --python: the interpreter of an in-place build's environment */
@@ -95,7 +103,15 @@ typedef struct Failure {
     int error;
 } Failure;
 
+/* A supervisor the module stopped, until its control socket ends. */
+typedef struct Stopping {
+    int control;
+    pid_t pid;
+    struct Stopping *next;
+} Stopping;
+
 static pid_t supervisor;            /* 0: none */
+static Stopping *stopping;          /* the supervisors stopped, not ended yet */
 static int control = -1;            /* the module's end of the supervisor's standard input */
 static int output = -1;             /* read end of the supervisor's standard output and error */
 static int output_log = -1;         /* where its lines go on (-1: the server's standard output) */
@@ -113,10 +129,11 @@ static char python[PATH_MAX];       /* the interpreter of the last start */
 static char module_file[PATH_MAX];  /* this shared object, symbolic links resolved */
 static RedisModuleCtx *events_ctx;  /* for the callbacks of the server's event loop, which get none */
 
-/* A child of redis-server (its background saves) must not hold the control socket, or a server
- * killed while one runs would look alive to the supervisor. */
+/* A child of redis-server (its background saves) must not hold the control sockets, or a server
+ * killed while one runs would look alive to the supervisors. */
 static void close_control_in_child(void) {
     if (control >= 0) close(control);
+    for (Stopping *s = stopping; s; s = s->next) close(s->control);
 }
 
 static int is_file(const char *path, int mode) {
@@ -528,6 +545,27 @@ static void on_output(int fd, void *data, int mask) {
 
 static void supervisor_exited(RedisModuleCtx *ctx);
 
+/* Where redis-server is PID 1, a supervisor (the double fork's orphan) is its child: reap it as it
+ * ends, once it said `ending` and its control socket is closed, or once the socket ended. The main
+ * thread waits the milliseconds an exit takes (REAP_WAIT_MS at most, then it is left to
+ * reap_orphans), so that redis-server's wait for its background saves, on the same thread, cannot
+ * find it first. */
+static void reap_supervisor(pid_t pid) {
+    if (getpid() != 1 || pid <= 0) return;
+    long long until = SRIO_Now() + REAP_WAIT_MS;
+    for (;;) {
+        pid_t done = waitpid(pid, NULL, WNOHANG);
+        if (done < 0 && errno == EINTR) continue;
+        if (done != 0 || SRIO_Now() >= until) return;
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+    }
+}
+
+static int is_word(const char *message, ssize_t n, const char *word) {
+    return n == (ssize_t)strlen(word) && !memcmp(message, word, (size_t)n);
+}
+
 static void on_control(int fd, void *data, int mask) {
     (void)data;
     (void)mask;
@@ -535,8 +573,10 @@ static void on_control(int fd, void *data, int mask) {
     ssize_t n = recv(fd, message, CONTROL_MAX, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
     RedisModuleCtx *ctx = events_ctx;
-    if (n <= 0) {
-        supervisor_exited(ctx);
+    if (n <= 0 || is_word(message, n, ENDING)) {
+        pid_t pid = supervisor;
+        supervisor_exited(ctx); /* closes the socket: the supervisor exits */
+        reap_supervisor(pid);
     } else if (n > 6 && !memcmp(message, "error ", 6)) {
         message[n] = '\0';
         for (char *c = message; *c; c++) {
@@ -703,12 +743,40 @@ static void spawn(RedisModuleCtx *ctx) {
                     who.drop ? SRIO_Config.worker_user : "", python, argv[2], origin);
 }
 
-/* Stop the supervisor: the end of its standard input stops its workers, then it exits. */
+/* The control socket of a stopped supervisor: its `ending` (or the socket's end) closes and reaps it. */
+static void on_stopping(int fd, void *data, int mask) {
+    (void)mask;
+    Stopping *s = data;
+    char message[CONTROL_MAX];
+    ssize_t n = recv(fd, message, sizeof message, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (n > 0 && !is_word(message, n, ENDING)) return; /* why a worker could not start: it is stopping anyway */
+    RedisModule_EventLoopDel(fd, REDISMODULE_EVENTLOOP_READABLE);
+    close(fd);
+    for (Stopping **link = &stopping; *link; link = &(*link)->next) {
+        if (*link == s) {
+            *link = s->next;
+            break;
+        }
+    }
+    reap_supervisor(s->pid);
+    RedisModule_Free(s);
+}
+
+/* Stop the supervisor: it stops its workers, says it ends, and exits (as it does when the socket ends). */
 static void stop(RedisModuleCtx *ctx, const char *why) {
     if (control < 0) return;
     RedisModule_Log(ctx, "notice", "stopping the execution workers (supervisor pid %d): %s", (int)supervisor, why);
     RedisModule_EventLoopDel(control, REDISMODULE_EVENTLOOP_READABLE);
-    close(control);
+    if (send(control, STOP, strlen(STOP), MSG_NOSIGNAL) == (ssize_t)strlen(STOP)) {
+        Stopping *s = RedisModule_Alloc(sizeof *s);
+        *s = (Stopping){.control = control, .pid = supervisor, .next = stopping};
+        stopping = s;
+        RedisModule_EventLoopAdd(control, REDISMODULE_EVENTLOOP_READABLE, on_stopping, s);
+    } else { /* it has ended */
+        close(control);
+        reap_supervisor(supervisor);
+    }
     control = -1;
     supervisor = 0;
     serving = 0;
@@ -736,10 +804,11 @@ static void supervisor_exited(RedisModuleCtx *ctx) {
 }
 
 /* Where redis-server is PID 1 (a container without an init), the kernel makes it the parent of
- * every orphan, such as a worker or multiprocessing's resource tracker that outlived its
- * supervisor. redis-server reaps children only while it has a background save or rewrite of its
- * own (logging the others as "unmatched"): the module reaps them while it has none, when no child
- * of the server can be among them. */
+ * every orphan: the supervisors, and what a supervisor that was killed leaves (its workers,
+ * multiprocessing's resource tracker; one that ends by itself waits for them). redis-server reaps
+ * children only while it has a background save or rewrite of its own (logging the others as
+ * "unmatched"): the module reaps them while it has none, when no child of the server can be among
+ * them. */
 static void reap_orphans(RedisModuleCtx *ctx) {
     if (getpid() != 1 || (RedisModule_GetContextFlags(ctx) & REDISMODULE_CTX_FLAGS_ACTIVE_CHILD)) return;
     while (waitpid(-1, NULL, WNOHANG) > 0) {}

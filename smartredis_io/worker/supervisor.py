@@ -5,10 +5,13 @@
 The smartredis_io Redis module starts this command by itself (one per server, ``WORKERS`` module
 argument), already as its ``WORKER_USER`` when the server runs as root, with ``--secret-stdin``: its
 standard input is the module's control socket, whose first message is the secret the workers show
-the module (``SRIO.HELLO``), and whose end means the server is gone or stops its workers (the module
-holds the other end for its whole life, so even a SIGKILL of redis-server closes it): the workers
-then get SIGTERM, and SIGKILL ``STOP_GRACE_S`` later. A worker that cannot start tells the module
-why on that socket (``worker_protocol.START_ERROR``): INFO srio and the runs' errors show it. Started
+the module (``SRIO.HELLO``), and whose end means the server is gone (the module holds the other end
+for its whole life, so even a SIGKILL of redis-server closes it); there, or on the module's
+``worker_protocol.STOP``, the workers get SIGTERM, and SIGKILL ``STOP_GRACE_S`` later. A worker that
+cannot start tells the module why on that socket (``worker_protocol.START_ERROR``): INFO srio and the
+runs' errors show it. Once its workers, and every process it started, have ended, the command says
+``worker_protocol.ENDING`` and exits when the module closes the socket: where redis-server is PID 1
+(a container without an init), it is the server's child, which the module then reaps at once. Started
 by hand (separate pools, other machines), it takes the secret from ``--secret-file`` or
 ``$SRIO_WORKER_SECRET``, and refuses to start without one.
 
@@ -57,10 +60,12 @@ from lightning_storage_plugins.services import die_with_parent
 from smartredis_io._client.connection import ConnectionSettings, detect_cluster, parse_address, plain_client
 from smartredis_io.error import RedisConnectionError
 from smartredis_io.worker.worker_protocol import (
+    ENDING,
     EXIT_DEADLINE,
     EXIT_SERVER_GONE,
     SECRET_ENV,
     START_ERROR,
+    STOP,
     secret_from_line,
 )
 
@@ -72,6 +77,7 @@ STOP_GRACE_S = 2.0  # once the server is gone: SIGTERM to the workers, SIGKILL t
 SECRET_WAIT_S = 30.0  # how long --secret-stdin waits for the secret's line
 START_ERROR_MAX_BYTES = 400  # of a reason a worker could not start, sent to the module
 CLUSTER_POLL_S = 0.2  # how often a worker started before its cluster formed asks again
+CHILD_POLL_S = 0.02  # how often a supervisor that is ending looks for children that ended
 
 
 def drop_privileges(user: str) -> None:
@@ -256,8 +262,9 @@ class _Supervisor:
 
     ``lifeline``: a file descriptor whose end (EOF) means the server is gone: the workers are then
     stopped, by SIGKILL after ``STOP_GRACE_S`` if SIGTERM has not stopped them. Started by the module,
-    it is the module's control socket, where a worker's reason for not starting goes. A worker that ran
-    ``healthy_after_s`` is started again at once when it exits.
+    it is the module's control socket, where a worker's reason for not starting goes, and where the
+    module's ``STOP`` stops the workers likewise. A worker that ran ``healthy_after_s`` is started
+    again at once when it exits.
     """
 
     def __init__(self, options: WorkerOptions, base: str, count: int, lifeline: int | None = None,
@@ -300,10 +307,23 @@ class _Supervisor:
         self._stopping = True
         self._signal_workers(signum)
 
+    @property
+    def lifeline(self) -> int | None:
+        """The lifeline, while it has not ended."""
+        return self._lifeline
+
     def _server_gone(self) -> None:
         log.warning("the server that started these workers is gone (its control socket closed): stopping %d worker(s)",
                     sum(slot["process"] is not None for slot in self._slots))
         self._lifeline = None
+        self._stop_workers()
+
+    def _stopped_by_module(self) -> None:
+        log.info("the Redis module stops its workers: stopping %d worker(s)",
+                 sum(slot["process"] is not None for slot in self._slots))
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
         self._stopping = True
         self._kill_at = time.monotonic() + STOP_GRACE_S
         self._signal_workers(signal.SIGTERM)
@@ -330,8 +350,12 @@ class _Supervisor:
             if self._lifeline is not None:
                 watched.append(self._lifeline)
             ready = multiprocessing.connection.wait(watched, self._timeout())
-            if self._lifeline is not None and self._lifeline in ready and not os.read(self._lifeline, 4096):
-                self._server_gone()
+            if self._lifeline is not None and self._lifeline in ready:
+                message = os.read(self._lifeline, 4096)
+                if not message:
+                    self._server_gone()
+                elif message == STOP:
+                    self._stopped_by_module()
             if self._kill_at is not None and time.monotonic() >= self._kill_at:
                 self._kill_at = None
                 self._signal_workers(signal.SIGKILL)
@@ -379,6 +403,36 @@ class _Supervisor:
     def _tell_module(self, text: str) -> None:
         if self._lifeline is not None:
             _tell_module(self._lifeline, text)
+
+
+def _wait_for_children(timeout_s: float = STOP_GRACE_S) -> None:
+    """Close every descriptor but the standard ones, then wait up to ``timeout_s`` for the children
+    left (multiprocessing's resource tracker ends once its pipe is closed), so that none outlives the
+    module's supervisor: an orphan's new parent would be a redis-server that is PID 1 (a container
+    without an init), which logs it as a child it does not know when it ends during a background save."""
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0 and time.monotonic() >= deadline:
+            log.warning("leaving processes this supervisor started that did not end within %g s", timeout_s)
+            return
+        if pid == 0:
+            time.sleep(CHILD_POLL_S)
+
+
+def _end_with_module(control: int, timeout_s: float = STOP_GRACE_S) -> None:
+    """Say ``ENDING`` on the module's control socket, and wait up to ``timeout_s`` for the module to
+    close it: where redis-server is PID 1, this supervisor is its child, which the module then reaps
+    as it exits (redis-server's own wait, during a background save, would log it as unknown)."""
+    try:
+        os.write(control, ENDING)
+    except OSError:
+        return  # the server is gone
+    select.select([control], [], [], timeout_s)
 
 
 def _tell_module(control: int, text: str) -> None:
@@ -515,5 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = WorkerOptions(settings, args.device, args.threads, args.interop_threads, args.user, options_secret,
                             own_server=args.secret_stdin)
     lifeline = sys.stdin.fileno() if args.secret_stdin else None
-    return _Supervisor(options, base, args.workers, lifeline, args.healthy_after).run()
+    supervisor = _Supervisor(options, base, args.workers, lifeline, args.healthy_after)
+    code = supervisor.run()
+    if args.secret_stdin:
+        _wait_for_children()
+    if supervisor.lifeline is not None:
+        _end_with_module(supervisor.lifeline)
+    return code
 

@@ -1,12 +1,13 @@
 """What the worker supervisor (:mod:`smartredis_io.worker.supervisor`), its worker processes
 (:mod:`smartredis_io.worker.executor`) and the Redis module agree on: why a worker exited, the secret
-the workers show the module (``SRIO.HELLO``) before they may take requests, where they find it, and
-which bytes it may hold (the module's C code, ``SRIO_SecretValid``, applies the same rule)."""
+the workers show the module (``SRIO.HELLO``) before they may take requests, where they find it,
+which bytes it may hold (the module's C code, ``SRIO_SecretValid``, applies the same rule), and the
+messages of the module's control socket (``spawn.c``)."""
 
 from __future__ import annotations
 
-__all__ = ["EXIT_DEADLINE", "EXIT_SERVER_GONE", "EXIT_STOPPED", "SECRET_ENV", "SECRET_MAX_BYTES", "SECRET_MIN_BYTES",
-           "START_ERROR", "secret_from_line"]
+__all__ = ["ENDING", "EXIT_DEADLINE", "EXIT_SERVER_GONE", "EXIT_STOPPED", "SECRET_ENV", "SECRET_MAX_BYTES",
+           "SECRET_MIN_BYTES", "START_ERROR", "STOP", "secret_from_line"]
 
 #: a worker's exit status when a run outlived its deadline (its watchdog ended the process)
 EXIT_DEADLINE = 3
@@ -26,6 +27,12 @@ SECRET_STRIP = b" \t\v\f\r"
 #: how a supervisor started by the module (``--secret-stdin``) tells it, on its standard input, why a
 #: worker could not start: one message of these bytes followed by the reason
 START_ERROR = b"error "
+#: the module's message to its supervisor: stop the workers (as at the socket's end: the server is gone)
+STOP = b"stop"
+#: the supervisor's last message, once its workers and every process it started have ended; it exits
+#: when the module closes the socket, and the module, where redis-server is PID 1 (the supervisor is
+#: then its child), reaps it at once
+ENDING = b"ending"
 
 
 def secret_from_line(data: bytes, origin: str) -> str:

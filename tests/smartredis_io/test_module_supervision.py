@@ -506,6 +506,55 @@ def test_as_pid_1_finished_supervisors_leave_no_zombie_and_bgsave_no_unmatched_p
         _runs_a_model(server.address, uid)
 
 
+@needs_root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare")
+def test_as_pid_1_supervisors_that_end_during_a_bgsave_are_no_unmatched_pids(uid: str) -> None:
+    """redis-server reaps every child it finds while its background save runs, and logs those it did
+    not start: a supervisor that ends (stopped by a signal, or by the module on demotion) and what it
+    started never become such children."""
+    wrap = ("unshare", "--pid", "--fork", "--mount-proc")
+    with user_server(IN_PLACE, *AS_USER, wrap=wrap) as server:
+        (redis_pid,) = [pid for pid in _children(server.process.pid)]
+        first = _serving(server)
+        server.client.config_set("rdb-key-save-delay", 1_000_000)  # a second per key: ended below
+        server.client.mset({f"{uid}{i}": i for i in range(600)})
+        server.client.bgsave()
+        (saver,) = wait_until(lambda: [pid for pid in _children(redis_pid) if b"redis-rdb-bgsave" in _cmdline(pid)],
+                              30, "the background save starts")
+
+        started = _supervisor_and_descendants(redis_pid)
+        os.kill(started[0], signal.SIGTERM)  # it stops its worker and ends
+        wait_until(lambda: all(_state(pid) == "gone" for pid in started), 60,
+                   "the supervisor and the processes it started end and are reaped")
+        wait_until(lambda: server.srio()["srio_supervisor_pid"] not in (0, first["srio_supervisor_pid"]), 60,
+                   "the module starts another supervisor")
+        _serving(server)
+
+        started = _supervisor_and_descendants(redis_pid)
+        server.client.replicaof("127.0.0.1", free_port())  # no primary there: the server stays a replica
+        wait_until(lambda: all(_state(pid) == "gone" for pid in started), 60,
+                   "the demoted server's supervisor and the processes it started end and are reaped")
+        assert server.client.info("persistence")["rdb_bgsave_in_progress"] == 1, "all that while the save ran"
+        os.kill(saver, signal.SIGUSR1)  # the save ends as redis-server ends one itself
+        wait_until(lambda: "Background saving terminated" in server.log(), 60, "the background save ends")
+        assert "unmatched pid" not in server.log()
+
+
+def _supervisor_and_descendants(redis_pid: int) -> list[int]:
+    """The module's supervisor, multiprocessing's resource tracker and the worker."""
+    (supervisor,) = [pid for pid in _children(redis_pid) if b"smartredis_io.worker" in _cmdline(pid)]
+    started = [supervisor, *_descendants(supervisor)]
+    assert len(started) >= 3, started
+    return started
+
+
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
