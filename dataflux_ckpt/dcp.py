@@ -386,6 +386,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         #: The local tier of a tiered save (``None``: each rank uploads its shard as it saves).
         self.local_tier = _local_tier(local_dir, type(self).__name__, self._connection)
         self._rank: int | None = None
+        self._removing = False
         if self.local_tier is not None:
             self.save_id = _ordered_save_id()
 
@@ -401,7 +402,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         return Deadline(self.deadline_s, "save", self.checkpoint_id)
 
     def _lock_checkpoint(self) -> SaveLock:
-        if self.local_tier is not None:  # GCS's save lock is the background publish's
+        if self.local_tier is not None and not self._removing:  # a tiered save's publish takes GCS's
             return self.local_tier._save_lock(self.checkpoint_id)
         gcs = self._connection.gcs
         lock = _GcsSaveLock(gcs, self._object(LOCK_NAME), self.checkpoint_id, self.save_id, LOCK_LEASE_S,
@@ -502,9 +503,15 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         Raises:
             ConcurrentWriteError: a save to this checkpoint is in progress.
         """
-        if self.local_tier is not None:
-            self.local_tier._forget(self.checkpoint_id)
-        super().remove()
+        if self.local_tier is None:
+            super().remove()
+            return
+        self.local_tier._forget(self.checkpoint_id)
+        self._removing = True  # under GCS's save lock, as any removal from GCS
+        try:
+            super().remove()
+        finally:
+            self._removing = False
 
     def _publish(self, name: str, data: bytes) -> None:
         # .metadata replaces only the generation there when this save took the lock.

@@ -976,8 +976,10 @@ class ShardedLocalTier:
         except (ConcurrentWriteError, DataCorruptionError) as exc:
             log.warning("not uploading %s: %s", job, exc)
         finally:
-            self._finish(job)
-        self._evict()
+            try:
+                self._evict()  # before the job ends, so that a wait for it sees the local tier as it stays
+            finally:
+                self._finish(job)
 
     def _upload_shard(self, job: _Job) -> None:
         manifest = job.manifest
@@ -1059,9 +1061,10 @@ class ShardedLocalTier:
         finally:
             job.running = False
             if done:
-                self._finish(job)
-        if done:
-            self._evict()
+                try:
+                    self._evict()
+                finally:
+                    self._finish(job)
 
     def _look_again(self, job: _Job) -> None:
         def requeue() -> None:
