@@ -39,8 +39,10 @@ class FastPersistCheckpointIO(OrderedCheckpointIO[str]):
     link (``ModelCheckpoint(save_last="link")``) removes the link, never the checkpoint it points to.
 
     Args:
-        io_buffer_mb: size of the pinned staging buffer.
-        engine: ``"aio"`` (default), ``"python"`` or ``"gds"`` (falls back with a warning).
+        io_buffer_mb: the largest pinned staging buffer; a save gets one the size of the checkpoint,
+            up to this, kept for the next save (and grown for a bigger one).
+        engine: how saves write: ``"aio"`` (default), ``"python"`` or ``"gds"`` (falls back with a
+            warning). Loads read straight into the tensors' memory whichever it is.
         context: a context to use instead of creating one (``io_buffer_mb`` and ``engine`` are then
             ignored; the caller frees it).
         weights_only: what ``load_checkpoint`` passes on when its caller passes ``None``, as for

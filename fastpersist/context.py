@@ -33,13 +33,22 @@ from fastpersist.engines import (
     IOEngine,
     PythonEngine,
 )
-from fastpersist.memory import ALIGNMENT_BYTES, MiB, aligned_empty, get_pinned_buffer, release_pinned_buffer
+from fastpersist.memory import (
+    ALIGNMENT_BYTES,
+    MiB,
+    aligned_empty,
+    get_pinned_buffer,
+    release_pinned_buffer,
+    round_up,
+)
 from lightning_storage_plugins.messages import warn_once
 from lightning_storage_plugins.reentry import ReentrantOperationError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_MB = 256
+# The smallest staging buffer a context allocates for an operation that says how much it stages.
+MIN_STAGING_BYTES = 1 * MiB
 
 
 def check_engine_name(name: str | None) -> str | None:
@@ -80,10 +89,12 @@ class FastPersistContext:
     buffer.
 
     Args:
-        engine: ``"aio"`` (DeepSpeed libaio, the default), ``"python"`` (O_DIRECT + threads, no compiled
-            op) or ``"gds"`` (GPUDirect Storage). An unavailable engine falls back (gds -> aio -> python)
-            with one warning naming the reason.
-        io_buffer_mb: size of the staging buffer (split in two halves: one fills while the other writes).
+        engine: how saves write: ``"aio"`` (DeepSpeed libaio, the default), ``"python"`` (O_DIRECT +
+            threads, no compiled op) or ``"gds"`` (GPUDirect Storage). An unavailable engine falls back
+            (gds -> aio -> python) with one warning naming the reason. Host loads read straight into
+            the tensors' memory whichever it is (see :func:`~fastpersist.fastpersist_load`).
+        io_buffer_mb: the largest staging buffer (split in two halves: one fills while the other
+            writes). A save gets one the size of what it writes, up to this (see :meth:`staging_buffer`).
         aio: handle tuning (block size, queue depth, threads), as in the ds_config ``"aio"`` block.
         aio_handle: an existing DeepSpeed aio handle to use instead of creating one (it stays the
             caller's: a forked child needs one of its own, where a created one is re-created there).
@@ -191,30 +202,62 @@ class FastPersistContext:
                 )
             return self._aio_handle
 
-    def staging_buffer(self, device: str = "cpu", pinned: bool = True) -> torch.Tensor:
+    def staging_buffer(self, device: str = "cpu", pinned: bool = True, nbytes: int | None = None) -> torch.Tensor:
         """The staging buffer for an engine whose buffer lives on ``device`` (``"cpu"`` or ``"cuda"``).
 
         A buffer passed in is returned as given (engines check where it lives). Otherwise host memory is
         page-locked when ``pinned`` (with the aio handle where CUDA is absent; the python engine needs
         no locking), and GPU memory is plain device memory.
+
+        Why sized: page-locking memory costs time in proportion to its size (on a small VM, locking
+        the default 256 MiB took 0.5 s, twice a 16 MiB checkpoint's whole save), and a short-lived
+        process pays it at its first save; so a save that says what it stages gets a buffer of that
+        size, kept for the next operation and replaced by a larger one when one needs more.
+
+        Args:
+            device: where the engine's buffer lives.
+            pinned: page-lock host memory.
+            nbytes: about what the operation stages (a save: the bytes it writes). The buffer then
+                holds that many bytes (at least ``MIN_STAGING_BYTES``, at most ``io_buffer_mb``,
+                at least twice what it held before when it grows); ``None``: ``io_buffer_mb``.
+
+        Raises:
+            ValueError: ``nbytes`` is negative.
         """
+        if nbytes is not None and nbytes < 0:
+            raise ValueError(f"nbytes must not be negative, got {nbytes}")
         with self.lock:
             if self._given_buffer is not None:
                 return self._given_buffer
             key = device if device != "cpu" else ("cpu-pinned" if pinned else "cpu")
+            capacity = round_up(int(self.io_buffer_mb * MiB), 2 * ALIGNMENT_BYTES)
+            wanted = capacity if nbytes is None else min(capacity, round_up(max(nbytes, MIN_STAGING_BYTES),
+                                                                            2 * ALIGNMENT_BYTES))
             buffer = self._buffers.get(key)
-            if buffer is None:
-                if key == "cpu-pinned":
-                    handle = self.aio_handle() if aio_unavailable_reason() is None else None
-                    buffer = get_pinned_buffer(self.io_buffer_mb, handle)
-                    if handle is not None and not torch.cuda.is_available():
-                        self._locked_by_handle.setdefault(id(handle), set()).add(buffer.data_ptr())
-                elif key == "cpu":
-                    buffer = aligned_empty(int(self.io_buffer_mb * MiB))
-                else:
-                    buffer = torch.empty(int(self.io_buffer_mb * MiB), dtype=torch.uint8, device=device)
-                self._buffers[key] = buffer
+            if buffer is not None and buffer.numel() >= wanted:
+                return buffer
+            if buffer is not None:  # grown geometrically, so that saves that grow a little do not each replace it
+                wanted = min(capacity, max(wanted, 2 * buffer.numel()))
+                self._free_buffer(key, buffer)
+            if key == "cpu-pinned":
+                handle = self.aio_handle() if aio_unavailable_reason() is None else None
+                buffer = get_pinned_buffer(wanted / MiB, handle)
+                if handle is not None and not torch.cuda.is_available():
+                    self._locked_by_handle.setdefault(id(handle), set()).add(buffer.data_ptr())
+            elif key == "cpu":
+                buffer = aligned_empty(wanted)
+            else:
+                buffer = torch.empty(wanted, dtype=torch.uint8, device=device)
+            self._buffers[key] = buffer
             return buffer
+
+    def _free_buffer(self, key: str, buffer: torch.Tensor) -> None:
+        """Give back a staging buffer this context allocated (unlocking what the aio handle locked)."""
+        del self._buffers[key]
+        if key == "cpu-pinned":
+            release_pinned_buffer(buffer, self._aio_handle)
+            if self._aio_handle is not None:
+                self._locked_by_handle.get(id(self._aio_handle), set()).discard(buffer.data_ptr())
 
     def io_engine(self, name: str | None = None, directory: str | None = None) -> IOEngine:
         """A new engine instance: ``name``, else this context's engine, falling back where unavailable.

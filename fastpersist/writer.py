@@ -58,6 +58,8 @@ TEMP_SUFFIX = ".fastpersist.tmp"
 RESERVE_STEP_MAX = 1024 * MiB  # reserve ahead in steps of the size so far, at most this much
 RESERVE_STEP_MIN = 64 * MiB
 _CREATE_ATTEMPTS = 5
+# Room estimated_bytes leaves for a save's pickle and the archive's small records.
+ARCHIVE_OVERHEAD_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,38 @@ def fastpersist_save(
         pinned_buffer,
         engine=engine,
         context=context,
+        nbytes=estimated_bytes(obj),
     )
+
+
+def estimated_bytes(obj: Any) -> int:
+    """About the bytes :func:`fastpersist_save` writes for ``obj``: each storage of a tensor found in
+    its dicts, lists, tuples and sets (shared storages once), each padded to the alignment, and room
+    for the pickle and the archive's records. Tensors held elsewhere (attributes of other objects)
+    are not counted: the staging buffer is then smaller, and the save still whole."""
+    with collector_paused():  # a storage object per tensor: see collector_paused
+        return _estimated_bytes(obj)
+
+
+def _estimated_bytes(obj: Any) -> int:
+    seen: set[int] = set()
+    storages: set[tuple[str, int]] = set()
+    total = ARCHIVE_OVERHEAD_BYTES
+    pending = [obj]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (str(storage.device), storage.data_ptr())
+            if key not in storages:
+                storages.add(key)
+                total += round_up(storage.nbytes()) + ALIGNMENT_BYTES  # its record's header, padding
+            continue
+        if id(value) in seen or not isinstance(value, (dict, list, tuple, set, frozenset)):
+            continue
+        seen.add(id(value))
+        pending.extend(value.values() if isinstance(value, dict) else value)
+    return total
 
 
 def save_file(
@@ -137,9 +170,13 @@ def save_file(
     *,
     engine: str | None = None,
     context: FastPersistContext | None = None,
+    nbytes: int | None = None,
 ) -> SaveStats:
     """Write a file whose bytes ``content`` puts into the staging buffer (and returns how many storages
     it wrote), as :func:`fastpersist_save` writes one: temporary name, aligned writes, fsync, rename.
+
+    ``nbytes``, about the file's size, sizes the context's staging buffer (see
+    :meth:`FastPersistContext.staging_buffer`); ``None``: its full ``io_buffer_mb``.
 
     Raises:
         As :func:`fastpersist_save`.
@@ -150,7 +187,7 @@ def save_file(
     ctx = context or FastPersistContext(engine=engine, aio_handle=aio_handle, pinned_buffer=pinned_buffer)
     try:
         with ctx.operation(f"saving {path}"):
-            io_engine, buffer = _engine_and_buffer(ctx, engine, os.path.dirname(path))
+            io_engine, buffer = _engine_and_buffer(ctx, engine, os.path.dirname(path), nbytes)
             remove_stale_temporaries(os.path.dirname(path))
             temp, file = _create_temporary(path)
             in_place: PythonEngine | None = None
@@ -197,10 +234,10 @@ def save_file(
 
 
 def _engine_and_buffer(
-    ctx: FastPersistContext, engine: str | None, directory: str
+    ctx: FastPersistContext, engine: str | None, directory: str, nbytes: int | None
 ) -> tuple[IOEngine, torch.Tensor]:
     io_engine = ctx.io_engine(engine, directory)
-    buffer = ctx.staging_buffer(io_engine.device, pinned=not isinstance(io_engine, PythonEngine))
+    buffer = ctx.staging_buffer(io_engine.device, pinned=not isinstance(io_engine, PythonEngine), nbytes=nbytes)
     on_gpu = buffer.device.type != "cpu"
     if io_engine.device == "cpu" and on_gpu:
         raise ValueError(
@@ -212,7 +249,7 @@ def _engine_and_buffer(
             f"fastpersist engine 'gds' needs a GPU staging buffer, got one on {buffer.device}; using 'aio'"
         )
         io_engine = ctx.io_engine("aio", directory)
-        buffer = ctx.staging_buffer("cpu", pinned=not isinstance(io_engine, PythonEngine))
+        buffer = ctx.staging_buffer("cpu", pinned=not isinstance(io_engine, PythonEngine), nbytes=nbytes)
     split_halves(buffer)  # refuse a too-small buffer before any work
     return io_engine, buffer
 
