@@ -79,7 +79,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -697,23 +697,35 @@ class ShardedLocalTier:
 
     def _remove_unclaimed(self, path: str) -> None:
         """Remove files of this checkpoint directory that no manifest names (a removal or an
-        eviction that was killed before its manifests went)."""
+        eviction that was killed before its manifests went), and manifest temporaries of writes
+        killed midway (a write takes milliseconds: one older than a minute is over)."""
         try:
             names = os.listdir(path)
         except FileNotFoundError:
             return
-        named = {match["token"] + ":" + match["who"] for name in names if (match := _JOB_RE.match(name))}
         for name in names:
+            file = os.path.join(path, name)
+            if name.endswith(JOB_TEMP_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - os.stat(file).st_mtime > LEFTOVER_MARGIN_S:
+                        _unlink_quietly(file)
+                continue
             match = _SHARD_RE.match(name)
-            if match and f"{match['token']}:{int(match['rank'])}" not in named:
-                remove_local(os.path.join(path, name))
-            elif name.startswith(METADATA_NAME + ".") and f"{name[len(METADATA_NAME) + 1 :]}:metadata" not in named:
-                remove_local(os.path.join(path, name))
+            if match:
+                job = _CheckpointDir.job_name(match["token"], int(match["rank"]))
+            elif name.startswith(METADATA_NAME + "."):
+                job = _CheckpointDir.job_name(name[len(METADATA_NAME) + 1 :], None)
+            else:
+                continue
+            # A writer names its file in a manifest before the file exists: asked now, not from the
+            # listing, the manifest of a file a live writer just made is there.
+            if not os.path.exists(os.path.join(path, job)):
+                remove_local(file)
 
     # Saving (the training path) ------------------------------------------------------------------
     def _save_lock(self, uri: str) -> SaveLock:
-        """The coordinator's lock on saving ``uri`` from this node, held from planning to
-        :meth:`commit` (see :class:`_LocalSaveLock`).
+        """The coordinator's lock on saving ``uri`` from this node, held from planning to its local
+        metadata (see :class:`_LocalSaveLock`).
 
         Raises:
             ConcurrentWriteError: another save to ``uri`` is in progress on this node.
@@ -966,20 +978,31 @@ class ShardedLocalTier:
                 assert worker is not None
                 worker.sleep(delay, stopping)
 
+    @contextlib.contextmanager
+    def _running(self, job: _Job, what: str) -> Iterator[list[bool]]:
+        """Run ``job``'s work (the ``with`` block): a stop or a refusal is logged, not raised; unless the
+        block sets the yielded flag to ``False`` (the job comes back later), the job then ends, after an
+        eviction (so that a wait for it sees the local tier as it stays)."""
+        job.running = True
+        done = [True]
+        try:
+            yield done
+        except _Stop:
+            log.info("stopped the %s of %s", what, job)
+        except (ConcurrentWriteError, DataCorruptionError) as exc:
+            log.warning("gave up the %s of %s: %s", what, job, exc)
+        finally:
+            job.running = False
+            if done[0]:
+                try:
+                    self._evict()
+                finally:
+                    self._finish(job)
+
     def _run_upload(self, job: _Job) -> None:
         """A rank's shard (the uploader thread): checksums, the upload, the marker, one publish attempt."""
-        job.running = True
-        try:
+        with self._running(job, "upload"):
             self._upload_shard(job)
-        except _Stop:
-            log.info("stopped the upload of %s", job)
-        except (ConcurrentWriteError, DataCorruptionError) as exc:
-            log.warning("not uploading %s: %s", job, exc)
-        finally:
-            try:
-                self._evict()  # before the job ends, so that a wait for it sees the local tier as it stays
-            finally:
-                self._finish(job)
 
     def _upload_shard(self, job: _Job) -> None:
         manifest = job.manifest
@@ -1031,9 +1054,7 @@ class ShardedLocalTier:
         markers; while they are not all there, the job comes back after a pause (from 0.25 s,
         doubling to 10 s, for up to the transfer options' ``deadline_s``), so that the publisher
         serves the saves that follow meanwhile."""
-        job.running = True
-        done = True
-        try:
+        with self._running(job, "publish") as done:
             manifest = job.manifest
             base = parse_gcs_path(manifest.uri)
             if manifest.state == WRITTEN:
@@ -1045,26 +1066,14 @@ class ShardedLocalTier:
                     crc32c_extend(0, data), self._deadline(job, "upload")))
                 if job.record(state=UPLOADED) is None:
                     raise _Stop
-            done = self._publish(job)
-            if not done:
+            if not self._publish(job):
                 if time.monotonic() + job.pause > job.publish_by:
                     log.warning("%s: not every rank's marker appeared in GCS within %g s of its save; it is not "
                                 "published (the next writer of the local tier tries again)", job,
                                 job.connection.options.deadline_s)
-                    done = True
                 else:
+                    done[0] = False
                     self._look_again(job)
-        except _Stop:
-            log.info("stopped the publish of %s", job)
-        except (ConcurrentWriteError, DataCorruptionError) as exc:
-            log.warning("not publishing %s: %s", job, exc)
-        finally:
-            job.running = False
-            if done:
-                try:
-                    self._evict()
-                finally:
-                    self._finish(job)
 
     def _look_again(self, job: _Job) -> None:
         def requeue() -> None:
@@ -1253,6 +1262,14 @@ class ShardedLocalTier:
             else:
                 save["shards"][manifest.name] = (path, size, manifest.crc32c)
         return saves
+
+    def _holds(self, uri: str) -> bool:
+        """Whether this node holds a save of ``uri`` whole by size: its metadata and every file it names."""
+        for save in self._local_saves(uri).values():
+            needed = _files_named(save["metadata"])
+            if needed is not None and set(needed) <= set(save["shards"]):
+                return True
+        return False
 
     def _read_local(self, uri: str, name: str, path: str, size: int, crc32c: str | None) -> _LocalCopy:
         """The local file ``path`` (``name`` of ``uri``) read whole into memory, once its size and,
@@ -1503,15 +1520,7 @@ def choose_version(tier: ShardedLocalTier, uri: str, read_gcs: Callable[[], tupl
     saves = tier._local_saves(uri)
     report: dict[str, Any] = {"saves": {}, "gcs": None, "gcs_error": None}
     for token, save in saves.items():
-        needed = None
-        if save["metadata"] is not None:
-            try:
-                with open(save["metadata"], "rb") as file:
-                    local = load_metadata(file.read(), save["metadata"])
-                needed = sorted({info.relative_path for info in (local.storage_data or {}).values()})
-            except (OSError, pickle.UnpicklingError) as exc:
-                log.warning("ignoring the local tier's metadata %s: %s", save["metadata"], exc)
-        report["saves"][token] = {"needed": needed, "whole": sorted(save["shards"])}
+        report["saves"][token] = {"needed": _files_named(save["metadata"]), "whole": sorted(save["shards"])}
     gcs_data: tuple[bytes, int] | None = None
     gcs_failure: BaseException | None = None
     if me == 0:
@@ -1571,6 +1580,19 @@ def choose_version(tier: ShardedLocalTier, uri: str, read_gcs: Callable[[], tupl
     local = dict(saves.get(token, {}).get("shards", {})) if token is not None else {}
     log.info("loading %s from GCS%s", uri, f" ({len(local)} of its files from the local tier)" if local else "")
     return LoadVersion(token, "gcs", data, local, True)
+
+
+def _files_named(metadata: str | None) -> list[str] | None:
+    """The files the local metadata file ``metadata`` names (``None`` without a readable one)."""
+    if metadata is None:
+        return None
+    try:
+        with open(metadata, "rb") as file:
+            local = load_metadata(file.read(), metadata)
+    except (OSError, pickle.UnpicklingError) as exc:
+        log.warning("ignoring the local tier's metadata %s: %s", metadata, exc)
+        return None
+    return sorted({info.relative_path for info in (local.storage_data or {}).values()})
 
 
 def _shared(data: bytes | None, holder: int, world: int, process_group: Any) -> bytes:
