@@ -171,49 +171,23 @@ def _loop(step: dict[str, Any], rank: int, mesh: Any, local_tier: Any, report: d
 def _fit(step: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     import torch
-    from lightning.pytorch.demos.boring_classes import BoringModel
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from dataflux_ckpt import DatafluxFSDPStrategy, DatafluxModelCheckpoint, DatafluxModelParallelStrategy
+    from tests.support.dcp_lightning import _full_states, model_class
 
-    kind = step["kind"]
-
-    def states(module: Any) -> dict[str, Any]:
-        model, optimizer = module.trainer.strategy.model, module.trainer.optimizers[0]
-        model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-        return {"model": {k: v.sum().item() for k, v in model_state.items()},
-                "exp_avg": [s["exp_avg"].sum().item() for s in optimizer_state["state"].values()]}
-
-    class Model(BoringModel):
-        started: dict[str, Any] = {}
-
-        def configure_model(self) -> None:
-            if kind == "fsdp":  # wrapped here: Lightning wraps with the GPU's device id only
-                from torch.distributed.fsdp import FullyShardedDataParallel
-
-                if not isinstance(self.layer, FullyShardedDataParallel):
-                    self.layer = FullyShardedDataParallel(self.layer, device_id=torch.device("cpu"),
-                                                          use_orig_params=True)
-            else:
-                from torch.distributed.fsdp import fully_shard
-
-                fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-        def on_train_start(self) -> None:
-            self.started = {"step": self.trainer.global_step, **states(self)}
+    def sums(states: dict[str, Any]) -> dict[str, Any]:  # for the report: equal sums, equal states here
+        return {"model": {k: v.sum().item() for k, v in states["model"].items()},
+                "exp_avg": [v.sum().item() for v in states["exp_avg"]]}
 
     options = {"writer_options": {"options": _options()}, "reader_options": {"options": _options()},
                "local_dir": step["local_dir"]}
-    if kind == "fsdp":
+    if step["kind"] == "fsdp":
         strategy: Any = DatafluxFSDPStrategy(state_dict_type="sharded", **options)
     else:
         strategy = DatafluxModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]),
                                                  tensor_parallel_size=1, **options)
     torch.manual_seed(0)
-    model = Model()
+    model = model_class(step["kind"])()
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
                         max_steps=step["max_steps"], limit_val_batches=0, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=step["root"],
@@ -221,5 +195,7 @@ def _fit(step: dict[str, Any]) -> dict[str, Any]:
                                                            every_n_train_steps=1, save_last=True)])
     trainer.fit(model, ckpt_path="last")
     stats = strategy.local_tier().stats()
-    return {"started": model.started, "ended": {"step": trainer.global_step, **states(model)},
+    started = model.started_from
+    return {"started": {"step": started["step"], **sums(started)},
+            "ended": {"step": trainer.global_step, **sums(_full_states(strategy.model, trainer.optimizers[0]))},
             "saves": stats.saves, "pending": stats.uploads_pending}

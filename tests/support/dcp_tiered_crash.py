@@ -31,15 +31,15 @@ from __future__ import annotations
 import contextlib
 import random
 import statistics
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.support import tiered_crash
 from tests.support.dcp_ranks import Ranks
+from tests.support.tiered_crash import Trigger
 
 PHASES = ("save", "upload", "publish")
 NEW_NODE_EVERY = 3
@@ -65,56 +65,17 @@ def is_publish(request: Any) -> bool:
     return _object_name(request).endswith("/.metadata")
 
 
-class Trigger:
-    """Calls ``kill`` when the proxy sees the n-th request ``matches`` accepts: before forwarding it
-    (the request is then cut), or half of the time a few milliseconds after letting it through."""
+@dataclass
+class Round(tiered_crash.Round):
+    """What one round saw (``saved``: the newest save both ranks returned from)."""
 
-    def __init__(self, matches: Callable[[Any], bool], nth: int, rng: random.Random) -> None:
-        self.matches, self.nth, self.rng = matches, nth, rng
-        self.kill: Callable[[], None] | None = None
-        self.seen = 0
-        self.fired = threading.Event()
-        self._lock = threading.Lock()
-
-    def rule(self, request: Any, seen: int) -> str | None:
-        with self._lock:
-            if self.fired.is_set() or self.kill is None or not self.matches(request):
-                return None
-            self.seen += 1
-            if self.seen < self.nth:
-                return None
-            self.fired.set()
-            kill, before = self.kill, self.rng.random() < 0.5
-        if before:
-            kill()
-            return "reset"
-        threading.Timer(self.rng.uniform(0.0, 0.01), kill).start()
-        return None
+    fired: bool = False  # the kill landed where the phase aims
 
 
 @dataclass
-class Round:
-    """What one round saw."""
-
-    phase: str
-    new_node: bool
-    resumed: int = -1
-    saving: int = 0  # the newest save a rank started
-    saved: int = 0  # the newest save both ranks returned from
-    fired: bool = False
-    local: int = 0
-    gcs: int = 0  # 0: no checkpoint
-    seconds: float = 0.0
-
-
-@dataclass
-class Crashes:
+class Crashes(tiered_crash.Crashes):
     """The rounds of one phase, and what went wrong."""
 
-    rounds: list[Round] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    final_gcs: int = 0
-    final_local: int = 0
     final_seconds: float = 0.0
 
 
@@ -203,7 +164,7 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
             node += 1
             local_dir = work_dir / f"node-{node}"
             expected = gcs_seed
-        round_ = Round(phase, new_node)
+        round_ = Round(phase, new_node, resumed=-1)
         began = time.perf_counter()
         if phase == "save":
             trigger = Trigger(lambda request: False, 1, rng)  # never fires: the loop kills the ranks
@@ -241,7 +202,7 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
 
     # A job that is not killed takes over what the last one left, and publishes it.
     began = time.perf_counter()
-    final = Round(phase, False)
+    final = Round(phase, False, resumed=-1)
     run(rounds, local_dir, 0, None, final)
     if final.resumed != expected:
         result.problems.append(f"the final job resumed at seed {final.resumed}, not {expected}")

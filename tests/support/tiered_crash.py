@@ -27,6 +27,7 @@ local tier's newest checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -134,30 +135,32 @@ class Crashes:
     final_local: int = 0
 
 
-class _Trigger:
-    """Kills the writer when the proxy sees the n-th request ``matches`` accepts: before forwarding it,
-    or (half of the time) a few milliseconds after letting it through."""
+class Trigger:
+    """Calls :attr:`kill` (once it is set) when the proxy sees the n-th request ``matches`` accepts:
+    before forwarding it (the request is then cut), or half of the time a few milliseconds after
+    letting it through. ``rule`` is the proxy's ``fault``."""
 
     def __init__(self, matches: Callable[[Any], bool], nth: int, rng: random.Random) -> None:
         self.matches, self.nth, self.rng = matches, nth, rng
-        self.pid: int | None = None
+        #: What kills the writers.
+        self.kill: Callable[[], None] | None = None
         self.seen = 0
         self.fired = threading.Event()
         self.lock = threading.Lock()
 
     def rule(self, request: Any, seen: int) -> int | str | None:
         with self.lock:
-            if self.fired.is_set() or self.pid is None or not self.matches(request):
+            if self.fired.is_set() or self.kill is None or not self.matches(request):
                 return None
             self.seen += 1
             if self.seen < self.nth:
                 return None
             self.fired.set()
-            pid, before = self.pid, self.rng.random() < 0.5
+            kill, before = self.kill, self.rng.random() < 0.5
         if before:
-            _kill(pid)
+            kill()
             return "reset"
-        threading.Timer(self.rng.uniform(0.0, 0.01), _kill, (pid,)).start()
+        threading.Timer(self.rng.uniform(0.0, 0.01), kill).start()
         return None
 
 
@@ -211,7 +214,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         except FileNotFoundError:
             return 0
 
-    def run(local_dir: Path, saves: int, trigger: _Trigger | None, problems: list[str], round_: Round) -> None:
+    def run(local_dir: Path, saves: int, trigger: Trigger | None, problems: list[str], round_: Round) -> None:
         """One writer, killed by ``trigger`` (or by this loop, in the save phase); none: it runs to its end."""
         reader, writer_end = ctx.Pipe(duplex=False)
         spec = {"endpoint": proxy.url, "uri": uri, "local_dir": str(local_dir), "saves": saves}
@@ -219,7 +222,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         process.start()
         writer_end.close()
         if trigger is not None:
-            trigger.pid = process.pid
+            trigger.kill = functools.partial(_kill, process.pid)
         aim = rng.randint(2, 6)  # the save phase aims at this save of the round (the first also starts aio)
         killed = False
         try:
@@ -268,11 +271,11 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         problems: list[str] = []
         started = time.perf_counter()
         if phase == "save":
-            trigger = _Trigger(lambda request: False, 1, rng)  # never fires: this loop kills the writer
+            trigger = Trigger(lambda request: False, 1, rng)  # never fires: this loop kills the writer
         elif phase == "upload":
-            trigger = _Trigger(_is_part, rng.randint(1, 10), rng)
+            trigger = Trigger(_is_part, rng.randint(1, 10), rng)
         else:
-            trigger = _Trigger(_is_publish, rng.randint(1, 2), rng)
+            trigger = Trigger(_is_publish, rng.randint(1, 2), rng)
         proxy.fault = trigger.rule
         try:
             run(local_dir, saves=50, trigger=trigger, problems=problems, round_=round_)
