@@ -173,25 +173,32 @@ def hpc_number(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def whole_checkpoints(events: Iterable[Mapping[str, Any]], *, rank: int = 0) -> dict[str, SavedCheckpoint]:
-    """The checkpoints the log says are whole after ``events``: for each path, its last finished save,
-    unless it was removed after. A save that was started again and not finished leaves the earlier one
-    whole (the plugins publish a save in one step)."""
-    whole: dict[str, SavedCheckpoint] = {}
+def _finished_saves(events: Iterable[Mapping[str, Any]], rank: int) -> dict[str, list[SavedCheckpoint]]:
+    """Each path's finished saves by ``rank``, oldest first, forgotten when the path is removed."""
+    finished: dict[str, list[SavedCheckpoint]] = {}
     for event in events:
         if event.get("rank", 0) != rank or event.get("source") == "injector":
             continue
         if event["event"] == "save_end":
-            whole[event["path"]] = SavedCheckpoint(event["path"], event["step"], event.get("digest"), event["time"],
-                                                   rank)
+            finished.setdefault(event["path"], []).append(
+                SavedCheckpoint(event["path"], event["step"], event.get("digest"), event["time"], rank))
         elif event["event"] == "remove":
-            whole.pop(event["path"], None)
-    return whole
+            finished.pop(event["path"], None)
+    return finished
+
+
+def whole_checkpoints(events: Iterable[Mapping[str, Any]], *, rank: int = 0) -> dict[str, SavedCheckpoint]:
+    """The checkpoints the log says are whole after ``events`` (``rank``'s part of them): for each path,
+    its last finished save, unless it was removed after. A save that was started again and not finished
+    leaves the earlier one whole (the plugins publish a save in one step)."""
+    return {path: saves[-1] for path, saves in _finished_saves(events, rank).items()}
 
 
 def unfinished_saves(events: Sequence[Mapping[str, Any]], *, rank: int = 0) -> list[SavedCheckpoint]:
-    """Saves the log shows started and neither finished nor failed: those a signal, a kill or the end of a
-    grace period interrupted (one of them may have published just before its process died)."""
+    """Saves the log shows started and not finished: those a signal, a kill or the end of a grace period
+    interrupted, and those that failed on this rank. Any of them may have been published whole: just
+    before its process died, or, for a sharded save, by the coordinating rank before another rank died
+    and this rank's part of the save failed on it."""
     open_saves: dict[tuple[int, str], Mapping[str, Any]] = {}
     for event in events:
         if event.get("rank", 0) != rank or event.get("source") == "injector":
@@ -199,25 +206,35 @@ def unfinished_saves(events: Sequence[Mapping[str, Any]], *, rank: int = 0) -> l
         key = (event["pid"], event.get("path", ""))
         if event["event"] == "save_start":
             open_saves[key] = event
-        elif event["event"] in ("save_end", "save_error"):
+        elif event["event"] == "save_end":
             open_saves.pop(key, None)
     return [SavedCheckpoint(e["path"], e["step"], e.get("digest"), e["time"], rank, whole=False)
             for e in open_saves.values()]
 
 
-def expected_resume(events: Sequence[Mapping[str, Any]], *, slurm: bool = False,
-                    rank: int = 0) -> SavedCheckpoint | None:
+def expected_resume(events: Sequence[Mapping[str, Any]], *, slurm: bool = False, rank: int = 0,
+                    ranks: int = 1) -> SavedCheckpoint | None:
     """The checkpoint a restart after ``events`` must resume from, by the log: the newest whole one that
     ``ckpt_path="last"`` considers (``last.ckpt``, ``on_exception.ckpt``; Lightning takes the one
     modified last), or under Slurm's auto-requeue the ``hpc_ckpt_N`` of the highest N (Lightning's own
-    choice, whatever is newer); None when there is none."""
-    whole = whole_checkpoints(events, rank=rank)
+    choice, whatever is newer); None when there is none. A sharded checkpoint of ``ranks`` ranks is
+    whole when every rank finished its save of that step (one rank's save that returned while another
+    rank had died is not). Returns ``rank``'s record of it."""
+    finished = [_finished_saves(events, r) for r in range(ranks)]
+
+    def whole(path: str) -> SavedCheckpoint | None:
+        for saved in reversed(finished[rank].get(path, [])):
+            if all(any(other.step == saved.step for other in finished[r].get(path, [])) for r in range(ranks)):
+                return saved
+        return None
+
+    candidates = [c for c in map(whole, finished[rank]) if c is not None]
     if slurm:
-        hpc = [c for c in whole.values() if hpc_number(c.path) is not None]
+        hpc = [c for c in candidates if hpc_number(c.path) is not None]
         if hpc:
             return max(hpc, key=lambda c: hpc_number(c.path) or 0)
-    candidates = [c for c in whole.values() if is_last_candidate(c.path)]
-    return max(candidates, key=lambda c: c.time) if candidates else None
+    last = [c for c in candidates if is_last_candidate(c.path)]
+    return max(last, key=lambda c: c.time) if last else None
 
 
 @dataclass(frozen=True)
@@ -231,9 +248,9 @@ class ResumeCheck:
 
     @property
     def ok(self) -> bool:
-        """Resumed from the expected checkpoint, or from one whose save was in flight when its process
-        died and that was published whole before (the same step and state as its save started with);
-        from step 0 only when nothing whole existed."""
+        """Resumed from the expected checkpoint, or from a newer one whose save the log does not show
+        finished and that was published whole all the same (the same step and state as its save started
+        with); from step 0 only when nothing whole existed."""
         if self.expected is None and self.started["step"] == 0 and not self.started.get("ckpt_path"):
             return True
         return self.matched is not None
@@ -247,12 +264,13 @@ class ResumeCheck:
 
 
 def check_resume(events: Sequence[Mapping[str, Any]], started: Mapping[str, Any], *,
-                 slurm: bool = False) -> ResumeCheck:
+                 slurm: bool = False, ranks: int = 1) -> ResumeCheck:
     """Whether the ``train_start`` event ``started`` resumed from the checkpoint the events before it name
-    (for its rank): the same step and the same state digest (no mixed or partial checkpoint)."""
+    (for its rank, of ``ranks``): the same step and the same state digest (no mixed or partial
+    checkpoint)."""
     rank = started.get("rank", 0)
     before = [e for e in events if e["time"] < started["time"] and e.get("pid") != started["pid"]]
-    expected = expected_resume(before, slurm=slurm, rank=rank)
+    expected = expected_resume(before, slurm=slurm, rank=rank, ranks=ranks)
     # A save in flight when its process died may have been published whole just before: newer, allowed.
     allowed = [expected] if expected else []
     if not (slurm and expected is not None and hpc_number(expected.path) is not None):

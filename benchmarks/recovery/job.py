@@ -90,9 +90,6 @@ class JobConfig:
         transfer_chunk_kib: Dataflux's part size (None: its default).
         transfer_workers: Dataflux's parallel parts (None: its default).
         devices: ranks on this node (under torchrun: its ``--nproc-per-node``).
-        resume: ``auto``: ``fit(ckpt_path="last")``, under Slurm's auto-requeue ``ckpt_path=None``; but for a
-            sharded checkpoint on gs://, the newest ``last`` checkpoint the job finds itself (see
-            :func:`newest_last_checkpoint`). ``last``: ``ckpt_path="last"`` always.
         threads: torch's intra-op threads per process (None: torch's default).
         seed: the seed of the first weights and of the data.
         plain_saves: once training has ended (the ``train_end`` event), save its checkpoint this many times
@@ -119,7 +116,6 @@ class JobConfig:
     transfer_chunk_kib: int | None = None
     transfer_workers: int | None = None
     devices: int = 1
-    resume: str = "auto"
     threads: int | None = 1
     seed: int = 0
     plain_saves: int = 0
@@ -133,8 +129,6 @@ class JobConfig:
             raise ValueError(f"plugin {self.plugin} runs on strategy "
                              f"{'fsdp or model_parallel' if self.plugin in SHARDED_PLUGINS else 'single'}, "
                              f"not {self.strategy}")
-        if self.resume not in ("auto", "last"):
-            raise ValueError(f"resume must be 'auto' or 'last', got {self.resume!r}")
         if self.async_save and self.plugin in SHARDED_PLUGINS:
             raise ValueError(f"async_save is for the single-file plugins, not {self.plugin}")
         scheme = _SCHEMES.get(self.plugin, "")
@@ -505,30 +499,6 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def newest_last_checkpoint(checkpoint_dir: str) -> str | None:
-    """The ``last`` checkpoint (``last.ckpt``, ``last-vN.ckpt``, ``on_exception.ckpt``) of ``checkpoint_dir``
-    that was saved last, as ``ckpt_path="last"`` chooses, for sharded checkpoints on gs://: each is an object
-    prefix there, gcsfs gives a prefix no modification time, and Lightning's choice raises
-    ``KeyError: 'mtime'``. A prefix's time is that of its ``.metadata``, the object a save publishes last;
-    one without it is no checkpoint. None when there is none."""
-    import re
-
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-
-    fs = get_filesystem(checkpoint_dir)
-    fs.invalidate_cache()
-    if not fs.exists(checkpoint_dir):
-        return None
-    last = re.compile(rf"^(last(-v\d+)?|{ON_EXCEPTION_NAME})\.ckpt$")
-    found: dict[str, float] = {}
-    for name in fs.ls(checkpoint_dir, detail=False):
-        base = name.rstrip("/").rsplit("/", 1)[-1]
-        metadata = f"{name.rstrip('/')}/.metadata"
-        if last.match(base) and fs.exists(metadata):
-            found[fs.unstrip_protocol(name.rstrip("/"))] = fs.modified(metadata).timestamp()
-    return max(found, key=found.__getitem__) if found else None
-
-
 def build_trainer(config: JobConfig, log: EventLog) -> tuple[Any, Any]:
     """The Trainer of ``config`` and the ``ckpt_path`` its ``fit`` resumes with."""
     from lightning.pytorch import Trainer
@@ -557,11 +527,7 @@ def build_trainer(config: JobConfig, log: EventLog) -> tuple[Any, Any]:
                       callbacks=callbacks, max_steps=config.max_steps, limit_val_batches=0, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=config.root)
     # Under Slurm, Lightning's own choice: the newest hpc_ckpt_N, else "last" (OnExceptionCheckpoint is there).
-    if slurm:
-        return trainer, None
-    if config.resume == "auto" and config.plugin in SHARDED_PLUGINS and config.root.startswith("gs://"):
-        return trainer, newest_last_checkpoint(config.checkpoint_dir)
-    return trainer, "last"
+    return trainer, None if slurm else "last"
 
 
 def init_elastic_process_group(backend: str = "gloo") -> bool:

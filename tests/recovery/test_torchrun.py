@@ -44,7 +44,7 @@ def _restarts(rounds: Rounds, job: Job, restarts: int) -> tuple[list[int], dict[
     for attempt in range(restarts + 1):
         started = attempt_started(rounds.follower, job, attempt, RANKS)
         for start in started.values():
-            check = check_resume(rounds.follower.events, start)
+            check = check_resume(rounds.follower.events, start, ranks=RANKS)
             assert check.ok, f"attempt {attempt}, rank {start['rank']}: {check.describe()}"
         steps = {start["step"] for start in started.values()}
         assert len(steps) == 1, f"attempt {attempt}: the ranks resumed at different steps {started}"
