@@ -188,7 +188,7 @@ test-newest: setup-newest
 	$(PY) -m pytest -m "not recovery" $(PYTEST_ARGS)
 
 # The recovery job killed, preempted, requeued by Slurm and restarted by torchrun, 20 times per plugin
-# and event (pytest's `recovery` marker): about 25 minutes on a busy 2-core machine, so on their own.
+# and event (pytest's `recovery` marker): 23 minutes on the busy 2-core build machine, so on their own.
 test-recovery: setup-newest
 	$(PY) -m pytest -m recovery tests/recovery $(PYTEST_ARGS)
 
