@@ -68,9 +68,10 @@ from dataflux_ckpt.gcs import CONNECT_TIMEOUT_S, Gcs, make_client
 from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions, option_property, resolve_options
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline, RetryPolicy
-from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, ObjectWriter
+from dataflux_ckpt.upload import CLEANUP_TIMEOUT_S, PARTS_SUFFIX, ObjectWriter, sweep_dead_uploads
 from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins.dcp import (
+    LEFTOVERS_TIMEOUT_S,
     LOCK_NAME,
     METADATA_NAME,
     TOKEN_HEX_DIGITS,
@@ -78,6 +79,7 @@ from lightning_storage_plugins.dcp import (
     ShardedStorageReader,
     ShardedStorageWriter,
     StorageInfo,
+    is_leftover,
     narrow,
     stamp_version,
 )
@@ -387,6 +389,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         self.local_tier = _local_tier(local_dir, type(self).__name__, self._connection)
         self._rank: int | None = None
         self._removing = False
+        self._until: float | None = None  # the end of a restart's removal of leftovers (time.monotonic())
         if self.local_tier is not None:
             self.save_id = _ordered_save_id()
 
@@ -399,14 +402,18 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             self.save_id = _ordered_save_id(self.save_id)
 
     def _deadline(self) -> Deadline:
-        return Deadline(self.deadline_s, "save", self.checkpoint_id)
+        if self._until is None:
+            return Deadline(self.deadline_s, "save", self.checkpoint_id)
+        return Deadline(max(min(self._until - time.monotonic(), self.deadline_s), 1e-3),
+                        "removal of what killed saves left", self.checkpoint_id)
+
 
     def _lock_checkpoint(self) -> SaveLock:
         if self.local_tier is not None and not self._removing:  # a tiered save's publish takes GCS's
             return self.local_tier._save_lock(self.checkpoint_id)
         gcs = self._connection.gcs
         lock = _GcsSaveLock(gcs, self._object(LOCK_NAME), self.checkpoint_id, self.save_id, LOCK_LEASE_S,
-                            self.deadline_s).acquire()
+                            self._deadline().seconds).acquire()
         weakref.finalize(self, lock.release).atexit = False  # a writer dropped after a failed save
         try:
             self._metadata_generation = gcs.current_generation(self._object(METADATA_NAME), self._deadline())
@@ -512,6 +519,50 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             super().remove()
         finally:
             self._removing = False
+
+    @override
+    def remove_leftovers(self, timeout_s: float = LEFTOVERS_TIMEOUT_S) -> int:
+        """Remove what killed saves left in the checkpoint (see ``ShardedStorageWriter.remove_leftovers``):
+        part objects of uploads that are over, then, under GCS's save lock (taken over from a save
+        whose process is certainly gone or whose lease ran out), the objects of saves that
+        ``.metadata`` does not reference, and the lock. With a local tier, only the part objects and
+        the lock: a tiered save's shards, markers and pending metadata in GCS are its node's to
+        finish (``ShardedLocalTier.finish_pending``), and the next publish of the checkpoint removes
+        what is older.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a save through this writer.
+            TransferError, DeadlineExceededError: GCS failed, or did not answer within ``timeout_s``.
+        """
+        self._removing = True  # GCS's save lock, with a local tier too
+        try:
+            return super().remove_leftovers(timeout_s)
+        finally:
+            self._removing = False
+
+    @contextlib.contextmanager
+    def _within(self, timeout_s: float) -> Iterator[None]:
+        self._until = time.monotonic() + timeout_s
+        try:
+            yield
+        finally:
+            self._until = None
+
+    def _children(self) -> dict[str, list[str]]:
+        children: dict[str, list[str]] = {}
+        for name in self._list():
+            child, _, rest = name.partition("/")
+            if rest:
+                children.setdefault(child, []).append(rest)
+        return children
+
+    def _remove_dead_temporaries(self) -> int:
+        base = _checkpoint_path(self.checkpoint_id)
+        return sweep_dead_uploads(self._connection.gcs, GcsPath(base.bucket, f"{base.key}/"), self._deadline())
+
+    def _removable(self, name: str) -> bool:
+        # Part objects go by their owner and lease (above), whoever holds the lock.
+        return self.local_tier is None and is_leftover(name) and PARTS_SUFFIX not in name
 
     def _publish(self, name: str, data: bytes) -> None:
         # .metadata replaces only the generation there when this save took the lock.

@@ -11,10 +11,12 @@ training goes on while the checkpoint is uploaded (:mod:`dataflux_ckpt.tiered_dc
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from typing_extensions import override
 
 from dataflux_ckpt.dcp import DatafluxStorageReader, DatafluxStorageWriter
 from dataflux_ckpt.options import FIELDS, TransferOptions, resolve_options
@@ -23,6 +25,8 @@ from lightning_storage_plugins.dcp import METADATA_NAME
 from lightning_storage_plugins.sharded import ShardedFSDPMixin, ShardedModelParallelMixin
 
 __all__ = ["DatafluxFSDPStrategy", "DatafluxModelParallelStrategy"]
+
+log = logging.getLogger(__name__)
 
 
 class _DatafluxStorage:
@@ -101,6 +105,19 @@ class _DatafluxStorage:
         if tier is not None:
             candidates |= set(tier.last_checkpoints(directory).values())
         return candidates
+
+    @override
+    def node_preflight(self) -> None:
+        """When training starts, on every rank: with ``local_dir``, finish what killed saves left on
+        this node's local tier (``ShardedLocalTier.finish_pending``: half-written files removed, the
+        uploads and publishes of processes certainly gone taken over); only this node can. A failure
+        is logged, and the first save tries again."""
+        try:
+            tier = self.local_tier()
+            if tier is not None:
+                tier.finish_pending()
+        except Exception as exc:
+            log.warning("could not finish what killed saves left on the local tier %s: %s", self.local_dir, exc)
 
     def teardown(self) -> None:
         """Tear down as the strategy does, then wait (up to the tier's ``teardown_timeout_s``) for the

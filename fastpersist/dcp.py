@@ -20,6 +20,7 @@ device, refused before anything blocks) named by the metadata inside the directo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -50,7 +51,7 @@ from fastpersist.buffers import DoubleBuffer, split_halves
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
 from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty, round_down, round_up
-from fastpersist.writer import fsync_dir, save_file, write_archive
+from fastpersist.writer import TEMP_SUFFIX, fsync_dir, remove_stale_temporaries, save_file, write_archive
 from lightning_storage_plugins import release
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
@@ -59,6 +60,7 @@ from lightning_storage_plugins.dcp import (
     ShardedStorageReader,
     ShardedStorageWriter,
     StorageInfo,
+    is_leftover,
     narrow,
 )
 from lightning_storage_plugins.errors import CheckpointMetadataError, ConcurrentWriteError
@@ -362,6 +364,34 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
                     os.unlink(path)
             except FileNotFoundError:
                 pass
+
+    def _children(self) -> dict[str, list[str]]:
+        children: dict[str, list[str]] = {}
+        try:
+            entries = list(os.scandir(self.checkpoint_id))
+        except (FileNotFoundError, NotADirectoryError):
+            return children
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):  # a link (save_last="link") names another checkpoint
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    children[entry.name] = os.listdir(entry.path)
+        return children
+
+    def _remove_dead_temporaries(self) -> int:
+        # A writer holds its temporary's flock until it renames it: a free one's writer is gone.
+        return len(remove_stale_temporaries(self.checkpoint_id))
+
+    def _removable(self, name: str) -> bool:
+        return is_leftover(name) and not name.endswith(TEMP_SUFFIX)
+
+    def _remove_location(self) -> None:
+        # Holding the save lock: the directory goes when the lock file is all it holds. Whoever
+        # opened the lock file meanwhile finds it unlinked once it gets the flock, and starts over.
+        path = self.checkpoint_id
+        with contextlib.suppress(OSError):  # anything else in it, or already gone: it stays as it is
+            if os.listdir(path) == [LOCK_NAME]:
+                os.unlink(os.path.join(path, LOCK_NAME))
+                os.rmdir(path)
 
     def remove(self) -> None:
         """Delete the checkpoint directory: ``.metadata`` first, then the rest. When the path is a

@@ -58,11 +58,13 @@ from lightning_storage_plugins.reentry import ReentrantOperationError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LEFTOVERS_TIMEOUT_S",
     "LOCK_NAME",
     "METADATA_NAME",
     "SaveLock",
     "check_bytes_item",
     "check_relative_path",
+    "is_leftover",
     "is_swept",
     "narrow",
     "stamp_version",
@@ -82,12 +84,24 @@ TOKEN_HEX_DIGITS = 12
 # Names a save of ours (or torch's FileSystemWriter) puts in a checkpoint directory: shard files,
 # their temporaries and part objects, and temporaries of ``.metadata``. Only these are ever swept.
 _SWEPT = re.compile(r"^\.?__\d+_\d+(\.[0-9a-f]+)?\.distcp([./].*)?$|^\.metadata\..+$")
-
+# What a killed save of ours may leave: shard files named by their save's token, with their
+# temporaries, part objects and markers, and FastPersist's temporaries of ``.metadata``. torch's
+# FileSystemWriter names its files without a token; a restart leaves what it wrote as it is.
+_LEFTOVER = re.compile(rf"^\.?__\d+_\d+\.[0-9a-f]{{{TOKEN_HEX_DIGITS}}}\.distcp([./].*)?$|^\.metadata\.[0-9a-f]{{8}}\.tmp$")
+#: How long a restart's removal of what killed saves left may take, by default (then the rest is left
+#: for the next save of each checkpoint to remove).
+LEFTOVERS_TIMEOUT_S = 60.0
 
 
 def shard_name(rank: int, token: str, index: int = 0) -> str:
     """The file that rank ``rank`` writes for the save ``token``."""
     return f"__{rank}_{index}.{token}{SHARD_SUFFIX}"
+
+
+def is_leftover(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint) is a file that a save of the plugins' DCP writers
+    puts there and a killed one may leave: a shard file of a save, or one of its temporaries."""
+    return _LEFTOVER.match(name) is not None
 
 
 def is_swept(name: str) -> bool:
@@ -377,7 +391,30 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         """Make the checkpoint location ready for writing (every rank, before planning)."""
 
     def _remove_location(self) -> None:
-        """Remove what is left of the checkpoint location once its files are deleted."""
+        """Remove what is left of the checkpoint location once its files are deleted (called holding
+        the save lock)."""
+
+    def _children(self) -> dict[str, list[str]]:
+        """The locations directly under this writer's path, taken as a directory of checkpoints, each
+        with the names in it (as :meth:`_list` gives them for that checkpoint)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list the checkpoints of a directory")
+
+    def _remove_dead_temporaries(self) -> int:
+        """Remove the checkpoint's temporaries whose writers are certainly gone, whatever else is
+        running (a storage that can tell); how many were removed."""
+        return 0
+
+    def _removable(self, name: str) -> bool:
+        """Whether a restart that holds the save lock removes ``name`` when no checkpoint references it:
+        files of our saves (:func:`is_leftover`), but not temporaries that a writer may still hold."""
+        return is_leftover(name)
+
+    @contextlib.contextmanager
+    def _within(self, timeout_s: float) -> Iterator[None]:
+        """Bound every storage request made in the block to end within ``timeout_s`` from now (a
+        storage whose requests can wait on a network narrows their deadlines)."""
+        yield
+
 
     # StorageWriter ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -548,6 +585,93 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
             finally:
                 self._release()
 
+    # Restart ------------------------------------------------------------------------------------
+    def leftover_checkpoints(self, timeout_s: float = LEFTOVERS_TIMEOUT_S) -> list[str]:
+        """The checkpoints directly under this writer's path, taken as a directory of checkpoints
+        (``ModelCheckpoint``'s), that hold a save lock or files of our saves: where
+        :meth:`remove_leftovers` may find something to remove. Locations that hold neither (torch's
+        ``FileSystemWriter`` checkpoints among them) are not named.
+
+        Args:
+            timeout_s: how long the listing may take.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a save through this writer.
+            OSError: the storage could not be listed (the Dataflux writer: ``TransferError``,
+                ``DeadlineExceededError``).
+        """
+        with self._step(), self._within(timeout_s):
+            children = self._children()
+        base = self.checkpoint_id.rstrip("/")
+        return sorted(f"{base}/{child}" for child, names in children.items()
+                      if any(name == LOCK_NAME or is_leftover(name) for name in names))
+
+    def remove_leftovers(self, timeout_s: float = LEFTOVERS_TIMEOUT_S) -> int:
+        """Remove what killed saves left in the checkpoint at this writer's path, never what a live
+        save is writing (a restart calls it for each checkpoint of its ``ModelCheckpoint`` directories).
+
+        First the temporaries whose writers are certainly gone (the storage tells: FastPersist's
+        temporary files whose writer's ``flock`` is free, part objects of uploads whose process is
+        gone or whose lease ran out), whatever else is running. Then, holding the checkpoint's save
+        lock (taken over from a save that is over; where a live save holds it, nothing more is done),
+        every file of our saves that the checkpoint's ``.metadata`` does not reference, and the lock
+        itself; a location left without a checkpoint and without other files is removed. Files of
+        torch's ``FileSystemWriter`` are left as they are, and so is everything where ``.metadata``
+        cannot be read. What is removed is logged.
+
+        Args:
+            timeout_s: how long it may take; what is left then stays for the next save of the
+                checkpoint to remove.
+
+        Returns:
+            How many files (objects) were removed.
+
+        Raises:
+            ReentrantOperationError: this thread is inside a step of a save through this writer.
+            OSError: the storage failed (the Dataflux writer: ``TransferError``,
+                ``DeadlineExceededError``).
+        """
+        with self._step(), self._within(timeout_s):
+            until = time.monotonic() + timeout_s
+            removed = self._remove_dead_temporaries()
+            try:
+                lock = self._lock_checkpoint()
+            except ConcurrentWriteError:
+                log.debug("%s: a save in progress holds the save lock; leaving its files", self.checkpoint_id)
+                return removed
+            try:
+                return removed + self._remove_unreferenced(until)
+            finally:
+                lock.release()
+
+    def _remove_unreferenced(self, until: float) -> int:
+        """:meth:`remove_leftovers`' part under the save lock; how many files it removed."""
+        names = self._list()
+        published = self._read(METADATA_NAME)
+        keep: set[str] | None = set()
+        if published is not None:
+            keep = _referenced_names(published, f"{self.checkpoint_id}/{METADATA_NAME}",
+                                     _qualified(self.storage_info_types))
+            if keep is None:
+                log.warning("%s: its %s cannot be read as DCP metadata; leaving every file in place",
+                            self.checkpoint_id, METADATA_NAME)
+                return 0
+        stale = sorted(name for name in names if self._removable(name) and not _under(name, keep))
+        if time.monotonic() >= until:
+            log.warning("%s: the time for removing what killed saves left ran out; leaving %d files for the next "
+                        "save to remove", self.checkpoint_id, len(stale))
+            return 0
+        if stale:
+            shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+            log.warning("%s: removing %d files of saves that are over, which no checkpoint references: %s",
+                        self.checkpoint_id, len(stale), shown)
+            self._delete(stale)
+        if published is None:
+            log.info("%s: no save published a checkpoint there; removing its save lock, and the location once "
+                     "nothing else is in it", self.checkpoint_id)
+            self._remove_location()
+        return len(stale)
+
     def remove(self) -> None:
         """Delete the checkpoint at this writer's path: ``.metadata`` first (so that it is no longer a
         checkpoint), then everything under the path. Holds the save lock meanwhile.
@@ -579,12 +703,17 @@ def _qualified(types: Iterable[type]) -> tuple[tuple[str, str], ...]:
     return tuple((cls.__module__, cls.__qualname__) for cls in types)
 
 
-def _referenced_tokens(data: bytes, where: str, allowed: Iterable[tuple[str, str]]) -> set[str]:
+def _referenced_names(data: bytes, where: str, allowed: Iterable[tuple[str, str]]) -> set[str] | None:
+    """The files a ``.metadata`` names; ``None`` where it is not DCP metadata."""
     try:
         metadata = load_metadata(data, where, allowed=allowed)
     except pickle.UnpicklingError:
-        return set()
-    names = {getattr(info, "relative_path", "") for info in (metadata.storage_data or {}).values()}
+        return None
+    return {getattr(info, "relative_path", "") for info in (metadata.storage_data or {}).values()}
+
+
+def _referenced_tokens(data: bytes, where: str, allowed: Iterable[tuple[str, str]]) -> set[str]:
+    names = _referenced_names(data, where, allowed) or set()
     return {part for name in names for part in name.split(".")[1:-1]}
 
 

@@ -250,11 +250,11 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, onerror=lambda function, entry, info: gone_already(function, entry, info[1]))
 
 
-_live: weakref.WeakSet[OrderedCheckpointIO[Any]] = weakref.WeakSet()
+_live: weakref.WeakSet[DeferringOperations[Any]] = weakref.WeakSet()
 
 
-def live_plugins() -> list[OrderedCheckpointIO[Any]]:
-    """The single-file plugins made in this process that still exist."""
+def live_plugins() -> list[DeferringOperations[Any]]:
+    """The single-file plugins and sharded-checkpoint strategies made in this process that still exist."""
     return list(_live)
 
 
@@ -290,9 +290,26 @@ class DeferringOperations(ABC, Generic[Target]):
     _threads: threading.local
 
     def _start_deferrals(self) -> None:
-        """Make this process' record of saves and of each thread's operation."""
+        """Make this process' record of saves and of each thread's operation, and make this object
+        known to :mod:`lightning_storage_plugins.preflight` (see :func:`live_plugins`)."""
         self._order = SaveOrder(self._stored)
         self._threads = threading.local()  # each thread's _ThreadOperations
+        _live.add(self)
+
+    # When training starts ----------------------------------------------------------------------
+    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
+        """Check, when training starts, that checkpoints can be saved where ``ModelCheckpoint``
+        will put them, and remove what killed saves left there (called on global rank zero by
+        :mod:`lightning_storage_plugins.preflight`).
+
+        Raises:
+            ValueError: a directory is not a place this storage can save to.
+        """
+
+    def node_preflight(self) -> None:
+        """What only this process' node can check or clean when training starts (its node-local
+        storage), called on every rank before :meth:`preflight`; it raises nothing, as the ranks
+        would part ways: what fails is logged."""
 
     # What a subclass supplies -------------------------------------------------------------------
     @abstractmethod
@@ -499,7 +516,6 @@ class OrderedCheckpointIO(CheckpointIO, DeferringOperations[Target]):
         super().__init__()
         self.weights_only = check_weights_only(weights_only)
         self._start_process_state()
-        _live.add(self)
 
     def _start_process_state(self) -> None:
         """Make this process' own state (at construction, and in a pickled copy)."""
@@ -534,14 +550,6 @@ class OrderedCheckpointIO(CheckpointIO, DeferringOperations[Target]):
 
     def _close(self) -> None:
         """Release this process' connections or buffers (the next use makes new ones)."""
-
-    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
-        """Check, when training starts, that checkpoints can be saved where ``ModelCheckpoint``
-        will put them (called on global rank zero by :mod:`lightning_storage_plugins.preflight`).
-
-        Raises:
-            ValueError: a directory is not a place this storage can save to.
-        """
 
     # CheckpointIO ----------------------------------------------------------------------------
     @override

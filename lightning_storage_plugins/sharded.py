@@ -25,7 +25,10 @@ process group's timeout (see ``docs/sharded.md``).
 from __future__ import annotations
 
 import io
+import logging
 import os
+import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -38,10 +41,12 @@ from lightning_storage_plugins._lightning_compat import (
     saves_distributed_checkpoint,
     sharded_state_dict_context,
 )
-from lightning_storage_plugins.dcp import ShardedStorageReader, ShardedStorageWriter
-from lightning_storage_plugins.ordering import DeferringOperations
+from lightning_storage_plugins.dcp import LEFTOVERS_TIMEOUT_S, ShardedStorageReader, ShardedStorageWriter
+from lightning_storage_plugins.ordering import CheckpointDir, DeferringOperations
 
 __all__ = ["ShardedFSDPMixin", "ShardedModelParallelMixin"]
+
+log = logging.getLogger(__name__)
 
 # The key under which the rest of Lightning's checkpoint dict is stored, as torch.save bytes.
 LIGHTNING_STATE_KEY = "lightning_checkpoint"
@@ -92,6 +97,35 @@ class _ShardedCheckpoints(DeferringOperations[str]):
 
     def _saves_sharded(self) -> bool:
         raise NotImplementedError
+
+    @override
+    def preflight(self, checkpoint_dirs: Sequence[CheckpointDir]) -> None:
+        """When training starts (on global rank zero, called by :mod:`lightning_storage_plugins.preflight`):
+        remove what killed sharded saves left in each checkpoint of the ``ModelCheckpoint``
+        directories, never what a live save writes (see ``ShardedStorageWriter.remove_leftovers``),
+        within ``LEFTOVERS_TIMEOUT_S`` in all. It raises nothing: what cannot be removed is logged
+        and left for the next save of its checkpoint; a directory of another storage (a full
+        checkpoint's) is passed over.
+        """
+        until = time.monotonic() + LEFTOVERS_TIMEOUT_S
+        for checkpoint_dir in checkpoint_dirs:
+            try:
+                checkpoints = self.storage_writer(checkpoint_dir.dirpath).leftover_checkpoints(LEFTOVERS_TIMEOUT_S)
+            except ValueError:  # not a directory of this storage: nothing of ours is there
+                continue
+            except Exception as exc:
+                log.warning("could not look for what killed saves left under %s: %s", checkpoint_dir.dirpath, exc)
+                continue
+            for path in checkpoints:
+                left = until - time.monotonic()
+                if left <= 0:
+                    log.warning("stopped removing what killed saves left after %.0f s; the next save of each "
+                                "checkpoint removes the rest", LEFTOVERS_TIMEOUT_S)
+                    return
+                try:
+                    self.storage_writer(path).remove_leftovers(left)
+                except Exception as exc:
+                    log.warning("could not remove what killed saves left in %s: %s", path, exc)
 
     def _load_sharded(self, reader: ShardedStorageReader) -> None:
         raise NotImplementedError
