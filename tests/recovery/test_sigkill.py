@@ -11,15 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.recovery.events import kill_at
-from tests.support.recovery import (
-    EVENT_PLUGINS,
-    Rounds,
-    Storage,
-    first_part_of,
-    interrupted,
-    points_for,
-    replace,
-)
+from tests.support.recovery import EVENT_PLUGINS, Rounds, Storage, first_part_of, interrupted, points_for
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
@@ -34,10 +26,7 @@ def test_sigkill_anywhere_resumes_from_the_newest_whole_checkpoint(plugin: str, 
     base = storage.config(rounds.log_path)
     points = points_for(plugin)
     in_save = {point: 0 for point in points}
-    for index in range(KILL_ROUNDS + 1):
-        point = points[index % len(points)]
-        current = rounds.start(replace(base, async_save=point == "async_save"))
-        rounds.assert_sound(current)
+    for index, point, current in rounds.each_point(base, KILL_ROUNDS, points):
         if index == KILL_ROUNDS:  # this start checked the last kill
             current.job.send(signal.SIGKILL)
             current.job.wait(60)

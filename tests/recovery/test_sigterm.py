@@ -17,15 +17,7 @@ import pytest
 
 from benchmarks.network import NetworkModel, Toxiproxy
 from benchmarks.recovery.events import DEFAULT_GRACE_S, of_process, preempt
-from tests.support.recovery import (
-    EVENT_PLUGINS,
-    Rounds,
-    Storage,
-    first_part_of,
-    interrupted,
-    points_for,
-    replace,
-)
+from tests.support.recovery import EVENT_PLUGINS, Rounds, Storage, first_part_of, interrupted, points_for
 from tests.support.recovery import in_flight as saves_in_flight
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
@@ -41,10 +33,7 @@ def test_sigterm_within_the_grace_period_saves_and_resumes(plugin: str, storage:
     base = storage.config(rounds.log_path)
     points = points_for(plugin)
     landed_in_save = {point: 0 for point in points}
-    for index in range(PREEMPTION_ROUNDS + 1):
-        point = points[index % len(points)]
-        current = rounds.start(replace(base, async_save=point == "async_save"))
-        rounds.assert_sound(current)
+    for index, point, current in rounds.each_point(base, PREEMPTION_ROUNDS, points):
         if index:  # it resumed from the previous start's on_exception.ckpt
             assert current.started["ckpt_path"].endswith("/on_exception.ckpt"), current.resume.describe()
         injection = preempt(current.job, rounds.follower, grace_s=DEFAULT_GRACE_S, log=rounds.log, point=point,

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import random
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,16 @@ class Rounds:
         self.assert_resumed(current)
         assert not current.leftovers, (f"round {current.index}: temporaries of dead starts left after the restart's "
                                        f"sweep: {current.leftovers}")
+
+    def each_point(self, config: JobConfig, events: int, points: list[str]) -> Iterator[tuple[int, str, Round]]:
+        """Start the job ``events + 1`` times (the last start checks the last event), each for the next
+        of ``points`` (behind ``AsyncCheckpointIO`` for ``async_save``); yield the round's index, point
+        and start once it is checked (:meth:`assert_sound`), for the caller's event."""
+        for index in range(events + 1):
+            point = points[index % len(points)]
+            current = self.start(replace(config, async_save=point == "async_save"))
+            self.assert_sound(current)
+            yield index, point, current
 
     def summary(self) -> str:
         lines = []
