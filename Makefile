@@ -39,7 +39,7 @@ OLDEST_TESTS := tests/fastpersist tests/test_fast_paths.py tests/test_checkpoint
 	tests/lightning_storage_plugins/test_resume_last.py tests/lightning_storage_plugins/test_reentrant_saves.py \
 	tests/lightning_storage_plugins/test_torch_compat.py tests/dataflux_ckpt/test_load_views.py tests/dataflux_ckpt/test_checksums.py \
 	tests/dcp/test_storage.py tests/dcp/test_ranks.py tests/dcp/test_lightning.py tests/dcp/test_deepspeed.py \
-	tests/dcp/test_sharded_reentry.py tests/dcp/test_requeue_signal.py \
+	tests/dcp/test_sharded_reentry.py tests/dcp/test_requeue_signal.py tests/dcp/test_restart_cleanup.py \
 	tests/smartredis_io/test_lightning.py \
 	tests/smartredis_io/test_client.py tests/smartredis_io/test_fast_paths.py tests/smartredis_io/test_dataset.py \
 	tests/smartredis_io/test_redis_module.py

@@ -259,6 +259,13 @@ def run_steps(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             os.environ.update(slurm_environ(rank, world, spec["port"], step["bin"]))
             outcomes.append(run_requeue(step["kind"], step["storage"], step["root"], **step.get("options", {})))
         return {"rank": rank, "steps": outcomes}
+    if spec["steps"] and all(step["op"] == "lightning_restart" for step in spec["steps"]):
+        from tests.support.dcp_lightning import torchrun_environ
+        from tests.support.dcp_restart import run_phase
+
+        os.environ.update(torchrun_environ(rank, world, spec["port"]))
+        return {"rank": rank, "steps": [run_phase(step["kind"], step["storage"], step["root"], step["phase"],
+                                                  step.get("ckpt_path")) for step in spec["steps"]]}
     if spec["steps"] and all(step["op"].startswith("tiered") for step in spec["steps"]):
         from tests.support.dcp_tiered import run_tiered
 
