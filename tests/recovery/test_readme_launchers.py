@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.support import ROOT
+from tests.support.recovery import kill_tree
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
@@ -98,9 +99,8 @@ def test_the_readme_torchrun_command_restarts_every_rank_from_the_sharded_checkp
         ranks[1].send_signal(signal.SIGKILL)
         code = process.wait(600)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_tree(process.pid)
+        process.wait()
     log = output.read_text(errors="replace")
     assert code == 0, log[-3000:]
     assert re.search(r"Restor\w+ .*last\.ckpt", log), log[-3000:]

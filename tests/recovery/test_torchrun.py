@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import zlib
@@ -23,7 +22,14 @@ import pytest
 import torch
 
 from benchmarks.recovery.events import Job, ProcessJob, ProcessLauncher, check_resume, kill_rank
-from tests.support.recovery import Rounds, Storage, attempt_started, expect_no_leftovers, sharded_leftovers
+from tests.support.recovery import (
+    Rounds,
+    Storage,
+    attempt_started,
+    expect_no_leftovers,
+    kill_tree,
+    sharded_leftovers,
+)
 
 pytestmark = [pytest.mark.recovery, pytest.mark.slow]
 
@@ -101,7 +107,7 @@ def test_the_torchrun_command_restarts_from_the_sharded_checkpoint(plugin: str, 
     try:
         resumed, leftovers, _ = _restarts(rounds, job, 2)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         process.wait()
     assert resumed[-1] > 0, resumed
     assert not leftovers, leftovers

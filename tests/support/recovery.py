@@ -253,3 +253,21 @@ def expect_no_leftovers(plugin: str, leftovers: Mapping[int, Any]) -> None:
                      f"that is never saved again (no .metadata; no restart sweeps it): {len(leftovers[first])} "
                      f"when restart {first} of {sorted(leftovers)} began, such as {sorted(leftovers[first])[0]}")
     assert not leftovers, f"leftovers of killed saves when restarts began: {leftovers}"
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything below it: torchrun starts each rank in a session of its own, so
+    killing its process group leaves the ranks running."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=30)
