@@ -33,11 +33,13 @@ CHECKPOINTS = "checkpoints"
 #: The live save's checkpoint, in the same directory.
 LIVE = "live.ckpt"
 #: Loggers whose lines say what the sweep removed.
-SWEEP_LOGGERS = ("lightning_storage_plugins.dcp", "fastpersist.writer", "dataflux_ckpt.upload", "dataflux_ckpt.dcp")
+SWEEP_LOGGERS = ("lightning_storage_plugins.dcp", "fastpersist.dcp", "fastpersist.writer", "dataflux_ckpt.upload",
+                 "dataflux_ckpt.dcp")
 # A rank's shard being written: FastPersist's temporary file, or a part object of a Dataflux upload.
 _WRITING = {"nvme": re.compile(r"^\.__\d+_0\.[0-9a-f]{12}\.distcp\..*\.fastpersist\.tmp$"),
             "gs": re.compile(r"^__\d+_0\.[0-9a-f]{12}\.distcp\.dataflux-parts/")}
 _STEP = re.compile(r"step=(\d+)")
+_BESIDE = re.compile(r"^\.(?P<checkpoint>.+?)\.(?:[0-9a-f]{12}\.dcp-save|dcp-save\.lock)$")
 
 
 def _strategy(kind: str, storage: str) -> Any:
@@ -170,11 +172,17 @@ def writing_after(storage: str, names: list[str], step: int) -> bool:
 
 
 def checkpoints(names: list[str]) -> dict[str, list[str]]:
-    """The names under each checkpoint of the run's ``ModelCheckpoint`` directory."""
+    """The names under each checkpoint of the run's ``ModelCheckpoint`` directory, with what its saves
+    put beside it on a local filesystem (their save lock, and the directory their ranks write in until
+    they commit), named from that directory."""
     found: dict[str, list[str]] = {}
     for name in names:
         parts = name.split("/", 2)
-        if len(parts) == 3 and parts[0] == CHECKPOINTS:
+        if len(parts) < 2 or parts[0] != CHECKPOINTS:
+            continue
+        if beside := _BESIDE.match(parts[1]):
+            found.setdefault(beside["checkpoint"], []).append("/".join(parts[1:]))
+        elif len(parts) == 3:
             found.setdefault(parts[1], []).append(parts[2])
     return found
 
