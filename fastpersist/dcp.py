@@ -12,10 +12,19 @@ that checks the bytes every write put down; the file is fsynced and renamed into
 file in windows with parallel aligned O_DIRECT reads, the next window in flight while this one's tensors
 (built on the bytes read, no copy) are copied into their targets.
 
-A save's coordinator holds an exclusive ``flock`` on the directory's ``.dcp-save.lock`` from planning
-to publishing (the kernel lets go when the process dies); a second save finds it held and fails with
-``ConcurrentWriteError``. Readers open only regular files (never through a link, never a FIFO or a
-device, refused before anything blocks) named by the metadata inside the directory.
+A save touches nothing under the checkpoint's name until it commits. Every rank writes its file into
+a directory beside the checkpoint, ``.<name>.<token>.dcp-save``; the coordinator writes ``.metadata``
+there and swaps that directory with the checkpoint's in one ``renameat2(RENAME_EXCHANGE)`` (a first
+save renames it into place), then deletes the previous checkpoint's files. So the checkpoint directory
+is always whole, and its modification time, which Lightning's ``ckpt_path="last"`` compares, is the
+time of its commit: a save killed in the middle leaves the previous checkpoint as it was, dated as it
+was. Where the filesystem cannot exchange two names (NFS), the files are renamed into the checkpoint
+and ``.metadata`` replaced last; a kill during those few renames dates the previous checkpoint then.
+
+A save's coordinator holds an exclusive ``flock`` on ``.<name>.dcp-save.lock`` beside the checkpoint from
+planning to publishing (the kernel lets go when the process dies); a second save finds it held and
+fails with ``ConcurrentWriteError``. Readers open only regular files (never through a link, never a
+FIFO or a device, refused before anything blocks) named by the metadata inside the directory.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import io
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -44,18 +54,27 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from typing_extensions import override
 
-from fastpersist import _torch_compat
+from fastpersist import _libc, _torch_compat
 from fastpersist.archive import TORCH_STORAGE_ALIGNMENT
 from fastpersist.buffers import DoubleBuffer, split_halves
 from fastpersist.context import DEFAULT_BUFFER_MB, FastPersistContext
 from fastpersist.engines import OpenFile, Transfer, io_error
 from fastpersist.memory import ALIGNMENT_BYTES, aligned_empty, round_down, round_up
-from fastpersist.writer import TEMP_SUFFIX, fsync_dir, remove_stale_temporaries, save_file, write_archive
+from fastpersist.writer import (
+    ARCHIVE_OVERHEAD_BYTES,
+    TEMP_SUFFIX,
+    fsync_dir,
+    remove_stale_temporaries,
+    save_file,
+    write_archive,
+)
 from lightning_storage_plugins import release
 from lightning_storage_plugins.dcp import (
     LOCK_NAME,
     METADATA_NAME,
+    TOKEN_HEX_DIGITS,
     SaveLock,
     ShardedStorageReader,
     ShardedStorageWriter,
@@ -76,6 +95,8 @@ READ_WINDOW_BYTES = 64 * 2**20
 ITEM_STORAGE_ALIGNMENT = TORCH_STORAGE_ALIGNMENT
 # Attempts at locking when a removal replaces the lock file between our open and our flock.
 _LOCK_ATTEMPTS = 5
+# Ends the name of the directory beside a checkpoint where a save writes until it commits.
+STAGING_SUFFIX = ".dcp-save"
 _FILE_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
                stat.S_IFSOCK: "socket", stat.S_IFLNK: "symbolic link", stat.S_IFDIR: "directory"}
 
@@ -180,8 +201,65 @@ class _DirectoryCheckpoint:
             return stream.read()
 
 
+def _beside(checkpoint: str, suffix: str) -> str:
+    """The hidden name ``.<checkpoint's name><suffix>`` in the checkpoint's parent directory."""
+    parent, name = os.path.split(checkpoint)
+    return os.path.join(parent, f".{name}{suffix}")
+
+
+def lock_path(checkpoint: str) -> str:
+    """The save lock's file of the checkpoint directory ``checkpoint``: beside it, so that taking the
+    lock changes nothing under the checkpoint's name."""
+    return _beside(checkpoint, LOCK_NAME)
+
+
+def staging_path(checkpoint: str, token: str) -> str:
+    """The directory beside ``checkpoint`` where the save ``token`` writes its files until it commits."""
+    return _beside(checkpoint, f".{token}{STAGING_SUFFIX}")
+
+
+def _staging_dirs(checkpoint: str) -> list[str]:
+    """Every save's directory beside ``checkpoint`` (see :func:`staging_path`)."""
+    parent, name = os.path.split(checkpoint)
+    pattern = re.compile(rf"^\.{re.escape(name)}\.[0-9a-f]{{{TOKEN_HEX_DIGITS}}}{re.escape(STAGING_SUFFIX)}$")
+    try:
+        return [os.path.join(parent, entry) for entry in os.listdir(parent) if pattern.match(entry)]
+    except FileNotFoundError:
+        return []
+
+
+def _exchange(first: str, second: str) -> bool:
+    """Swap the names ``first`` and ``second`` in one step (``renameat2(RENAME_EXCHANGE)``); ``False``
+    where this kernel or filesystem cannot.
+
+    Raises:
+        OSError: the exchange failed for another reason (the path is named).
+    """
+    error = _libc.exchange(os.fsencode(first), os.fsencode(second))
+    if error == 0:
+        return True
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(error, f"cannot swap {first} in for {second}: {os.strerror(error)}", second)
+
+
+def _remove_tree(path: str) -> None:
+    """Delete ``path``: a directory with everything in it (its files' blocks freed after this returns,
+    see :mod:`~lightning_storage_plugins.release`), a file, or a link (never its target)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError), release.freed_later(path):
+            os.unlink(path)
+        return
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError), release.freed_later(entry.path):
+                    os.unlink(entry.path)
+    shutil.rmtree(path, ignore_errors=True)  # never follows a link, at the top or inside
+
+
 class _DirectoryLock(SaveLock):
-    """An exclusive ``flock`` on a checkpoint directory's lock file, which exists only while held.
+    """An exclusive ``flock`` on a checkpoint's lock file (beside it), which exists only while held.
 
     The holder unlinks the file before letting go; whoever opened it meanwhile finds, once it has the
     flock, that the path no longer names that file, and tries again (see :func:`_lock_directory`).
@@ -201,7 +279,7 @@ class _DirectoryLock(SaveLock):
         if fd is None:
             return
         try:
-            path = os.path.join(self._directory, LOCK_NAME)
+            path = lock_path(self._directory)
             held, current = os.fstat(fd), os.stat(path, follow_symlinks=False)
             if (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino):
                 os.unlink(path)
@@ -212,15 +290,16 @@ class _DirectoryLock(SaveLock):
 
 
 def _lock_directory(directory: str) -> _DirectoryLock:
-    """Take the exclusive ``flock`` on ``directory``'s lock file (created if missing), at once.
+    """Take the exclusive ``flock`` on the lock file of the checkpoint ``directory`` (created if
+    missing, beside it: see :func:`lock_path`), at once.
 
     Raises:
         ConcurrentWriteError: another process (or another writer of this one) holds it.
     """
-    path = os.path.join(directory, LOCK_NAME)
+    path = lock_path(directory)
     flags = os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     for _ in range(_LOCK_ATTEMPTS):
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
         try:
             fd = os.open(path, os.O_RDWR | flags, 0o666)
         except PermissionError:  # another user's lock file: a shared lock needs no write access here
@@ -249,6 +328,35 @@ def _lock_directory(directory: str) -> _DirectoryLock:
         os.close(fd)  # a removal took the file away between our open and our flock: lock the new one
     raise ConcurrentWriteError(f"{directory}: the checkpoint was removed and re-created {_LOCK_ATTEMPTS} times while "
                                "this save tried to lock it", target=directory)
+
+
+def _shard_bytes(items: Sequence[WriteItem]) -> int:
+    """About the bytes of a shard holding ``items``: each tensor's, padded, and room for the pickled
+    items and the records (which are not pickled here to be measured: the planner pickles on each
+    resolve)."""
+    total = ARCHIVE_OVERHEAD_BYTES
+    for item in items:
+        total += ALIGNMENT_BYTES
+        if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+            element = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+            total += math.prod(item.tensor_data.chunk.sizes) * element
+    return total
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Create or replace ``path`` with ``data`` in one step (a temporary, fsynced and renamed), durably."""
+    temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(temp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    fsync_dir(os.path.dirname(path))
 
 
 def _tensor_to_save(tensor: torch.Tensor) -> torch.Tensor:
@@ -290,14 +398,22 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
         self.context, self.engine, self.io_buffer_mb = context, engine, io_buffer_mb
 
+    stages_shards = True
+
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "context": None}  # handles and pinned memory stay in their process
 
     def _prepare(self) -> None:
-        os.makedirs(self.checkpoint_id, exist_ok=True)
+        os.makedirs(os.path.dirname(self.checkpoint_id), exist_ok=True)
 
     def _lock_checkpoint(self) -> SaveLock:
         return _lock_directory(self.checkpoint_id)
+
+    def _shard_directory(self) -> str:
+        """Where this save's files go: beside the checkpoint (a staged plan's, see the module), else in it."""
+        if self._staged and self._token is not None:
+            return staging_path(self.checkpoint_id, self._token)
+        return self.checkpoint_id
 
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         results: list[WriteResult] = []
@@ -320,28 +436,63 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
                                            storage_data=StorageInfo(name, start, length)))
             return storages
 
+        directory = self._shard_directory()
+        os.makedirs(directory, exist_ok=True)
         context = self.context or FastPersistContext(engine=self.engine, io_buffer_mb=self.io_buffer_mb)
         try:
-            save_file(self._file(name), content, engine=self.engine, context=context)
+            save_file(os.path.join(directory, name), content, engine=self.engine, context=context,
+                      nbytes=_shard_bytes(items))
         finally:
             if self.context is None:
                 context.close()
         return results
 
     def _publish(self, name: str, data: bytes) -> None:
-        path = self._file(name)
-        temp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(temp, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            if os.path.exists(temp):
-                os.unlink(temp)
-            raise
+        _write_durably(self._file(name), data)
+
+    @override
+    def _commit(self, metadata: bytes) -> None:
+        """Write ``.metadata`` beside this save's files, then swap their directory in for the
+        checkpoint's (see the module); the previous checkpoint's files are left in this save's
+        directory for the sweep."""
+        if not self._staged:
+            super()._commit(metadata)
+            return
+        staged, target = self._shard_directory(), self.checkpoint_id
+        os.makedirs(staged, exist_ok=True)  # no rank had anything to write
+        _write_durably(os.path.join(staged, METADATA_NAME), metadata)
+        if not os.path.lexists(target):
+            os.rename(staged, target)
+        elif not _exchange(staged, target):
+            self._move_in(staged)
+        fsync_dir(os.path.dirname(target))
+
+    def _move_in(self, staged: str) -> None:
+        """Rename this save's files from ``staged`` into the checkpoint directory, ``.metadata`` last
+        (where the filesystem cannot exchange two names)."""
+        log.debug("%s: this filesystem cannot exchange two names; moving the files in", self.checkpoint_id)
+        names = sorted(os.listdir(staged), key=lambda name: name == METADATA_NAME)
+        for name in names:
+            with release.freed_later(self._file(name)):
+                os.rename(os.path.join(staged, name), self._file(name))
         fsync_dir(self.checkpoint_id)
+
+    @override
+    def _sweep(self, keep: set[str]) -> None:
+        super()._sweep(keep)
+        # Held under the save lock: every directory of a save of this checkpoint belongs to a save that
+        # is over (this one's holds what it replaced).
+        for path in _staging_dirs(self.checkpoint_id):
+            _remove_tree(path)
+
+    @override
+    def abort(self) -> None:
+        """Remove what the current save wrote, once it failed (see ``ShardedStorageWriter.abort``),
+        and its directory beside the checkpoint (safe on every rank)."""
+        staged = self._shard_directory() if self._staged and self._token is not None else None
+        super().abort()
+        if staged is not None:
+            _remove_tree(staged)
 
     def _list(self) -> list[str]:
         try:
@@ -351,7 +502,7 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
 
     def _size(self, name: str) -> int | None:
         try:
-            info = os.lstat(self._file(name))
+            info = os.lstat(os.path.join(self._shard_directory(), name))
         except FileNotFoundError:
             return None
         return info.st_size if stat.S_ISREG(info.st_mode) else None
@@ -371,10 +522,21 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
             entries = list(os.scandir(self.checkpoint_id))
         except (FileNotFoundError, NotADirectoryError):
             return children
+        beside = re.compile(rf"^\.(?P<name>.+?)(\.[0-9a-f]{{{TOKEN_HEX_DIGITS}}}{re.escape(STAGING_SUFFIX)}|"
+                            rf"{re.escape(LOCK_NAME)})$")
         for entry in entries:
-            if entry.is_dir(follow_symlinks=False):  # a link (save_last="link") names another checkpoint
+            # What a save puts beside a checkpoint (its lock, its files until it commits) counts as that
+            # checkpoint's: removing it is remove_leftovers' of that checkpoint, under its lock.
+            if match := beside.match(entry.name):
+                names = children.setdefault(match["name"], [])
+                if entry.name.endswith(LOCK_NAME):
+                    names.append(LOCK_NAME)
+                else:
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        names.extend(os.listdir(entry.path))
+            elif entry.is_dir(follow_symlinks=False):  # a link (save_last="link") names another checkpoint
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                    children[entry.name] = os.listdir(entry.path)
+                    children.setdefault(entry.name, []).extend(os.listdir(entry.path))
         return children
 
     def _remove_dead_temporaries(self) -> int:
@@ -384,13 +546,29 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
     def _removable(self, name: str) -> bool:
         return is_leftover(name) and not name.endswith(TEMP_SUFFIX)
 
+    @override
+    def _remove_unreferenced(self, until: float) -> int:
+        removed = super()._remove_unreferenced(until)
+        # Held under the save lock: the directories of this checkpoint's saves beside it are those of
+        # saves killed before their commit (or after it, before they removed what they replaced).
+        for path in _staging_dirs(self.checkpoint_id):
+            files = len(os.listdir(path)) if os.path.isdir(path) else 1
+            log.warning("%s: removing %s, what a save killed before it was over left beside it (%d files)",
+                        self.checkpoint_id, os.path.basename(path), files)
+            _remove_tree(path)
+            removed += files
+        return removed
+
     def _remove_location(self) -> None:
-        # Holding the save lock: the directory goes when the lock file is all it holds. Whoever
-        # opened the lock file meanwhile finds it unlinked once it gets the flock, and starts over.
+        # Holding the save lock: the directory goes when it holds nothing, or only a lock file inside
+        # it (where earlier saves kept their lock). Whoever opened that file meanwhile finds it unlinked
+        # once it gets the flock, and starts over.
         path = self.checkpoint_id
         with contextlib.suppress(OSError):  # anything else in it, or already gone: it stays as it is
-            if os.listdir(path) == [LOCK_NAME]:
-                os.unlink(os.path.join(path, LOCK_NAME))
+            names = os.listdir(path)
+            if names in ([], [LOCK_NAME]):
+                for name in names:
+                    os.unlink(os.path.join(path, name))
                 os.rmdir(path)
 
     def remove(self) -> None:
@@ -427,6 +605,8 @@ class FastPersistStorageWriter(_DirectoryCheckpoint, ShardedStorageWriter):
             finally:
                 os.close(directory)
             shutil.rmtree(path, ignore_errors=True)  # never follows a link, at the top or inside
+            for staged in _staging_dirs(path):  # what saves killed before their commit left beside it
+                _remove_tree(staged)
         finally:
             lock.release()
 
@@ -536,8 +716,10 @@ def _window_buffers(context: FastPersistContext, windows: list[list[tuple[ReadIt
     by the reads, which on a small virtual machine took as long as the reads themselves (a 512 MiB
     load of 16 tensors: 0.8 s, against 0.3 s into the staging buffer and 0.3 s for the raw read).
     """
+    largest = max(max(info.offset + info.length for _, info in window) - window[0][1].offset for window in windows)
+    size = largest + 2 * ALIGNMENT_BYTES  # the window's first and last blocks, read whole
     if staging:
-        buffer = context.staging_buffer("cpu")
+        buffer = context.staging_buffer("cpu", nbytes=2 * size)
         if buffer.device.type == "cpu":
             try:
                 return split_halves(buffer)
@@ -545,8 +727,6 @@ def _window_buffers(context: FastPersistContext, windows: list[list[tuple[ReadIt
                 pass
     if len(windows) < 2:
         return None, None
-    largest = max(max(info.offset + info.length for _, info in window) - window[0][1].offset for window in windows)
-    size = largest + 2 * ALIGNMENT_BYTES  # the window's first and last blocks, read whole
     return aligned_empty(size), aligned_empty(size)
 
 

@@ -9,6 +9,15 @@ So a checkpoint is visible only once complete. Because every save writes files o
 earlier checkpoint at the same path stays loadable until the new ``.metadata`` replaces it; then the
 coordinator deletes the files it no longer references (also those a crashed save left there).
 
+A save changes nothing a reader or Lightning sees under the checkpoint's name until it commits
+(:meth:`ShardedStorageWriter._commit`), and the commit dates the checkpoint: the modification time
+fsspec gives for the checkpoint's own path, which ``ckpt_path="last"`` compares across candidates, is
+the time of its commit. So a save killed in the middle never makes the previous checkpoint under its
+name, or a partial one, look newer than a checkpoint committed after that one. How depends on the
+storage: on a local filesystem, whose directories are dated by every file created in them, the ranks
+write their files in a directory beside the checkpoint that the commit swaps in; in a bucket, where a
+prefix has no date, the commit writes an object at the checkpoint's own name after its ``.metadata``.
+
 One save at a time: the coordinator holds the checkpoint's :class:`SaveLock` from planning until it
 has published and cleaned up, and a save that finds it held fails at once with
 :class:`~lightning_storage_plugins.errors.ConcurrentWriteError`, before writing anything. So every file
@@ -112,10 +121,13 @@ def is_swept(name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """``SavePlan.storage_data`` of one rank: the save's token and the rank's index in the plan."""
+    """``SavePlan.storage_data`` of one rank: the save's token and the rank's index in the plan, and
+    whether the rank writes its file aside, for the commit to move in (``staged``; see
+    :attr:`ShardedStorageWriter.stages_shards`)."""
 
     rank: int
     token: str
+    staged: bool = False
 
 
 def check_relative_path(name: object, where: str) -> str:
@@ -343,9 +355,13 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self._token: str | None = None
+        self._staged = False  # whether this rank's file of the save goes aside (see ShardPlan)
         self._lock: SaveLock | None = None
 
     _activity = "saving"
+    #: Whether the ranks write their files aside (where :meth:`_write_shard` puts a ``staged`` plan's
+    #: file), for :meth:`_commit` to make them the checkpoint's, rather than into the checkpoint.
+    stages_shards = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_lock": None}  # a lock belongs to the process that took it
@@ -387,6 +403,20 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
     def _delete(self, names: Sequence[str]) -> None:
         """Delete ``names``; missing ones are fine."""
 
+    def _commit(self, metadata: bytes) -> None:
+        """Make this save the checkpoint, in one step: publish ``metadata`` (the pickled ``.metadata``)
+        together with every file the save wrote.
+
+        Nothing under the checkpoint's name changed before this, and after it the checkpoint's own
+        path is dated now (see the module): by default the new ``.metadata`` dates it; a storage whose
+        files do not date their checkpoint (a prefix of objects) or whose shards were written aside
+        (:attr:`stages_shards`) adds what it needs.
+
+        Raises:
+            ConcurrentWriteError: another save published since this one took the lock.
+        """
+        self._publish(METADATA_NAME, metadata)
+
     def _prepare(self) -> None:
         """Make the checkpoint location ready for writing (every rank, before planning)."""
 
@@ -415,7 +445,6 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
         storage whose requests can wait on a network narrows their deadlines)."""
         yield
 
-
     # StorageWriter ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, to ``checkpoint_id`` when given.
@@ -430,6 +459,7 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
                 self.path = self._normalize(checkpoint_id)
             self.save_id = uuid.uuid4().hex
             self._token = None
+            self._staged = False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Called by DCP on every rank before planning.
@@ -472,13 +502,14 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
                 raise
             self._lock = lock
         token = self.save_id[:TOKEN_HEX_DIGITS]
-        return [dataclasses.replace(plan, storage_data=ShardPlan(rank, token)) for rank, plan in enumerate(plans)]
+        return [dataclasses.replace(plan, storage_data=ShardPlan(rank, token, self.stages_shards))
+                for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into its own file (none when it has no items)."""
         shard: ShardPlan = plan.storage_data
         with self._step():
-            self._token = shard.token
+            self._token, self._staged = shard.token, shard.staged
             if not plan.items:
                 return _done([])
             name = shard_name(shard.rank, shard.token)
@@ -514,7 +545,7 @@ class ShardedStorageWriter(_CheckpointStorage, StorageWriter, BlockingAsyncStage
                 metadata.storage_meta = self.storage_meta()
                 stamp_version(metadata)
                 self._held_lock().confirm()
-                self._publish(METADATA_NAME, pickle.dumps(metadata))
+                self._commit(pickle.dumps(metadata))
                 log.debug("published %s (%d files)", self.checkpoint_id, len(ends))
                 self._sweep(set(ends))
             finally:
