@@ -407,7 +407,6 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         return Deadline(max(min(self._until - time.monotonic(), self.deadline_s), 1e-3),
                         "removal of what killed saves left", self.checkpoint_id)
 
-
     def _lock_checkpoint(self) -> SaveLock:
         if self.local_tier is not None and not self._removing:  # a tiered save's publish takes GCS's
             return self.local_tier._save_lock(self.checkpoint_id)
@@ -570,6 +569,20 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         self._connection.gcs.upload_object(self._object(name), memoryview(data), crc32c_extend(0, data),
                                            self._deadline(), if_generation_match=precondition)
 
+    @override
+    def _commit(self, metadata: bytes) -> None:
+        """Publish ``.metadata``, then the commit record, which dates the checkpoint (see
+        :func:`write_commit_record`)."""
+        super()._commit(metadata)
+        write_commit_record(self._connection.gcs, self.checkpoint_id, self.save_id, self._deadline())
+
+    @override
+    def _remove_location(self) -> None:
+        # The commit record goes last, once the checkpoint's .metadata is gone (never a whole one's).
+        record = _checkpoint_path(self.checkpoint_id)
+        if record.key and self._read(METADATA_NAME) is None:
+            self._connection.gcs.delete(record.bucket, record.key, self._deadline())
+
     def _read(self, name: str) -> bytes | None:
         return _read_small(self._connection.gcs, self._object(name), self._deadline())
 
@@ -590,6 +603,27 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         targets = [self._object(name) for name in names]
         with ThreadPoolExecutor(self.max_workers, thread_name_prefix="dataflux-delete") as pool:
             list(pool.map(lambda path: gcs.delete(path.bucket, path.key, deadline), targets))
+
+
+def write_commit_record(gcs: Gcs, checkpoint: str, save_id: str, deadline: Deadline) -> None:
+    """Write the commit record of the sharded checkpoint ``checkpoint`` (``gs://bucket/prefix``), once
+    its ``.metadata`` is published: a small object at the checkpoint's own name.
+
+    Why: Lightning's ``ckpt_path="last"`` dates every candidate with its filesystem's ``modified``, and
+    gcsfs gives a prefix none (``KeyError: 'mtime'``): with an object at the prefix's name, gcsfs
+    answers with that object's time, the time of the commit. The record is written after
+    ``.metadata``, so a save killed before it leaves the checkpoint dated at its previous commit; a
+    load reads ``.metadata`` only.
+
+    Raises:
+        TransferError, DeadlineExceededError: GCS failed, or did not answer in time.
+    """
+    record = _checkpoint_path(checkpoint)
+    if not record.key:  # a whole bucket: there is no name to date
+        return
+    body = json.dumps({"checkpoint": "torch.distributed.checkpoint", "metadata": METADATA_NAME,
+                       "save_id": save_id}).encode()
+    gcs.upload_object(record, memoryview(body), crc32c_extend(0, body), deadline)
 
 
 def _read_small(gcs: Gcs, path: GcsPath, deadline: Deadline) -> bytes | None:

@@ -90,17 +90,22 @@ class _DatafluxStorage:
 
     def last_checkpoints(self, found: set[str], directory: str) -> set[str]:
         """For ``ckpt_path="last"``: the ``last`` checkpoints ``ModelCheckpoint`` listed in the
-        ``gs://`` ``directory`` (``found``), a sharded one named by its ``.metadata`` object (which
-        Lightning dates; it cannot date a prefix), and the local tier's (the local metadata files of
-        its newest saves of them, which GCS may not hold yet)."""
+        ``gs://`` ``directory`` (``found``), and the local tier's (the local metadata files of its
+        newest saves of them, which GCS may not hold yet). A sharded checkpoint is named by its
+        commit record (the object at its own name, which Lightning dates), or where it has none (a
+        save of the local tier, published in the background) by its ``.metadata`` object; a prefix
+        with neither is what a save killed before its first commit left, not a checkpoint."""
         from fsspec.core import url_to_fs
 
         candidates = set()
         for path in found:
             filesystem, stripped = url_to_fs(path)
+            if not filesystem.isdir(stripped):  # an object: a checkpoint file, or a commit record
+                candidates.add(path)
+                continue
             metadata = f"{stripped.rstrip('/')}/{METADATA_NAME}"
-            sharded = filesystem.isdir(stripped) and filesystem.exists(metadata)
-            candidates.add(filesystem.unstrip_protocol(metadata) if sharded else path)
+            if filesystem.exists(metadata):
+                candidates.add(filesystem.unstrip_protocol(metadata))
         tier = self.local_tier()
         if tier is not None:
             candidates |= set(tier.last_checkpoints(directory).values())

@@ -46,10 +46,16 @@ class RemoteModelCheckpoint(ModelCheckpoint):
             return set()
         last = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?")
         found = set()
-        for name in filesystem.ls(path, detail=False):
-            file = PurePosixPath(name)
-            if file.suffix == self.FILE_EXTENSION and last.match(file.stem):
-                found.add(filesystem.unstrip_protocol(name))
+        try:
+            for name in filesystem.ls(path, detail=False):
+                file = PurePosixPath(name)
+                if file.suffix == self.FILE_EXTENSION and last.match(file.stem):
+                    found.add(filesystem.unstrip_protocol(name))
+        finally:
+            # Not left cached: gcsfs answers info() from its parent's listing, where a sharded
+            # checkpoint's prefix comes before the commit record at its name, and Lightning then
+            # finds no modification time to date the candidate by (KeyError: 'mtime').
+            filesystem.invalidate_cache(path)
         return found
 
     def checkpoint_directory(self, trainer: pl.Trainer) -> str:
