@@ -40,13 +40,12 @@ CASES = [("fastpersist-dcp", "fsdp"), ("fastpersist-dcp", "model_parallel"), ("d
 FSDP2_ON_CPU = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 7)
 
 
-def _restarts(rounds: Rounds, job: Job, restarts: int) -> tuple[list[int], dict[int, list[str]], set[str]]:
+def _restarts(rounds: Rounds, job: Job, restarts: int) -> tuple[list[int], dict[int, list[str]]]:
     """Check each attempt's resume, kill a rank, until ``restarts`` restarts are used. Returns the steps
-    resumed at, what killed saves had left when each attempt started (by attempt), and the directories
-    that held only a killed save's lock."""
+    resumed at, and what killed saves had left when each attempt started (by attempt), directories that
+    hold only a killed save's lock included."""
     resumed: list[int] = []
     leftovers: dict[int, list[str]] = {}
-    lock_only: set[str] = set()
     for attempt in range(restarts + 1):
         started = attempt_started(rounds.follower, job, attempt, RANKS)
         for start in started.values():
@@ -59,13 +58,13 @@ def _restarts(rounds: Rounds, job: Job, restarts: int) -> tuple[list[int], dict[
             break
         live = {start["pid"] for start in started.values()}
         left, locks = sharded_leftovers(rounds.storage, rounds.follower, live)
+        left += [f"{checkpoint}: only a killed save's lock" for checkpoint in locks]
         if left:
             leftovers[attempt] = left
-        lock_only.update(locks)
         point = ("step", "save")[attempt % 2]
         kill_rank(job, rounds.follower, rounds.rng.randrange(RANKS), point, rounds.rng, attempt=attempt,
                   log=rounds.log, skip=rounds.rng.randrange(3))
-    return resumed, leftovers, lock_only
+    return resumed, leftovers
 
 
 @pytest.mark.parametrize(("plugin", "strategy"), CASES, ids=[f"{p}-{s}-torchrun" for p, s in CASES])
@@ -78,13 +77,11 @@ def test_torchrun_restarts_every_rank_from_the_newest_whole_sharded_checkpoint(p
     config = storage.config(rounds.log_path, strategy=strategy, devices=RANKS)
     agent = fork_server.start_elastic(config, nproc=RANKS, max_restarts=RESTARTS)
     try:
-        resumed, leftovers, lock_only = _restarts(rounds, agent, RESTARTS)
+        resumed, leftovers = _restarts(rounds, agent, RESTARTS)
     finally:
         agent.kill_group()
     assert max(resumed) > 0, f"no restart resumed from a checkpoint: {resumed}"
-    # A save killed before it published leaves its (empty) lock file in a directory that is no
-    # checkpoint; nothing sweeps a path that is never saved again. Reported, not hidden:
-    print(f"resumed at {resumed}; directories holding only a killed save's lock: {sorted(lock_only)}")
+    print(f"resumed at {resumed}")
     expect_no_leftovers(plugin, leftovers)  # every restart above resumed right
 
 
@@ -105,7 +102,7 @@ def test_the_torchrun_command_restarts_from_the_sharded_checkpoint(plugin: str, 
                                    stderr=subprocess.STDOUT, start_new_session=True)
     job = ProcessJob(process, str(output))
     try:
-        resumed, leftovers, _ = _restarts(rounds, job, 2)
+        resumed, leftovers = _restarts(rounds, job, 2)
     finally:
         kill_tree(process.pid)
         process.wait()

@@ -219,9 +219,9 @@ def storage(step: dict[str, Any], *, reader: bool) -> Any:
     return FastPersistStorageWriter(step["path"], **NVME_OPTIONS)
 
 
-def stalling_planner(marker: str, after_items: int) -> Any:
+def stalling_planner(marker: str, after_items: int, release: str | None = None) -> Any:
     """A save planner that, after ``after_items`` tensors (the first is ``big``), creates ``marker``
-    and waits to be killed."""
+    and waits to be killed, or, given ``release``, until that file exists."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     class Stalling(DefaultSavePlanner):
@@ -233,7 +233,10 @@ def stalling_planner(marker: str, after_items: int) -> Any:
                 self.resolved += 1
                 if self.resolved > after_items:
                     Path(marker).touch()
-                    time.sleep(600)
+                    if release is None:
+                        time.sleep(600)
+                    while release is not None and not os.path.exists(release):
+                        time.sleep(0.05)  # another process's file: nothing here to wait on
             return data
 
     return Stalling()

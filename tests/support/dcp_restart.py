@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -106,27 +105,6 @@ def run_phase(kind: str, storage: str, root: str, phase: str, ckpt_path: str | N
 
 
 # The live save ---------------------------------------------------------------------------------------
-def _held_planner(held: str, go: str) -> Any:
-    """A save planner that, once the first tensor (``big``) is written, creates ``held`` and waits
-    until ``go`` exists."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    class Held(DefaultSavePlanner):
-        resolved = 0
-
-        def resolve_data(self, write_item: Any) -> Any:
-            data = super().resolve_data(write_item)
-            if write_item.type.name != "BYTE_IO":
-                self.resolved += 1
-                if self.resolved == 2:
-                    Path(held).touch()
-                    while not os.path.exists(go):
-                        time.sleep(0.05)  # another process's file: nothing here to wait on
-            return data
-
-    return Held()
-
-
 def live_save(spec: dict[str, Any]) -> None:
     """Save :func:`~tests.support.dcp_ranks.full_state` of ``seed`` to ``path`` in this process alone,
     held in the middle (see the module); writes ``{"saved": true}`` to ``report`` once it published."""
@@ -135,7 +113,7 @@ def live_save(spec: dict[str, Any]) -> None:
     warnings.simplefilter("ignore")  # DCP warns that no process group is initialized
     import torch.distributed.checkpoint as dcp
 
-    from tests.support.dcp_ranks import full_state
+    from tests.support.dcp_ranks import full_state, stalling_planner
 
     if spec["storage"] == "gs":
         from dataflux_ckpt import DatafluxStorageWriter
@@ -145,7 +123,8 @@ def live_save(spec: dict[str, Any]) -> None:
         from fastpersist import FastPersistStorageWriter
 
         writer = FastPersistStorageWriter(spec["path"], io_buffer_mb=1)
-    dcp.save(full_state(spec["seed"]), storage_writer=writer, planner=_held_planner(spec["held"], spec["go"]))
+    planner = stalling_planner(spec["held"], 1, release=spec["go"])
+    dcp.save(full_state(spec["seed"]), storage_writer=writer, planner=planner)
     Path(spec["report"]).write_text(json.dumps({"saved": True}))
 
 

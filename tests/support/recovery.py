@@ -243,16 +243,9 @@ def sharded_leftovers(storage: Storage, follower: LogFollower, live: set[int]) -
 
 
 def expect_no_leftovers(plugin: str, leftovers: Mapping[int, Any]) -> None:
-    """Fail on what killed saves left when restarts began (by restart); for the DCP storages, whose killed
-    saves under a path that is never saved again nothing sweeps, an expected failure naming them."""
-    if leftovers and plugin in ("dataflux-dcp", "fastpersist-dcp"):
-        import pytest
-
-        first = min(leftovers)
-        pytest.xfail(f"a killed DCP save leaves its shards, temporaries or part objects under a checkpoint path "
-                     f"that is never saved again (no .metadata; no restart sweeps it): {len(leftovers[first])} "
-                     f"when restart {first} of {sorted(leftovers)} began, such as {sorted(leftovers[first])[0]}")
-    assert not leftovers, f"leftovers of killed saves when restarts began: {leftovers}"
+    """Fail on what killed saves left when restarts began (by restart): each restart's sweep, when
+    training starts, removes what saves that are over left, sharded (DCP) saves included."""
+    assert not leftovers, f"{plugin}: leftovers of killed saves when restarts began: {leftovers}"
 
 
 def kill_tree(pid: int) -> None:
