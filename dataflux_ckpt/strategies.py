@@ -93,7 +93,7 @@ class _DatafluxStorage:
         ``gs://`` ``directory`` (``found``), and the local tier's (the local metadata files of its
         newest saves of them, which GCS may not hold yet). A sharded checkpoint is named by its
         commit record (the object at its own name, which Lightning dates), or where it has none (a
-        save of the local tier, published in the background) by its ``.metadata`` object; a prefix
+        checkpoint saved before commit records were written) by its ``.metadata`` object; a prefix
         with neither is what a save killed before its first commit left, not a checkpoint."""
         from fsspec.core import url_to_fs
 

@@ -1357,7 +1357,7 @@ class _Publish:
         return _compare(data, listed[METADATA_NAME].generation, self.token, f"{self.uri}/{METADATA_NAME}")
 
     def _publish_locked(self, metadata: Metadata, shards: list[str]) -> str:
-        from dataflux_ckpt.dcp import GcsItemInfo, _GcsSaveLock
+        from dataflux_ckpt.dcp import GcsItemInfo, _GcsSaveLock, write_commit_record
 
         lock = _GcsSaveLock(self.gcs, self._object(SAVE_LOCK_NAME), self.uri, f"{TIERED_SAVE_ID_PREFIX}{self.token}",
                             LOCK_LEASE_S, self.connection.options.deadline_s)
@@ -1399,6 +1399,7 @@ class _Publish:
             lock.confirm()
             self.gcs.upload_object(self._object(METADATA_NAME), memoryview(body), crc32c_extend(0, body),
                                    self.deadline, if_generation_match=current.generation if current else 0)
+            write_commit_record(self.gcs, self.uri, metadata.storage_meta.save_id, self.deadline)
             log.debug("published %s (save %s, %d shards)", self.uri, self.token, len(shards))
             self._sweep(listed, set(shards))
             return PUBLISHED
