@@ -103,7 +103,7 @@ TIERED_COMPARED = (DIRECT_KEY, FASTPERSIST_KEY)
 ASYNC_SUFFIX = "-async"
 TIER_FILE = "tier-file"
 LOCAL_READ = "local-read"
-DURABLE_POLL_S = 0.002
+DURABLE_POLL_S = 0.01
 DURABLE_TIMEOUT_S = 1800.0
 
 
@@ -273,9 +273,10 @@ class TieredRow(PluginRow):
     """``TieredCheckpointIO``, as training sees it and as GCS does.
 
     A save is timed until the checkpoint is durable in GCS (its upload published); how long the
-    caller was blocked, training's stall, is kept as for async rows. Each round loads the checkpoint
-    twice: from the local tier (the row's load), and from GCS (:attr:`gcs_loads`) through another
-    ``TieredCheckpointIO`` whose local tier is empty, as a new node resumes.
+    caller was blocked, training's stall, is kept as for async rows, with the CPU seconds this process
+    used meanwhile (:attr:`stall_cpu_s`). Each round loads the checkpoint twice: from the local tier
+    (the row's load), and from GCS (:attr:`gcs_loads`) through another ``TieredCheckpointIO`` whose
+    local tier is empty, as a new node resumes.
     """
 
     def __init__(self, spec: RowSpec, upload_mode: str | None, services: Services, trainer: Any,
@@ -283,15 +284,18 @@ class TieredRow(PluginRow):
         super().__init__(spec, upload_mode, services, trainer, run_id, keep, meter)
         self.new_node = self.plugin.make(services, upload_mode or "auto")
         self.gcs_loads: list[Op] = []
+        self.stall_cpu_s: list[float] = []
 
     def save(self, step: int) -> Op:
         path, blocked = self.path(step), []
 
         def run() -> None:
             uploads_done = self.inner.stats().uploads_done
+            cpu = time.process_time()
             start = time.perf_counter()
             save(self.trainer, self.io, path)
             blocked.append(time.perf_counter() - start)
+            self.stall_cpu_s.append(time.process_time() - cpu)
             wait_until_durable(self.inner, path, uploads_done)
 
         op = _timed(run, self.meter)
@@ -585,16 +589,19 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
     row["save_blocked_median_s"] = statistics.median(blocked) if blocked else None
     row["tiered"] = isinstance(subject, TieredRow)
     if isinstance(subject, TieredRow):
-        row.update(tiered_fields(size, blocked, subject.gcs_loads))
+        row.update(tiered_fields(size, blocked, subject.gcs_loads, subject.stall_cpu_s))
     row["average_time_lines"] = average_time_lines(row)
     return row
 
 
-def tiered_fields(size: int, stalls: list[float], gcs_loads: list[Op]) -> dict[str, Any]:
+def tiered_fields(size: int, stalls: list[float], gcs_loads: list[Op], stall_cpu_s: list[float] | None = None,
+                  ) -> dict[str, Any]:
     """A Tiered row's own measurements: the training stall of each save (``stall_*``; its ``save_*``
-    are the times until durable, ``durable_median_s``) and each load from GCS (``gcs_load_*``)."""
+    are the times until durable, ``durable_median_s``), with the CPU seconds this process used in it
+    (``stall_cpu_median_s``), and each load from GCS (``gcs_load_*``)."""
     fields: dict[str, Any] = {"stall_times_s": stalls, "stall_median_s": None, "stall_min_s": None,
-                              "stall_max_s": None, "gcs_load_times_s": [op.seconds for op in gcs_loads]}
+                              "stall_max_s": None, "gcs_load_times_s": [op.seconds for op in gcs_loads],
+                              "stall_cpu_median_s": statistics.median(stall_cpu_s) if stall_cpu_s else None}
     if stalls:
         stall = spread(stalls)
         fields.update(stall_median_s=stall["median"], stall_min_s=stall["min"], stall_max_s=stall["max"])
@@ -676,7 +683,7 @@ def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, 
     """Each Tiered row against what its bars name, from medians of this run, as time ratios:
 
     - ``stall_vs_fastpersist``: its training stall / FastPersist's save of the same checkpoint to the
-      same disk;
+      same disk (``stall_cpu_vs_fastpersist``: the same for the CPU seconds this process used);
     - ``direct_save_vs_stall``: the direct Dataflux save (same upload mode) / its stall;
     - ``durable_vs_ceiling``: its time until durable / (FastPersist's save + the raw parallel upload of
       the local tier's file, ``durable_ceiling_s``), which is also its save ceiling;
@@ -688,6 +695,7 @@ def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, 
     """
     by_key = {row["key"]: row for row in rows}
     fastpersist_s = by_key.get(FASTPERSIST_KEY, {}).get("save_median_s")
+    fastpersist_cpu_s = by_key.get(FASTPERSIST_KEY, {}).get("save_cpu_s", {}).get("benchmark")
     read = ceilings.get(LOCAL_READ)
     for row in rows:
         if not row.get("tiered"):
@@ -696,6 +704,7 @@ def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, 
         upload = ceilings.get(f"{row['upload']}-{TIER_FILE}")
         ceiling_s = fastpersist_s + upload["save_median_s"] if fastpersist_s and upload else None
         row["stall_vs_fastpersist"] = ratio(row["stall_median_s"], fastpersist_s)
+        row["stall_cpu_vs_fastpersist"] = ratio(row.get("stall_cpu_median_s"), fastpersist_cpu_s)
         row["direct_save_vs_stall"] = ratio(direct.get("save_median_s"), row["stall_median_s"])
         row["durable_median_s"] = row["save_median_s"]
         row["durable_ceiling_s"] = ceiling_s
@@ -749,6 +758,7 @@ TIERED_COLUMNS = {
     "stall_median_s": "Stall s",
     "stall_range": "(min-max)",
     "stall_vs_fastpersist": "Stall / FastPersist save (bar <= 1.15)",
+    "stall_cpu_vs_fastpersist": "CPU: stall / FastPersist save",
     "direct_save_vs_stall": "Dataflux save / stall (bar >= 5)",
     "durable_median_s": "Durable s",
     "durable_ceiling_s": "FastPersist save + raw upload s",
