@@ -418,13 +418,23 @@ class DeferringOperations(ABC, Generic[Target]):
         except BaseException as exc:
             reason = self._why_deferred_cannot_follow(exc)
             if reason is not None:
-                self._drop_deferred(thread, operation, f"that failed ({reason})")
+                for dropped in self._drop_deferred(thread, operation, f"that failed ({reason})"):
+                    _note(exc, dropped)
                 raise
             for failure in self._run_deferred(thread, operation):
-                if hasattr(exc, "add_note"):  # Python 3.11+; logged in every version
-                    exc.add_note(str(failure))
+                _note(exc, str(failure))
             raise
-        failures = self._run_deferred(thread, operation)
+        else:
+            failures = self._run_deferred(thread, operation)
+        finally:
+            if thread.current is not None:
+                # An exception left the lines above between two of their steps, before they marked the
+                # thread out of the operation: a signal handler raised there (Lightning's SIGTERM handler
+                # does when its broadcast meets a dead rank). A thread left marked would defer every
+                # later operation to an end that never comes: its saves would return having saved nothing.
+                thread.current = None
+                for dropped in self._drop_deferred(thread, operation, "an exception ended it"):
+                    _note(sys.exc_info()[1], dropped)
         if failures:
             raise failures[0] from failures[0].__cause__
         return result
@@ -444,19 +454,25 @@ class DeferringOperations(ABC, Generic[Target]):
                 if not thread.deferred:
                     return failures
                 thread.current = during  # a handler deferred one after the last check, before the line above
-        except BaseException:  # KeyboardInterrupt and the like in a deferred operation: the rest are dropped
-            self._drop_deferred(thread, during, "that was interrupted")
+        except BaseException as exc:  # KeyboardInterrupt and the like in a deferred operation: the rest are dropped
+            for dropped in self._drop_deferred(thread, during, "that was interrupted"):
+                _note(exc, dropped)
             raise
 
-    def _drop_deferred(self, thread: _ThreadOperations, during: str, why: str) -> None:
-        """Mark the thread out of its operation and forget what was deferred behind it, with a warning."""
+    def _drop_deferred(self, thread: _ThreadOperations, during: str, why: str) -> list[str]:
+        """Mark the thread out of its operation and forget what was deferred behind it: an ERROR for
+        each save (a checkpoint its caller asked for is not made), a warning for anything else.
+        Returns what each log line says."""
         thread.current = None
+        said: list[str] = []
         while thread.deferred:
             dropped = thread.deferred.popleft()
             if dropped.queued is not None:
                 self._order.discard(dropped.queued)
-            log.warning("%s was not done: it was asked for while this thread was %s, and was still waiting "
-                        "when %s", self._name(dropped), during, why)
+            said.append(f"{self._name(dropped)} was not done: it was asked for while this thread was {during}, "
+                        f"and was still waiting when {why}")
+            log.log(logging.ERROR if dropped.kind == "saving" else logging.WARNING, "%s", said[-1])
+        return said
 
     def _name(self, deferred: _Deferred) -> str:
         if deferred.target is None:
@@ -481,6 +497,10 @@ class DeferringOperations(ABC, Generic[Target]):
             failure = DeferredOperationError(name, during, f"{type(exc).__name__}: {exc}")
             failure.__cause__ = exc
             return failure
+        except BaseException as exc:  # KeyboardInterrupt and the like: raised on, ending the rest
+            log.error("%s did not end: %s was raised in it (it was asked for while this thread was %s)",
+                      name, type(exc).__name__, during)
+            raise
         log.info("%s done, %.3f s after it was asked for", name, time.monotonic() - deferred.asked_at)
         return None
 
@@ -650,6 +670,12 @@ class OrderedCheckpointIO(CheckpointIO, DeferringOperations[Target]):
     def _tear_down(self) -> None:
         super()._tear_down()
         self._close()
+
+
+def _note(exc: BaseException | None, text: str) -> None:
+    """Add ``text`` to what ``exc`` says where Python can (3.11+); the same is logged in every version."""
+    if exc is not None and hasattr(exc, "add_note"):
+        exc.add_note(text)
 
 
 class _Deferred:
