@@ -149,7 +149,12 @@ def _estimated_bytes(obj: Any) -> int:
     while pending:
         value = pending.pop()
         if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
+            try:
+                storage = value.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                # Sparse tensors have no storage of their own; their dense size bounds what is saved.
+                total += round_up(value.numel() * value.element_size()) + ALIGNMENT_BYTES
+                continue
             key = (str(storage.device), storage.data_ptr())
             if key not in storages:
                 storages.add(key)
