@@ -84,6 +84,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
+from dataflux_ckpt.dcp_objects import (
+    GcsItemInfo,
+    _BlockCrcs,
+    _Connection,
+    _GcsSaveLock,
+    _read_small,
+    write_commit_record,
+)
 from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError
 from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
@@ -117,8 +125,6 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
     from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
     from torch.distributed.checkpoint.storage import WriteResult
-
-    from dataflux_ckpt.dcp import _Connection
 
 __all__ = ["TIERED_SAVE_ID_PREFIX", "LoadVersion", "ShardedLocalTier", "choose_version"]
 
@@ -423,8 +429,6 @@ def _shard_checksums(fd: int, size: int, items: Sequence[tuple[int, int]], block
         DataCorruptionError: the file is shorter than ``size`` or than an item's end.
         UploadStopped: ``stop`` answered ``True`` between blocks.
     """
-    from dataflux_ckpt.dcp import _BlockCrcs
-
     order = sorted(range(len(items)), key=lambda index: items[index][0])
     crcs = [_BlockCrcs(block_size) for _ in items]
     whole, offset, next_item = 0, 0, 0
@@ -573,8 +577,6 @@ class ShardedLocalTier:
         storage_client: Any = None,
         options: TransferOptions | None = None,
     ) -> None:
-        from dataflux_ckpt.dcp import _Connection
-
         #: The local tier's options, checked (``remote_every`` is 1: every save goes to GCS).
         self.tier_options = TieredOptions(local_dir=local_dir, keep_local=keep_local, min_free_bytes=min_free_bytes,
                                           teardown_timeout_s=teardown_timeout_s, io_buffer_mb=io_buffer_mb,
@@ -1325,8 +1327,6 @@ class _Publish:
         return GcsPath(self.base.bucket, f"{self.base.key}/{name}")
 
     def _read(self, name: str) -> bytes | None:
-        from dataflux_ckpt.dcp import _read_small
-
         return _read_small(self.gcs, self._object(name), self.deadline)
 
     def run(self) -> str:
@@ -1357,8 +1357,6 @@ class _Publish:
         return _compare(data, listed[METADATA_NAME].generation, self.token, f"{self.uri}/{METADATA_NAME}")
 
     def _publish_locked(self, metadata: Metadata, shards: list[str]) -> str:
-        from dataflux_ckpt.dcp import GcsItemInfo, _GcsSaveLock, write_commit_record
-
         lock = _GcsSaveLock(self.gcs, self._object(SAVE_LOCK_NAME), self.uri, f"{TIERED_SAVE_ID_PREFIX}{self.token}",
                             LOCK_LEASE_S, self.connection.options.deadline_s)
         try:
@@ -1446,8 +1444,6 @@ def _parse_marker(raw: bytes | None, name: str) -> dict[str, Any] | None:
 def _compare(data: bytes, generation: int, token: str, where: str) -> str | None:
     """How the checkpoint ``data`` (GCS's ``.metadata``, of ``generation``) stands to save ``token``:
     ``published`` (it is that save's), ``superseded`` (it is newer), ``None`` (older)."""
-    from dataflux_ckpt.dcp import GcsItemInfo
-
     try:
         metadata = load_metadata(data, where, allowed=[(GcsItemInfo.__module__, GcsItemInfo.__qualname__)])
     except pickle.UnpicklingError:
@@ -1531,8 +1527,6 @@ def choose_version(tier: ShardedLocalTier, uri: str, read_gcs: Callable[[], tupl
             gcs_failure = exc
             report["gcs_error"] = f"{type(exc).__name__}: {exc}"
         if gcs_data is not None:
-            from dataflux_ckpt.dcp import GcsItemInfo
-
             try:
                 metadata = load_metadata(gcs_data[0], f"{uri}/{METADATA_NAME}",
                                          allowed=[(GcsItemInfo.__module__, GcsItemInfo.__qualname__)])

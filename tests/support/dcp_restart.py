@@ -33,7 +33,7 @@ CHECKPOINTS = "checkpoints"
 LIVE = "live.ckpt"
 #: Loggers whose lines say what the sweep removed.
 SWEEP_LOGGERS = ("lightning_storage_plugins.dcp", "fastpersist.dcp", "fastpersist.writer", "dataflux_ckpt.upload",
-                 "dataflux_ckpt.dcp")
+                 "dataflux_ckpt.dcp", "dataflux_ckpt.dcp_objects")
 # A rank's shard being written: FastPersist's temporary file, or a part object of a Dataflux upload.
 _WRITING = {"nvme": re.compile(r"^\.__\d+_0\.[0-9a-f]{12}\.distcp\..*\.fastpersist\.tmp$"),
             "gs": re.compile(r"^__\d+_0\.[0-9a-f]{12}\.distcp\.dataflux-parts/")}
