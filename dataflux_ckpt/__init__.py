@@ -17,7 +17,7 @@ _EXPORTS = {
     "MAX_WORKERS": "dataflux_ckpt.checkpoint_io",
     "STREAM_CHUNK_SIZE_BYTES": "dataflux_ckpt.checkpoint_io",
     "DatafluxCheckpointIO": "dataflux_ckpt.checkpoint_io",
-    "DatafluxModelCheckpoint": "dataflux_ckpt.checkpoint_io",
+    "DatafluxModelCheckpoint": "dataflux_ckpt.checkpoint_callback",
     "reader": "dataflux_ckpt.checkpoint_io",
     "writer": "dataflux_ckpt.checkpoint_io",
     "DatafluxFSDPStrategy": "dataflux_ckpt.strategies",
@@ -101,12 +101,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from dataflux_ckpt.checkpoint_callback import DatafluxModelCheckpoint
     from dataflux_ckpt.checkpoint_io import (
         CHUNK_SIZE_BYTES,
         MAX_WORKERS,
         STREAM_CHUNK_SIZE_BYTES,
         DatafluxCheckpointIO,
-        DatafluxModelCheckpoint,
         reader,
         writer,
     )

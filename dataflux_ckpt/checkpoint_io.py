@@ -38,10 +38,8 @@ from dataflux_ckpt.upload import (
 )
 from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
-from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
-from lightning_storage_plugins.preflight import storage_plugin
 from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
@@ -52,7 +50,6 @@ __all__ = [
     "RESUMABLE_CHUNK_MULTIPLE_BYTES",
     "STREAM_CHUNK_SIZE_BYTES",
     "DatafluxCheckpointIO",
-    "DatafluxModelCheckpoint",
     "reader",
     "writer",
 ]
@@ -171,34 +168,6 @@ def _load_checkpoint(stream: RangedReader, map_location: Any, weights_only: bool
         raise
     stream.verify()
     return checkpoint
-
-
-class DatafluxModelCheckpoint(RemoteModelCheckpoint):
-    """``ModelCheckpoint`` with which ``trainer.fit(model, ckpt_path="last")`` resumes from a
-    ``gs://`` directory.
-
-    Stock ``ModelCheckpoint`` saves, lists and removes ``gs://`` checkpoints through gcsfs, but the
-    last checkpoints it finds for ``ckpt_path="last"`` lose their ``gs://`` (Lightning reads
-    ``bucket/run1/last.ckpt`` as a local path), so the run trains from scratch with only a warning.
-    This keeps the URLs. It takes ``ModelCheckpoint``'s arguments.
-
-    With :class:`~dataflux_ckpt.TieredCheckpointIO`, the local tier's ``last`` checkpoints of the
-    directory are candidates too (as local files), so that a ``last.ckpt`` saved after its newest
-    upload, or never uploaded, is found; Lightning resumes from the candidate modified last.
-    """
-
-    @override
-    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        from dataflux_ckpt.strategies import DatafluxFSDPStrategy, DatafluxModelParallelStrategy
-
-        found = super()._find_last_checkpoints(trainer)
-        if isinstance(trainer.strategy, (DatafluxFSDPStrategy, DatafluxModelParallelStrategy)):
-            # Sharded checkpoints are prefixes, which Lightning cannot date: the strategy names them.
-            found = trainer.strategy.last_checkpoints(found, self.checkpoint_directory(trainer))
-        plugin = storage_plugin(trainer.strategy.checkpoint_io)
-        if isinstance(plugin, DatafluxCheckpointIO):
-            found |= set(plugin.last_checkpoints(self.checkpoint_directory(trainer)).values())
-        return found
 
 
 class DatafluxCheckpointIO(OrderedCheckpointIO[_Target]):
