@@ -31,13 +31,20 @@ def test_reshard_4_to_2_to_1_to_2(gs_root: str, nvme_root: Path, tmp_path: Path)
 
 def _remaining(storage: str, path: str) -> list[str]:
     if storage == "nvme":
-        return sorted(p.name for p in Path(path).iterdir()) if Path(path).exists() else []
+        # With what a save puts beside the checkpoint: its save lock, and the directory its ranks write
+        # in until it commits (.<name>.<token>.dcp-save).
+        checkpoint = Path(path)
+        tops = [top for top in (checkpoint, *checkpoint.parent.glob(f".{checkpoint.name}.*")) if top.exists()]
+        found = [*tops, *(inner for top in tops if top.is_dir() for inner in top.rglob("*"))]
+        return sorted(str(p.relative_to(checkpoint.parent)) for p in found)
     from google.cloud import storage as gcs
 
     from dataflux_ckpt import parse_gcs_path
 
     bucket, key = parse_gcs_path(path)
-    return [blob.name for blob in gcs.Client().list_blobs(bucket, prefix=key + "/")]
+    # with the commit record, an object at the checkpoint's own name
+    return [blob.name for blob in gcs.Client().list_blobs(bucket, prefix=key)
+            if blob.name == key or blob.name.startswith(key + "/")]
 
 
 @pytest.mark.slow
@@ -54,7 +61,8 @@ def test_rank_killed_mid_save(storage: str, gs_root: str, nvme_root: Path, tmp_p
               "marker": str(marker)}]
     with Ranks(steps, 2, tmp_path, timeout_s=90) as ranks:
         ranks.wait_for(marker)
-        assert _remaining(storage, failed) != []  # the victim is mid-save: it has written something
+        # the victim is mid-save: it has written something (not only the save lock)
+        assert any("/" in name for name in _remaining(storage, failed))
         ranks.kill(1)
         survivor = ranks.join()[0]
     assert survivor is not None
