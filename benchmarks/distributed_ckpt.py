@@ -10,7 +10,8 @@ in order, ``--repeat`` rounds, so compared rows interleave):
 * local directory: ``FileSystemWriter(sync_files=True)`` / ``FileSystemReader`` (the baseline),
   ``FastPersistStorageWriter`` / ``Reader``, and the ceiling: raw O_DIRECT writes (fsynced) and reads of
   the same bytes from an aligned buffer;
-* gs:// on a local fake-gcs-server behind the XML multipart server (real GCS with ``--gcs-root``):
+* gs:// on a local fake-gcs-server (in-memory backend) behind the XML multipart server (real GCS with
+  ``--gcs-root``):
   ``FsspecWriter`` / ``FsspecReader`` over gcsfs (the baseline), ``DatafluxStorageWriter`` / ``Reader``,
   gcs-torch-dataflux 1.4.0's ``GCSDistributedWriter`` / ``Reader`` (the peer, run by a worker process per
   rank with its own google-cloud-storage 2.x: ``--peer-path``), and the ceiling: one raw upload and one
@@ -545,7 +546,8 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
 
 
 def remove(where: str) -> None:
-    """Delete a checkpoint (a directory, or every object under a gs:// prefix)."""
+    """Delete a checkpoint (a directory, or every object under a gs:// prefix and the one at its name,
+    a sharded checkpoint's commit record)."""
     if not where.startswith("gs://"):
         shutil.rmtree(where, ignore_errors=True)
         return
@@ -555,8 +557,9 @@ def remove(where: str) -> None:
 
     bucket, _, prefix = where.removeprefix("gs://").partition("/")
     client: storage.Client = make_client()
-    for blob in client.list_blobs(bucket, prefix=prefix + "/"):
-        blob.delete()
+    for blob in client.list_blobs(bucket, prefix=prefix):
+        if blob.name == prefix or blob.name.startswith(prefix + "/"):
+            blob.delete()
 
 
 # The parent ---------------------------------------------------------------------------------------
@@ -696,8 +699,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gcs_root is None and any(ROWS[key].storage == "gcs" for key in args.rows):
             from dataflux_ckpt.testing import FakeGcsServer, XmlMultipartServer
 
-            emulator_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-bench-gcs-"))
-            emulator = stack.enter_context(FakeGcsServer(root=emulator_root))
+            # The in-memory backend: the filesystem one stores each object as a file named by the
+            # object, so it cannot hold a sharded checkpoint's commit record (an object at the
+            # checkpoint's own name) beside the objects under that name (HTTP 500, "file exists").
+            emulator = stack.enter_context(FakeGcsServer())
             server = stack.enter_context(XmlMultipartServer(emulator))
             stack.enter_context(server.activated())
             server.create_bucket("dcp-bench")
