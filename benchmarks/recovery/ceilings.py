@@ -5,18 +5,28 @@ integrity check), into memory allocated for them, as a load must return memory o
 
 * a local file or directory (a sharded checkpoint): every file read with ``O_DIRECT``, 16 MiB per call
   on 4 threads;
-* ``gs://``: every object (the checkpoint, or each object under a sharded checkpoint's prefix) fetched
-  with parallel ranged GETs (:class:`benchmarks.raw_gcs.RawGcs`, the plugin's part size and connection
-  count), as ``benchmarks.lightning_ckpt``'s download ceiling;
+* ``gs://``: every object (the checkpoint, or each object under a sharded checkpoint's prefix, not its
+  commit record at the prefix's own name) fetched with parallel ranged GETs
+  (:class:`benchmarks.raw_gcs.RawGcs`, the plugin's part size and connection count), as
+  ``benchmarks.lightning_ckpt``'s download ceiling;
 * ``redis://``: the checkpoint's value and its chunks with plain redis-py ``GET`` s in one pipeline.
+
+A sharded (DCP) checkpoint's load costs more than its bytes: DCP plans it, runs its collectives and
+resolves every item into the model's and optimizers' state, whatever the storage.
+:func:`dcp_load_seconds` measures that part, as ``benchmarks.distributed_ckpt`` measures DCP's own
+cost: the loads a sharded strategy makes, through a storage reader that serves the checkpoint's
+metadata and reads no byte. The job times it in its last start, warm (so it is a lower bound of a
+restart's), and a sharded row's ceiling adds it to the raw read.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 RAW_CHUNK_BYTES = 16 << 20
 RAW_THREADS = 4
@@ -70,11 +80,11 @@ class GcsReader:
 
         bucket, _, name = url.removeprefix("gs://").partition("/")
         client = storage.Client()
-        blob = client.bucket(bucket).get_blob(name)
-        if blob is not None:
-            objects = [(name, blob.size)]
-        else:
-            objects = [(b.name, b.size) for b in client.list_blobs(bucket, prefix=name.rstrip("/") + "/")]
+        # A sharded checkpoint is its prefix's objects (the object at its own name is its commit record).
+        objects = [(b.name, b.size) for b in client.list_blobs(bucket, prefix=name.rstrip("/") + "/")]
+        if not objects:
+            blob = client.bucket(bucket).get_blob(name)
+            objects = [(name, blob.size)] if blob is not None else []
         if not objects:
             raise FileNotFoundError(f"no object at or under {url}")
         self.bucket, self.objects = bucket, objects
@@ -117,3 +127,77 @@ def read_redis(key: str, address: str) -> int:
         for chunk in header.chunk_keys(key):
             pipe.get(chunk)
         return sum(len(value) for value in pipe.execute() if value is not None)
+
+
+def dcp_load_seconds(strategy: Any, checkpoint: str) -> float:
+    """Seconds DCP itself takes to load the sharded checkpoint ``checkpoint`` into ``strategy``'s model
+    and optimizers (a Lightning ``FSDPStrategy`` with sharded state dicts, or a ``ModelParallelStrategy``,
+    the plugins' or Lightning's own), with no byte read: the model's state, then each optimizer's, as
+    the sharded strategies load them, each through a reader that serves the checkpoint's metadata
+    (read once, untimed) and hands every tensor back to the planner as it is. Nothing is applied to the
+    model or the optimizers."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if hasattr(strategy, "storage_reader"):  # the plugins' strategies
+        metadata = strategy.storage_reader(checkpoint).read_metadata()
+    else:
+        metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    reader = _metadata_only_reader(metadata)
+    model, optimizers = strategy.model, strategy.optimizers
+    started = time.perf_counter()
+    if isinstance(strategy, FSDPStrategy):
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict()}
+            dcp.load(state, storage_reader=reader)
+            for index in range(len(optimizers)):
+                load_sharded_optimizer_state_dict(model_state_dict=state["model"], optimizer_key=f"optimizer_{index}",
+                                                  storage_reader=reader)
+    else:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.load({"state_dict": get_model_state_dict(model)}, storage_reader=reader)
+        for index, optimizer in enumerate(optimizers):
+            dcp.load({f"optimizer_{index}": get_optimizer_state_dict(model, optimizer)}, storage_reader=reader)
+    return time.perf_counter() - started
+
+
+def _metadata_only_reader(metadata: Any) -> Any:
+    """A DCP storage reader that serves ``metadata`` and reads nothing: every tensor item goes back to
+    the planner as the planner resolved it, every pickled item is skipped."""
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class MetadataOnlyReader(StorageReader):
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return metadata
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def read_data(self, plan: Any, planner: Any) -> Future:
+            for item in plan.items:
+                if item.type != LoadItemType.BYTE_IO:
+                    planner.commit_tensor(item, planner.resolve_tensor(item))
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+    return MetadataOnlyReader()

@@ -12,7 +12,9 @@ From the event log of each run it reports, as Google's ``ml-goodput-measurement`
 * badput by category: start-up, checkpoint restore, training preparation, checkpoint save stalls,
   wasted progress, recovery between starts, and the rest;
 * for each restart: the time from its launch to its first step, against its ceiling: its own start-up
-  (launch to the point it loads) plus a raw read of the checkpoint's bytes at the machine's speed;
+  (launch to the point it loads) plus a raw read of the checkpoint's bytes at the machine's speed, and
+  for a sharded checkpoint DCP's own cost of loading it (planning, collectives, resolving every item,
+  with no byte read: :func:`benchmarks.recovery.ceilings.dcp_load_seconds`);
 * each save stall, against the plugin's plain save of the same checkpoint (``trainer.save_checkpoint``
   outside training, as ``benchmarks.lightning_ckpt`` times it), measured in the same rounds;
 * the progress lost to each disruption (at most one checkpoint interval).
@@ -72,7 +74,7 @@ from benchmarks.recovery.events import (
     preempt,
     read_events,
 )
-from benchmarks.recovery.job import EventLog, JobConfig
+from benchmarks.recovery.job import DCP_LOAD_EVENT, EventLog, JobConfig
 from benchmarks.report import (
     MB,
     format_markdown_table,
@@ -320,6 +322,7 @@ class RunResult:
     account: RunAccount
     plain_saves_s: list[float]
     raw_read_s: list[float]
+    dcp_load_s: list[float]
     checkpoint_bytes: int
     resumes_ok: int
     resumes: int
@@ -330,6 +333,12 @@ class RunResult:
     @property
     def raw_read_median_s(self) -> float:
         return statistics.median(self.raw_read_s)
+
+    @property
+    def load_floor_s(self) -> float:
+        """The load part of a restart's ceiling: the raw read, and for a sharded checkpoint DCP's own
+        cost of loading it (see :func:`benchmarks.recovery.ceilings.dcp_load_seconds`)."""
+        return self.raw_read_median_s + (statistics.median(self.dcp_load_s) if self.dcp_load_s else 0.0)
 
 
 class Launcher:
@@ -369,7 +378,8 @@ def run_row(row: Row, round_: int, settings: Settings, storages: Storages, launc
                 save_kills += 1
                 in_save += landed
         # The last start trains to the end, then makes the plain saves (outside training, in a warm process).
-        job = launcher.start(dataclasses.replace(config, plain_saves=settings.plain_saves), log)
+        job = launcher.start(dataclasses.replace(config, plain_saves=settings.plain_saves,
+                                                 dcp_loads=settings.raw_reads if row.strategy != "single" else 0), log)
         follower.wait_for(lambda e: of_process(job.pid, "exit")(e), RUN_TIMEOUT_S,
                           f"the end of {row.name}'s run (step {settings.max_steps}) and its plain saves", job=job)
         job.wait(60.0)
@@ -382,6 +392,7 @@ def run_row(row: Row, round_: int, settings: Settings, storages: Storages, launc
             raise RuntimeError(f"{row.name}'s last start made {len(plain)} plain saves, not {settings.plain_saves}")
         checkpoint = f"{config.checkpoint_dir}/last.ckpt"
         raw_times, size = raw_reads(storages, row, checkpoint, settings.raw_reads)
+        dcp_loads = [e["seconds"] for e in events if of_process(job.pid, DCP_LOAD_EVENT)(e)]
     finally:
         if job is not None and job.poll() is None:  # a start left running by a failure
             job.send(signal.SIGKILL)
@@ -395,8 +406,8 @@ def run_row(row: Row, round_: int, settings: Settings, storages: Storages, launc
             notes.append(f"resume not from the newest whole checkpoint: {check.describe()}")
     if save_kills and not in_save:
         notes.append("no kill of a save landed inside the save (the saves were faster than the kill)")
-    return RunResult(row, round_, account(events), plain, raw_times, size, sum(c.ok for c in checks), len(checks),
-                     in_save, save_kills, notes)
+    return RunResult(row, round_, account(events), plain, raw_times, dcp_loads, size, sum(c.ok for c in checks),
+                     len(checks), in_save, save_kills, notes)
 
 
 def disrupt(job: Job, follower: LogFollower, log: EventLog, disruption: Disruption, settings: Settings) -> bool:
@@ -487,11 +498,11 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
     restarts = []
     for r in runs:
         for restart in r.account.restarts:
-            ceiling = restart.startup_s + r.raw_read_median_s if restart.to_first_step_s is not None else None
+            ceiling = restart.startup_s + r.load_floor_s if restart.to_first_step_s is not None else None
             restarts.append({
                 "round": r.round, "after": restart.disruption, "startup_s": restart.startup_s,
                 "load_s": restart.load_s, "prep_s": restart.prep_s, "to_first_step_s": restart.to_first_step_s,
-                "raw_read_s": r.raw_read_median_s, "ceiling_s": ceiling,
+                "raw_read_s": r.raw_read_median_s, "dcp_load_s": _median(r.dcp_load_s), "ceiling_s": ceiling,
                 "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
                 "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
             })
@@ -514,6 +525,7 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
         "ceiling_s": _median([x["ceiling_s"] for x in restarts if x["ceiling_s"] is not None]),
         "first_step_vs_ceiling": _median(vs_ceiling), "first_step_vs_ceiling_max": max(vs_ceiling, default=None),
         "raw_read_s": _median([r.raw_read_median_s for r in runs]),
+        "dcp_load_s": _median([s for r in runs for s in r.dcp_load_s]),
         "lost_steps_max": max(lost, default=0), "lost_steps": lost,
         "resumes_ok": sum(r.resumes_ok for r in runs), "resumes": sum(r.resumes for r in runs),
         "save_kills_in_save": sum(r.save_kills_in_save for r in runs), "save_kills": sum(r.save_kills for r in runs),
@@ -524,7 +536,8 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
             "seconds": dict(r.account.seconds), "fractions": r.account.fractions,
             "save_stalls_s": list(r.account.save_stalls_s), "first_save_stalls_s": list(r.account.first_save_stalls_s),
             "plain_saves_s": r.plain_saves_s,
-            "raw_read_s": r.raw_read_s, "checkpoint_bytes": r.checkpoint_bytes, "steps_done": r.account.steps_done,
+            "raw_read_s": r.raw_read_s, "dcp_load_s": r.dcp_load_s, "checkpoint_bytes": r.checkpoint_bytes,
+            "steps_done": r.account.steps_done,
             "progress": [list(p) for p in r.account.progress],
             "disruptions": [list(d) for d in r.account.disruptions],
         } for r in runs],

@@ -54,6 +54,8 @@ STRATEGIES = ("single", "fsdp", "model_parallel")
 # Where each plugin keeps checkpoints: the scheme its --root must have ("" for a local directory).
 _SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "smartredis": "redis"}
 CHECKPOINT_SUBDIR = "checkpoints"
+# The event of one timing of DCP's own cost of loading the last checkpoint (JobConfig.dcp_loads).
+DCP_LOAD_EVENT = "dcp_load"
 ON_EXCEPTION_NAME = "on_exception"
 # AdamW keeps two moments per weight: a checkpoint holds about three times the weights' bytes.
 _CHECKPOINT_BYTES_PER_WEIGHT = 3 * 4
@@ -96,6 +98,9 @@ class JobConfig:
             more with ``trainer.save_checkpoint`` to ``<checkpoint_dir>/last.ckpt``, outside the training
             loop (as ``benchmarks.lightning_ckpt`` times a plugin's save): what a save stall in training
             compares with.
+        dcp_loads: (sharded plugins) after the plain saves, time DCP's own cost of loading that
+            checkpoint this many times (:func:`benchmarks.recovery.ceilings.dcp_load_seconds`, a
+            ``dcp_load`` event each): what the restarts' ceiling adds to the raw read.
     """
 
     plugin: str
@@ -119,6 +124,7 @@ class JobConfig:
     threads: int | None = 1
     seed: int = 0
     plain_saves: int = 0
+    dcp_loads: int = 0
 
     def __post_init__(self) -> None:
         if self.plugin not in PLUGINS:
@@ -139,8 +145,11 @@ class JobConfig:
         for name in ("every_n_steps", "max_steps", "width", "devices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.save_top_k < 0 or self.plain_saves < 0 or self.size_mb <= 0 or self.step_time_s < 0:
-            raise ValueError(f"save_top_k ({self.save_top_k}), plain_saves ({self.plain_saves}) and step_time_s "
+        if self.dcp_loads and self.plugin not in SHARDED_PLUGINS:
+            raise ValueError(f"dcp_loads is for the sharded plugins, not {self.plugin}")
+        if self.save_top_k < 0 or self.plain_saves < 0 or self.dcp_loads < 0 or self.size_mb <= 0 or self.step_time_s < 0:
+            raise ValueError(f"save_top_k ({self.save_top_k}), plain_saves ({self.plain_saves}), dcp_loads "
+                             f"({self.dcp_loads}) and step_time_s "
                              f"({self.step_time_s}) must not be "
                              f"negative, size_mb ({self.size_mb}) must be positive")
 
@@ -585,6 +594,12 @@ def run(config: JobConfig) -> None:
             log.emit("train_end", step=trainer.global_step)
             for _ in range(config.plain_saves):
                 trainer.save_checkpoint(f"{config.checkpoint_dir}/last.ckpt")
+            if config.dcp_loads:
+                from benchmarks.recovery.ceilings import dcp_load_seconds
+
+                for _ in range(config.dcp_loads):
+                    log.emit(DCP_LOAD_EVENT, seconds=dcp_load_seconds(trainer.strategy,
+                                                                      f"{config.checkpoint_dir}/last.ckpt"))
             step = trainer.global_step
     except BaseException as exc:
         log.emit("exit", reason=type(exc).__name__, error=str(exc)[:500])
