@@ -802,7 +802,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = f"Goodput under kills and preemptions: {settings.describe()}"
     started = time.monotonic()
     try:
-        with Services(ServiceOptions(local_dir=args.local_dir)) as services, ExitStack() as stack:
+        # fake-gcs-server's memory backend: its filesystem backend keeps each object in a file of its
+        # name, so it cannot hold a sharded checkpoint's commit record beside the objects under its prefix.
+        with Services(ServiceOptions(local_dir=args.local_dir, emulator_backend="memory")) as services, \
+                ExitStack() as stack:
             storages = Storages(services)
             say("starting the services: " + ", ".join(sorted({r.storage for r in rows})))
             storages.start(rows)

@@ -273,3 +273,21 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     chart = out_json.with_suffix(".png")
     assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
     assert "| Row |" in out_json.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_a_sharded_gcs_row_runs_and_its_ceiling_adds_dcps_own_load(tmp_path):
+    """The Dataflux DCP row: two ranks, checkpoints that are a prefix and its commit record in the
+    emulator. Each restart's ceiling is its start-up, the raw read and DCP's own cost of the load."""
+    out_json = tmp_path / "recovery.json"
+    argv = ["--rows", "dataflux-dcp", "--rounds", "1", "--size-mb", "1", "--every-n-steps", "2", "--max-steps", "10",
+            "--step-time-s", "0.02", "--plain-saves", "2", "--raw-reads", "1", "--json", str(out_json)]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.recovery", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out_json.read_text())
+    assert row["key"] == "dataflux-dcp" and row["resumes_ok"] == row["resumes"] == 3, row.get("notes")
+    assert row["dcp_load_s"] > 0 and row["raw_read_s"] > 0
+    for restart in row["restarts"]:
+        assert restart["ceiling_s"] == pytest.approx(restart["startup_s"] + restart["raw_read_s"]
+                                                     + restart["dcp_load_s"])
