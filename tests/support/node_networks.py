@@ -44,6 +44,9 @@ BLOCK = ipaddress.ip_network("198.18.0.0/15")
 NAMESPACE_DIR = "/run/netns"
 _PREFIX = "local-slurm"
 _NAMESPACE = re.compile(rf"^{_PREFIX}-(\d+)-(\d+)-")
+# `ip -o link show`'s line of a bridge (lsb<pid>-<serial>) or of an interface pair's end on it
+# (lsv<pid>-<serial>-<node>, shown as NAME@ifN: its peer is in a namespace)
+_LINK = re.compile(r"^\d+:\s+(ls[bv]([0-9a-f]+)-[0-9a-f]+(?:-\d+)?)[@:]")
 COMMAND_TIMEOUT_S = 30.0
 _created = itertools.count()
 
@@ -85,13 +88,27 @@ def _subnets_in_use() -> set[ipaddress.IPv4Network]:
 
 
 def remove_stale() -> None:
-    """Remove the namespaces and bridges of node networks whose process is gone (killed before its clean-up)."""
+    """Remove the namespaces, bridges and interface pairs of node networks whose process is gone (killed
+    before its clean-up)."""
     for line in _ip("netns", "list").stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         match = _NAMESPACE.match(name)
         if match and not psutil.pid_exists(int(match.group(1))):
             _ip("netns", "del", name, check=False)
-            _ip("link", "del", _bridge_name(int(match.group(1)), int(match.group(2))), check=False)
+    for name, pid in _our_links().items():
+        if not psutil.pid_exists(pid):
+            _ip("link", "del", name, check=False)
+
+
+def _our_links() -> dict[str, int]:
+    """The bridges and interface pairs' ends of node networks in this host's namespace, with the id of the
+    process that made them."""
+    found = {}
+    for line in _ip("-o", "link", "show").stdout.splitlines():
+        match = _LINK.match(line)
+        if match:
+            found[match.group(1)] = int(match.group(2), 16)
+    return found
 
 
 def _bridge_name(pid: int, serial: int) -> str:
@@ -170,17 +187,50 @@ class NodeNetworks:
                 _ip("-n", namespace, "link", "set", NODE_INTERFACE, "up")
                 _ip("-n", namespace, "link", "set", "lo", "up")
         except BaseException:
-            self.remove()
+            with contextlib.suppress(NodeNetworkError):  # the step's own error says more
+                self.remove()
             raise
         return self
 
     def remove(self) -> None:
-        """Remove every namespace (each takes its interface pair with it) and the bridge. Idempotent."""
+        """Remove each node's interface pair, the bridge and every namespace. Idempotent.
+
+        The pairs go first, one by one: deleting a namespace does not delete its interfaces at once (the
+        kernel frees a namespace in a work queue of its own, late on a busy machine, and never while a
+        process still holds it, a job step's that outlived its ``slurmd``), and until then a pair's end
+        stays on the bridge in this host's namespace.
+
+        Raises:
+            NodeNetworkError: a namespace, the bridge or an interface pair is still there after its
+                removal (the message names them and ``ip``'s answers).
+        """
+        if self._subnet is None:  # never made
+            return
+        failures = {}
+        for veth in self.veths.values():  # its peer, the node's interface, goes with it
+            failures[veth] = _remove(["link", "del", veth])
+        failures[self.bridge] = _remove(["link", "del", self.bridge])
         for namespace in self.namespaces.values():
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                _ip("netns", "del", namespace, check=False)
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            _ip("link", "del", self.bridge, check=False)
+            failures[namespace] = _remove(["netns", "del", namespace])
+        left = self._left()
+        if left:
+            raise NodeNetworkError("node networks still there after their removal: " + "; ".join(
+                f"{name} (`ip`: {failures[name] or 'no error'})" for name in left))
+
+    def _left(self) -> list[str]:
+        """What of these networks is still there: namespaces, then links."""
+        namespaces = {line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()}
+        links = _our_links()
+        return ([name for name in self.namespaces.values() if name in namespaces]
+                + [name for name in (*self.veths.values(), self.bridge) if name in links])
+
+
+def _remove(args: list[str]) -> str:
+    """Run ``ip ARGS`` to remove something; ``ip``'s complaint, or ``""`` when it had nothing to say."""
+    try:
+        return _ip(*args, check=False).stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
 
 
 class NetworkedSlurm(LocalSlurm):
