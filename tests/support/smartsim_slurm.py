@@ -23,9 +23,12 @@ else:
 
 #: what an allocation's environment holds for SmartSim's Slurm launcher, as a user's would: SLURM_OVERLAP=1
 #: (a database and an application share a node), SmartSim polling Slurm each second (its default, 10 s, suits
-#: long jobs), and SmartSim's and the published client's logs quiet
+#: long jobs), SmartSim's and the published client's logs quiet, and two of SmartSim's waits two minutes long
+#: instead of 20 s: for sacct to name a step srun launched ("Could not find id of launched job step") and for
+#: a database to write its address to its output file. Each ends as soon as what it waits for is there;
+#: 20 s is what a busy 2-core machine may take to start a step and import SmartSim in it.
 ALLOCATION_ENV = {"SLURM_OVERLAP": "1", "SMARTSIM_JM_INTERVAL": "1", "SMARTSIM_FLAG_TELEMETRY": "0",
-                  "SR_LOG_LEVEL": "QUIET"}
+                  "SR_LOG_LEVEL": "QUIET", "SMARTSIM_WLM_TRIALS": "60", "SMARTSIM_DB_FILE_PARSE_TRIALS": "60"}
 #: an allocation's time limit, in minutes: a driver that hangs gives its nodes back after it
 ALLOCATION_MINUTES = 10
 
