@@ -105,6 +105,7 @@ def null_storage() -> tuple[type, type]:
     import pickle
 
     from torch.distributed.checkpoint import LoadPlan, SavePlan, StorageReader, StorageWriter
+    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
 
@@ -148,14 +149,18 @@ def null_storage() -> tuple[type, type]:
             return None
 
     class NullReader(StorageReader):
-        def __init__(self, path: str) -> None:
-            self.path = path
+        """Serves the metadata the writer kept at ``path``, or ``metadata`` as given (any storage's)."""
+
+        def __init__(self, path: str | None = None, metadata: Any = None) -> None:
+            self.path, self.metadata = path, metadata
 
         def reset(self, checkpoint_id: Any = None) -> None:
             pass
 
-        def read_metadata(self) -> Any:
-            return pickle.loads(Path(self.path, ".metadata").read_bytes())
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if self.metadata is None:
+                self.metadata = pickle.loads(Path(self.path, ".metadata").read_bytes())
+            return self.metadata
 
         def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             pass
@@ -168,7 +173,8 @@ def null_storage() -> tuple[type, type]:
 
         def read_data(self, plan: LoadPlan, planner: Any) -> Future:
             for item in plan.items:
-                planner.commit_tensor(item, planner.resolve_tensor(item))
+                if item.type != LoadItemType.BYTE_IO:  # pickled items are skipped: there are no bytes
+                    planner.commit_tensor(item, planner.resolve_tensor(item))
             return done(None)
 
         @classmethod

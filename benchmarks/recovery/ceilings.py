@@ -139,11 +139,14 @@ def dcp_load_seconds(strategy: Any, checkpoint: str) -> float:
     import torch.distributed.checkpoint as dcp
     from lightning.pytorch.strategies import FSDPStrategy
 
+    from benchmarks.distributed_ckpt import null_storage
+
     if hasattr(strategy, "storage_reader"):  # the plugins' strategies
         metadata = strategy.storage_reader(checkpoint).read_metadata()
     else:
         metadata = dcp.FileSystemReader(checkpoint).read_metadata()
-    reader = _metadata_only_reader(metadata)
+    _, null_reader = null_storage()
+    reader = null_reader(metadata=metadata)
     model, optimizers = strategy.model, strategy.optimizers
     started = time.perf_counter()
     if isinstance(strategy, FSDPStrategy):
@@ -163,41 +166,3 @@ def dcp_load_seconds(strategy: Any, checkpoint: str) -> float:
         for index, optimizer in enumerate(optimizers):
             dcp.load({f"optimizer_{index}": get_optimizer_state_dict(model, optimizer)}, storage_reader=reader)
     return time.perf_counter() - started
-
-
-def _metadata_only_reader(metadata: Any) -> Any:
-    """A DCP storage reader that serves ``metadata`` and reads nothing: every tensor item goes back to
-    the planner as the planner resolved it, every pickled item is skipped."""
-    from torch.distributed.checkpoint import StorageReader
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.futures import Future
-
-    class MetadataOnlyReader(StorageReader):
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return metadata
-
-        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
-
-        def read_data(self, plan: Any, planner: Any) -> Future:
-            for item in plan.items:
-                if item.type != LoadItemType.BYTE_IO:
-                    planner.commit_tensor(item, planner.resolve_tensor(item))
-            done: Future = Future()
-            done.set_result(None)
-            return done
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return True
-
-    return MetadataOnlyReader()
