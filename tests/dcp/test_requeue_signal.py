@@ -30,9 +30,9 @@ from tests.support.dcp_ranks import Ranks
 from tests.support.dcp_requeue import (
     JOB_ID,
     STEPS,
+    checkpoint_names,
     checkpoint_reader,
     load_items,
-    referenced_files,
     stored_names,
 )
 
@@ -140,11 +140,10 @@ def test_the_slurm_handler_firing_on_every_rank_inside_a_sharded_save_leaves_bot
         states = [torch.load(io.BytesIO(state[LIGHTNING_STATE_KEY]), weights_only=True) for state in whole]
         assert [state["global_step"] for state in states] == [step, step]
 
-        # Nothing else under the root: each checkpoint holds its .metadata and the files it names.
+        # Nothing else under the root: each checkpoint holds its .metadata, the files it names and, on
+        # gs://, its commit record.
         checkpoints = [f"checkpoints/epoch=0-step={n}.ckpt" for n in range(1, STEPS + 1)] + ["hpc_ckpt_1.ckpt"]
-        expected = sorted(f"{name}/{file}" for name in checkpoints
-                          for file in {".metadata"} | referenced_files(checkpoint_reader(storage, f"{root}/{name}")))
-        assert stored_names(storage, root) == expected, storage
+        assert stored_names(storage, root) == checkpoint_names(storage, root, checkpoints), storage
 
 
 @pytest.mark.slow

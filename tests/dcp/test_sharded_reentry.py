@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 from lightning_storage_plugins.sharded import LIGHTNING_STATE_KEY
-from tests.support.dcp_requeue import checkpoint_reader, load_items, referenced_files, stored_names
+from tests.support.dcp_requeue import checkpoint_names, checkpoint_reader, load_items, stored_names
 from tests.support.signals import Refuses, Tripwire, deferral_log, handling, result_in_fork, to_main_thread
 
 Result = TypeVar("Result")
@@ -127,9 +127,9 @@ def _assert_whole(sharded: Sharded, path: str, expected: dict[str, Any]) -> None
 
 
 def _leftovers(sharded: Sharded, checkpoints: list[str]) -> list[str]:
-    """What is stored under the root besides ``checkpoints`` (each: its .metadata and the files it names)."""
-    expected = {f"{name}/{file}" for name in checkpoints
-                for file in {".metadata"} | referenced_files(checkpoint_reader(sharded.storage, sharded.path(name)))}
+    """What is stored under the root besides ``checkpoints`` (each: its .metadata, the files it names and,
+    on gs://, its commit record), and what of them is missing."""
+    expected = set(checkpoint_names(sharded.storage, sharded.root, checkpoints))
     return sorted(set(stored_names(sharded.storage, sharded.root)) ^ expected)
 
 

@@ -155,3 +155,15 @@ def checkpoint_reader(storage: str, path: str) -> Any:
 def referenced_files(reader: Any) -> set[str]:
     """The files (or objects) a checkpoint's metadata names."""
     return {info.relative_path for info in reader.read_metadata().storage_data.values()}
+
+
+def checkpoint_names(storage: str, root: str, checkpoints: list[str]) -> list[str]:
+    """What whole checkpoints ``checkpoints`` (relative to ``root``) store, as :func:`stored_names` lists
+    them: each one's ``.metadata`` and the files it names, and on gs:// its commit record (an object at
+    the checkpoint's own name, which dates it for Lightning)."""
+    names = set()
+    for name in checkpoints:
+        names |= {f"{name}/{file}" for file in {".metadata"} | referenced_files(checkpoint_reader(storage, f"{root}/{name}"))}
+        if storage == "gs":
+            names.add(name)
+    return sorted(names)
