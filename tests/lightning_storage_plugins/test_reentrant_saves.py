@@ -44,6 +44,7 @@ from tests.support.signals import (
     deferral_log,
     handling,
     result_in_fork,
+    result_in_new_process,
     signal_later,
     spread,
 )
@@ -483,11 +484,36 @@ def _signal_when_a_save_starts(directory: Path, stop: threading.Event) -> thread
     return thread
 
 
+def _fit_under_slurms_requeue_handler(root: Path, dirpath: Path, engine: str) -> dict[str, Any]:
+    """Train 3 steps with Lightning's SLURMEnvironment(auto_requeue=True) and FastPersist, a checkpoint
+    each step, SIGUSR1 sent when the first save starts; what the deferral logged."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fastpersist import FastPersistCheckpointIO
+
+    stop = threading.Event()
+    trainer = Trainer(
+        default_root_dir=root, max_steps=3, limit_val_batches=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+        plugins=[SLURMEnvironment(auto_requeue=True), FastPersistCheckpointIO(io_buffer_mb=4, engine=engine)],
+        callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)],
+    )
+    with deferral_log() as records:
+        watcher = _signal_when_a_save_starts(dirpath, stop)
+        try:
+            trainer.fit(_large_model())
+        finally:
+            stop.set()
+            watcher.join()
+    return {"log": _messages(records)}
+
+
 @pytest.mark.parametrize("engine", ["aio", "python"])
 def test_lightnings_slurm_handler_firing_inside_a_model_checkpoint_save_leaves_both_checkpoints_whole(
     engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fastpersist import FastPersistCheckpointIO
     from fastpersist.aio import aio_unavailable_reason
 
     if engine == "aio" and aio_unavailable_reason() is not None:
@@ -504,28 +530,8 @@ def test_lightnings_slurm_handler_firing_inside_a_model_checkpoint_save_leaves_b
         monkeypatch.setenv(name, value)
     dirpath = root / "checkpoints"
 
-    def check() -> dict[str, Any]:
-        from lightning.fabric.plugins.environments import SLURMEnvironment
-        from lightning.pytorch import Trainer
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        stop = threading.Event()
-        trainer = Trainer(
-            default_root_dir=root, max_steps=3, limit_val_batches=0, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, accelerator="cpu", devices=1,
-            plugins=[SLURMEnvironment(auto_requeue=True), FastPersistCheckpointIO(io_buffer_mb=4, engine=engine)],
-            callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)],
-        )
-        with deferral_log() as records:
-            watcher = _signal_when_a_save_starts(dirpath, stop)
-            try:
-                trainer.fit(_large_model())
-            finally:
-                stop.set()
-                watcher.join()
-        return {"log": _messages(records)}
-
-    outcome = result_in_fork(check)  # Lightning's handlers and MASTER_PORT stay in the child
+    # Lightning's handlers and MASTER_PORT stay in the child, a new process (it trains)
+    outcome = result_in_new_process(_fit_under_slurms_requeue_handler, root, dirpath, engine)
     hpc = root / "hpc_ckpt_1.ckpt"
     deferred = [line for line in outcome["log"] if line.startswith(f"saving {hpc} now: ")]
     assert len(deferred) == 1, outcome["log"]

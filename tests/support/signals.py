@@ -8,6 +8,7 @@ import contextlib
 import faulthandler
 import gc
 import logging
+import multiprocessing
 import os
 import pickle
 import random
@@ -155,3 +156,44 @@ def result_in_fork(check: Callable[[], Result], deadline_s: float = 120.0) -> Re
     if outcome == "raised":
         raise AssertionError(f"in the child process:\n{value}")
     return value
+
+
+def result_in_new_process(function: Callable[..., Result], *args: Any, deadline_s: float = 180.0) -> Result:
+    """What ``function(*args)`` returns in a new Python process (spawned, not forked): for a check that
+    trains, since a child forked from a process whose autograd has run cannot run backward ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"), and this process may
+    have trained in an earlier test. ``function`` is a module-level function; the child inherits the
+    environment. A child that aborts fails the test, naming the signal, instead of ending pytest.
+
+    Raises:
+        AssertionError: the child raised (its traceback is in the message), died of a signal, or
+            ran past ``deadline_s`` (its stacks are dumped, then it is ended).
+    """
+    context = multiprocessing.get_context("spawn")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_report_result, args=(writer, function, args, deadline_s), daemon=True)
+    child.start()
+    writer.close()
+    try:
+        outcome, value = reader.recv()  # until the child reports or exits: it ends itself past the deadline
+    except EOFError:
+        outcome, value = None, None
+    child.join()
+    if child.exitcode is not None and child.exitcode < 0:
+        raise AssertionError(f"the child process died of {signal.Signals(-child.exitcode).name}")
+    if outcome is None:
+        raise AssertionError(f"the child process exited with status {child.exitcode} without a result "
+                             "(past its deadline?)")
+    if outcome == "raised":
+        raise AssertionError(f"in the child process:\n{value}")
+    return value
+
+
+def _report_result(writer: Any, function: Callable[..., Any], args: tuple[Any, ...], deadline_s: float) -> None:
+    faulthandler.dump_traceback_later(deadline_s, exit=True)
+    try:
+        report = ("returned", function(*args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        report = ("raised", traceback.format_exc())
+    writer.send(report)
+    writer.close()
