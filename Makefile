@@ -72,7 +72,7 @@ MODULE := $(MODULE_DIR)/srio_redisai.so
 export FAKE_GCS_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/fake-gcs-server
 export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
-.PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle test-recovery lint bench clean
+.PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle test-recovery test-newest-a test-newest-b test-older-and-recovery lint bench clean
 
 ## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
 setup: setup-newest setup-oldest setup-middle
@@ -180,15 +180,32 @@ $(VENV_MIDDLE)/.async-io-built: $(VENV_MIDDLE)/.installed fastpersist/build_ops.
 	$(call ARCH_LIST,$(PY_MIDDLE)) $(PY_MIDDLE) -m fastpersist.build_ops async_io
 	@touch $@
 
-## test: set up, lint, run the whole suite (newest releases), then the oldest-supported and middle subsets,
-## then the recovery tests
-test: lint test-newest test-oldest test-middle test-recovery
+## test: set up, lint, then every test in three streams at once: the newest releases' suite in two
+## halves, and the oldest-supported and middle subsets followed by the recovery tests. Most tests wait on
+## processes and services they start, so two cores serve three streams: each alone kept a core about
+## two-thirds busy.
+test: lint setup
+	$(MAKE) -k -j3 --output-sync=target test-newest-a test-newest-b test-older-and-recovery
 
+## test-newest: the whole suite (newest releases) in one pytest run, but for the recovery tests
 test-newest: setup-newest
 	$(PY) -m pytest -m "not recovery" $(PYTEST_ARGS)
 
+# The halves of test-newest that `make test` runs side by side, of about equal length.
+NEWEST_A := tests/dataflux_ckpt tests/smartredis_io tests/test_readme.py tests/test_examples.py \
+	tests/test_fast_paths.py tests/test_checkpoint_io.py tests/test_layers.py
+test-newest-a: setup-newest
+	$(PY) -m pytest -p no:cacheprovider -m "not recovery" $(NEWEST_A) $(PYTEST_ARGS)
+
+test-newest-b: setup-newest
+	$(PY) -m pytest -p no:cacheprovider -m "not recovery" tests $(addprefix --ignore=,$(NEWEST_A)) $(PYTEST_ARGS)
+
+test-older-and-recovery: setup
+	$(MAKE) -k -j1 test-oldest test-middle test-recovery
+
 # The recovery job killed, preempted, requeued by Slurm and restarted by torchrun, 20 times per plugin
-# and event (pytest's `recovery` marker): 23 minutes on the busy 2-core build machine, so on their own.
+# and event (pytest's `recovery` marker): 23 minutes on the busy 2-core build machine, so a target of
+# their own (`make test` runs it after the older subsets, beside the newest suite's halves).
 test-recovery: setup-newest
 	$(PY) -m pytest -m recovery tests/recovery $(PYTEST_ARGS)
 
