@@ -56,6 +56,19 @@ def test_srun_on_three_nodes_runs_one_task_on_each(slurm_cluster: LocalSlurm) ->
     assert sorted(tasks.values()) == ["n1", "n2", "n3"]
 
 
+def test_a_step_sees_no_database_address_of_this_process(slurm_cluster: LocalSlurm,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # An earlier test's SmartRedis database is none of a job's: a step given its SSDB would connect there
+    # instead of to the database its SmartSim experiment launched.
+    for name in ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT"):
+        monkeypatch.setenv(name, "from-this-process")
+    result = slurm_cluster.run(["srun", "-N1", "bash", "-c", "env | grep -E '^(SSDB|SR_DB_TYPE|SSKEY)' || true"],
+                               timeout=WAIT_S)
+    assert result.stdout == ""
+    given_one = slurm_cluster.run(["srun", "-N1", "printenv", "SSDB"], env={"SSDB": "10.0.0.1:6780"}, timeout=WAIT_S)
+    assert given_one.stdout == "10.0.0.1:6780\n"  # what the caller passes still reaches the step
+
+
 TRAP_SCRIPT = """#!/bin/bash
 trap 'echo "USR1 reached the trap"; exit 0' USR1
 echo trap set

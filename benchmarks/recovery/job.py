@@ -584,7 +584,9 @@ def run(config: JobConfig) -> None:
 
                 stack.enter_context(activated(config.gcs_url))
             if config.redis_address:
-                # Lightning checks redis:// checkpoints through fsspec's redis filesystem, which reads $SSDB.
+                # Lightning checks redis:// checkpoints through fsspec's redis filesystem, which reads $SSDB
+                # (set for this run only: a caller's process keeps its own).
+                stack.callback(_restore_environ, "SSDB", os.environ.get("SSDB"))
                 os.environ["SSDB"] = config.redis_address
             quiet_lightning()
             if config.strategy != "single":
@@ -640,6 +642,14 @@ def main(argv: list[str] | None = None) -> int:
         configure_gcsfs_for_emulator()  # before anything imports gcsfs
     run(config)
     return 0
+
+
+def _restore_environ(name: str, value: str | None) -> None:
+    """Set the environment variable ``name`` back to ``value`` (``None``: unset it)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 if __name__ == "__main__":

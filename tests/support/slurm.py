@@ -55,6 +55,9 @@ SYSTEM_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 # Variables of an enclosing Slurm job or of a user's shell that would steer our client commands
 # (SBATCH_PARTITION, SLURM_JOB_ID...) to something other than what the caller asked for.
 _INHERITED_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SQUEUE_", "SINFO_", "SACCT_", "SCONTROL_")
+# SmartRedis' and SmartSim's client variables: the database of this process (an earlier test's) is none of
+# a job's, and a step given its SSDB connects there instead of to the database its experiment launched.
+_CLIENT_VARIABLES = ("SSDB", "SR_DB_TYPE", "SSKEYIN", "SSKEYOUT")
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                              "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "NNodes", "NTasks", "Start", "End")
@@ -203,8 +206,10 @@ class LocalSlurm:
     def env(self) -> dict[str, str]:
         """The environment for Slurm's client commands and for programs that call them (SmartSim's
         launcher, Lightning's requeue): this process' own, without the ``SLURM_*``-style variables of an
-        enclosing job, with ``SLURM_CONF`` naming this cluster and Slurm's directories on ``PATH``."""
-        env = {key: value for key, value in os.environ.items() if not key.startswith(_INHERITED_PREFIXES)}
+        enclosing job nor a SmartRedis database address (``SSDB`` and its kin), with ``SLURM_CONF`` naming
+        this cluster and Slurm's directories on ``PATH``."""
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(_INHERITED_PREFIXES) and not key.startswith(_CLIENT_VARIABLES)}
         env["PATH"] = _search_path()
         env["SLURM_CONF"] = os.fspath(self.conf)
         return env
