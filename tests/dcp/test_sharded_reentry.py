@@ -32,7 +32,15 @@ from torch.distributed.checkpoint import CheckpointException
 from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 from lightning_storage_plugins.sharded import LIGHTNING_STATE_KEY
 from tests.support.dcp_requeue import checkpoint_names, checkpoint_reader, load_items, stored_names
-from tests.support.signals import Refuses, Tripwire, deferral_log, handling, result_in_fork, to_main_thread
+from tests.support.signals import (
+    Refuses,
+    Tripwire,
+    deferral_log,
+    handler_ran,
+    handling,
+    result_in_fork,
+    to_main_thread,
+)
 
 Result = TypeVar("Result")
 MiB = 1 << 20
@@ -224,7 +232,7 @@ def test_a_signal_sent_when_the_shard_appears_saves_through_the_strategy_right_a
             watcher = _signal_when_writing(sharded, stop)
             try:
                 strategy.save_checkpoint(_checkpoint(1, mib=24), last)
-                assert handled.wait(60), "the shard was never seen being written, or the signal never handled"
+                assert handler_ran(handled), "the shard was never seen being written, or the signal never handled"
             finally:
                 stop.set()
                 watcher.join()

@@ -30,7 +30,7 @@ from fastpersist import (
     fastpersist_save,
 )
 from fastpersist.writer import TEMP_SUFFIX
-from tests.support.signals import Tripwire, handling, result_in_fork, signal_later, spread
+from tests.support.signals import Tripwire, handler_ran, handling, result_in_fork, signal_later, spread
 
 Result = TypeVar("Result")
 MiB = 1 << 20
@@ -121,7 +121,7 @@ def test_saves_asked_for_by_signals_at_random_points_of_a_save_never_damage_it(e
                 with handling(handler):
                     sender = signal_later(delay)
                     fastpersist_save(outer, ckpt_dir / f"last-{index}.ckpt", context=context)
-                    assert handled.wait(60), "the signal was never handled"
+                    assert handler_ran(handled), "the signal was never handled"
                     sender.join()
                 _assert_whole(ckpt_dir / f"last-{index}.ckpt", outer)
                 if outcomes[-1] == "saved":

@@ -42,6 +42,7 @@ from tests.support.signals import (
     Refuses,
     Tripwire,
     deferral_log,
+    handler_ran,
     handling,
     result_in_fork,
     result_in_new_process,
@@ -207,7 +208,7 @@ def test_saves_asked_for_by_signals_at_random_points_of_a_save_land_whole(storag
                             else:
                                 sender = signal_later(delay)
                                 checkpoint_io.save_checkpoint(outer, last)
-                            assert handled.wait(60), "the signal was never handled"
+                            assert handler_ran(handled), "the signal was never handled"
                             sender.join()
                         finally:
                             if wrapped:

@@ -14,6 +14,7 @@ import pickle
 import random
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -66,6 +67,18 @@ def to_main_thread(signum: int = REQUEUE_SIGNAL) -> None:
     main = threading.main_thread().ident
     assert main is not None
     signal.pthread_kill(main, signum)
+
+
+def handler_ran(handled: threading.Event, timeout_s: float = 60.0) -> bool:
+    """Whether ``handled`` is set within ``timeout_s``, waiting in the main thread in short slices: a
+    signal that lands just before a long wait starts is not noticed until that wait ends (the
+    interpreter runs handlers between bytecodes, and the blocked wait is not interrupted then), so a
+    single 60 s wait would return False with the handler still to run."""
+    deadline = time.monotonic() + timeout_s
+    while not handled.wait(0.05):
+        if time.monotonic() > deadline:
+            return False
+    return True
 
 
 def signal_later(delay: float, signum: int = REQUEUE_SIGNAL) -> threading.Thread:
