@@ -43,7 +43,9 @@ def block(language: str, contains: str) -> str:
 def wait_until(condition, timeout: float, what: str, alive=lambda: True) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert alive(), f"the job ended while waiting for {what}"
+        if not alive():  # it may have made what is waited for between the two checks, then ended
+            assert condition(), f"the job ended while waiting for {what}"
+            return
         assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
         time.sleep(POLL_S)
 
