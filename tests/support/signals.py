@@ -160,15 +160,7 @@ def result_in_fork(check: Callable[[], Result], deadline_s: float = 120.0) -> Re
     with os.fdopen(reader, "rb") as source:
         payload = source.read()  # until the child exits: it ends itself past the deadline
     _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        raise AssertionError(f"the child process died of {signal.Signals(os.WTERMSIG(status)).name}")
-    if not payload:
-        raise AssertionError(f"the child process exited with status {os.waitstatus_to_exitcode(status)} "
-                             "without a result (past its deadline?)")
-    outcome, value = pickle.loads(payload)
-    if outcome == "raised":
-        raise AssertionError(f"in the child process:\n{value}")
-    return value
+    return _child_result(pickle.loads(payload) if payload else None, os.waitstatus_to_exitcode(status))
 
 
 def result_in_new_process(function: Callable[..., Result], *args: Any, deadline_s: float = 180.0) -> Result:
@@ -188,15 +180,22 @@ def result_in_new_process(function: Callable[..., Result], *args: Any, deadline_
     child.start()
     writer.close()
     try:
-        outcome, value = reader.recv()  # until the child reports or exits: it ends itself past the deadline
+        report = reader.recv()  # until the child reports or exits: it ends itself past the deadline
     except EOFError:
-        outcome, value = None, None
+        report = None
     child.join()
-    if child.exitcode is not None and child.exitcode < 0:
-        raise AssertionError(f"the child process died of {signal.Signals(-child.exitcode).name}")
-    if outcome is None:
-        raise AssertionError(f"the child process exited with status {child.exitcode} without a result "
+    return _child_result(report, child.exitcode)
+
+
+def _child_result(report: tuple[str, Any] | None, exit_code: int) -> Any:
+    """The value a child reported, or the AssertionError saying why there is none: it raised, died of
+    a signal (a negative ``exit_code``), or exited without a report."""
+    if exit_code < 0:
+        raise AssertionError(f"the child process died of {signal.Signals(-exit_code).name}")
+    if report is None:
+        raise AssertionError(f"the child process exited with status {exit_code} without a result "
                              "(past its deadline?)")
+    outcome, value = report
     if outcome == "raised":
         raise AssertionError(f"in the child process:\n{value}")
     return value
