@@ -131,6 +131,8 @@ void SRIO_ClaimsInit(void);
 void SRIO_InflightAdd(Request *r);
 /* How many workers are registered. */
 unsigned long long SRIO_WorkerCount(void);
+unsigned long long SRIO_ServingCount(void);
+long long SRIO_ServingSince(void);
 /* Whether a request with no worker registered fails at once (the module's workers cannot start,
  * or no worker is coming), rather than waiting for one: the module's workers are starting (within
  * the request's deadline), or the last worker died and is being replaced (WORKER_STARTUP_MS). */

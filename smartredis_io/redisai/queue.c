@@ -231,9 +231,11 @@ void SRIO_Requeue(Request *r, int died, const char *why) {
 void SRIO_QueueExpire(void) {
     long long now = SRIO_Now(), limit = SRIO_Config.queue_timeout_ms;
     int none = SRIO_NoWorkerComing();
-    /* the module's first workers may take long to start (torch's import on a busy CPU): requests
-     * wait for them within their own deadline */
-    if (SRIO_WorkerCount() == 0 && SRIO_SpawnStarting()) limit = 0;
+    /* the module's first workers may take long to start (torch's import and warm-up on a busy CPU,
+     * after they register): requests wait for them within their own deadline, and count QUEUE_TIMEOUT
+     * from when the first of them asked for requests */
+    if (SRIO_ServingCount() == 0 && (SRIO_WorkerCount() > 0 || SRIO_SpawnStarting())) limit = 0;
+    long long since = SRIO_ServingSince();
     Request *r = queue_head;
     while (r) {
         Request *next = r->next;
@@ -241,10 +243,10 @@ void SRIO_QueueExpire(void) {
             SRIO_QueueUnlink(r);
             SRIO_Answerf(r, "ERR no execution worker is registered on this server%s", SRIO_NoWorkerHint());
             SRIO_RequestFree(r);
-        } else if (limit && now - r->queued_at >= limit) {
+        } else if (limit && now - (r->queued_at > since ? r->queued_at : since) >= limit) {
             SRIO_QueueUnlink(r);
-            SRIO_Answerf(r, "ERR no execution worker took the request within %lld s (%llu registered, all busy; "
-                            "QUEUE_TIMEOUT)", limit / 1000, SRIO_WorkerCount());
+            SRIO_Answerf(r, "ERR no execution worker took the request within %lld ms (%llu registered, all busy; "
+                            "QUEUE_TIMEOUT)", limit, SRIO_WorkerCount());
             SRIO_RequestFree(r);
         }
         r = next;

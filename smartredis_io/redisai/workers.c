@@ -34,12 +34,15 @@ typedef struct Worker {
     long long beat; /* last sign of life, SRIO_Now() */
     unsigned long long connections[WORKER_CONNECTIONS]; /* client ids it spoke on (the latest ones) */
     int nconnections;
+    int serving; /* it has asked for requests (a worker registers before its slow warm-up) */
 } Worker;
 
 static RedisModuleDict *workers;  /* name -> Worker */
 static RedisModuleDict *inflight; /* request id -> Request, AT_WORKER */
 static RedisModuleDict *greeted;  /* client id -> (void *)1: connections that said SRIO.HELLO */
 static long long starting_until;  /* requests wait for a worker to register until then */
+static unsigned long long serving; /* registered workers that have asked for requests */
+static long long serving_since;    /* when `serving` last rose from 0 */
 
 /* ---- the guard ----------------------------------------------------------------------------- */
 
@@ -133,6 +136,17 @@ static int cmd_hello(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 
 unsigned long long SRIO_WorkerCount(void) { return workers ? RedisModule_DictSize(workers) : 0; }
 
+unsigned long long SRIO_ServingCount(void) { return serving; }
+
+long long SRIO_ServingSince(void) { return serving_since; }
+
+/* The worker `w` asks for requests: from the first one that does, queued requests count QUEUE_TIMEOUT. */
+static void now_serving(Worker *w) {
+    if (w->serving) return;
+    w->serving = 1;
+    if (serving++ == 0) serving_since = SRIO_Now();
+}
+
 int SRIO_NoWorkerComing(void) {
     if (SRIO_WorkerCount()) return 0;
     if (SRIO_SpawnFailed()) return 1;
@@ -197,6 +211,7 @@ static void forget_worker(RedisModuleString *name, int died) {
     Worker *w = NULL;
     RedisModule_DictDelC(workers, (void *)key, len, &w);
     if (w) {
+        if (w->serving) serving--;
         RedisModule_FreeString(NULL, w->name);
         RedisModule_Free(w);
         if (died && SRIO_WorkerCount() == 0) replacement_window();
@@ -326,7 +341,7 @@ static int cmd_pop(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!admitted(ctx, argc, 3, 3)) return REDISMODULE_OK;
     long long block_ms;
     if (!parse_count(ctx, argv[2], 0, MAX_WAIT_MS, &block_ms, "block-ms")) return REDISMODULE_OK;
-    touch_worker(ctx, argv[1], -1);
+    now_serving(touch_worker(ctx, argv[1], -1));
     Request *r = SRIO_QueueHead();
     for (long long scanned = 0; r && SRIO_Claimed(r) && scanned < BATCH_SCAN_LIMIT; scanned++) r = r->next;
     if (r && !SRIO_Claimed(r)) {
@@ -347,7 +362,7 @@ static int cmd_take(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (!parse_count(ctx, argv[3], 1, MAX_TAKE, &max, "max") || !parse_count(ctx, argv[4], 0, MAX_TAKE, &min, "min") ||
         !parse_count(ctx, argv[5], 0, MAX_WAIT_MS, &wait_ms, "wait-ms"))
         return REDISMODULE_OK;
-    touch_worker(ctx, argv[1], -1);
+    now_serving(touch_worker(ctx, argv[1], -1));
     Waiter *w = SRIO_WaiterNew(argv[1], 1, argv[2], max, min);
     long long scanned = 0;
     for (Request *r = SRIO_QueueHead(); r && w->ngot < max && scanned < BATCH_SCAN_LIMIT; scanned++) {

@@ -32,6 +32,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -610,6 +611,45 @@ def test_runs_that_come_while_the_first_worker_starts_wait_for_it(uid: str) -> N
                 np.testing.assert_array_equal(client.get_tensor(uid + "y"), 2 * X)
     finally:
         shutil.rmtree(slow)
+
+
+def test_queue_timeout_counts_from_when_the_first_worker_asks_for_requests(uid: str, tmp_path: Path) -> None:
+    """A worker registers before its slow warm-up (torch's first compile as another user, on a busy
+    CPU): runs queued while no registered worker has asked for one yet are not refused by
+    QUEUE_TIMEOUT, whatever their wait; from the moment one asks, QUEUE_TIMEOUT counts. The worker
+    here speaks the protocol by hand, so that its steps come in a known order."""
+    secret = tmp_path / "secret"
+    secret.write_text("queue-timeout-secret-0123456789\n")
+    secret.chmod(0o600)
+    queue_timeout_ms = 300
+    with user_server(IN_PLACE, "WORKERS", "0", "WORKER_SECRET_FILE", str(secret),
+                     "QUEUE_TIMEOUT", str(queue_timeout_ms)) as server:
+        worker = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30, single_connection_client=True)
+        with worker, _client(server.address, timeout_ms=120_000) as client, ThreadPoolExecutor(2) as pool:
+            assert worker.execute_command("SRIO.HELLO", "queue-timeout-secret-0123456789") == b"OK"
+            worker.execute_command("SRIO.HEARTBEAT", "w", os.getpid())
+            client.set_script(uid, SCRIPT)
+            client.put_tensor(uid + "x", X)
+            first = pool.submit(client.run_script, uid, "double", [uid + "x"], [uid + "y"])
+            wait_until(lambda: server.srio()["srio_queued"] == 1, 60, "the first run is queued")
+            # Ten times QUEUE_TIMEOUT, heartbeats going on (a silent worker is unregistered after 3 s):
+            # a run refused for QUEUE_TIMEOUT would be answered within it.
+            for _ in range(6):
+                time.sleep(queue_timeout_ms * 10 / 6 / 1000)
+                worker.execute_command("SRIO.HEARTBEAT", "w", os.getpid())
+            assert not first.done() and server.srio()["srio_queued"] == 1, first
+            request = worker.execute_command("SRIO.POP", "w", 1000)
+            assert request and request[2].decode().endswith(uid), request
+            # The worker holds the first run; the next one has QUEUE_TIMEOUT to be taken, and is not.
+            with _client(server.address, timeout_ms=120_000) as other:
+                started = time.monotonic()
+                with pytest.raises(RedisReplyError, match=rf"within {queue_timeout_ms} ms \(1 registered, all busy; "
+                                                          r"QUEUE_TIMEOUT\)"):
+                    other.run_script(uid, "double", [uid + "x"], [uid + "z"])
+                assert time.monotonic() - started < 60
+            worker.execute_command("SRIO.REPLY", "w", request[0], 0, 0, 0, "ERROR", "answered by the test")
+            with pytest.raises(RedisReplyError, match="answered by the test"):
+                first.result(60)
 
 
 def test_a_server_that_goes_away_is_no_error_in_the_workers_log(tmp_path: Path) -> None:
