@@ -94,7 +94,7 @@ LOCK_NAME = ".tiered.lock"
 KEY_HEX = 20
 VERSION_HEX = 16
 SLUG_MAX = 80
-UPLOADED_KEPT = 16
+UPLOADED_KEPT = 64
 DEFAULT_KEEP_LOCAL = 2
 DEFAULT_TEARDOWN_TIMEOUT_S = 1800.0
 DEFAULT_IO_BUFFER_MB = 256
@@ -271,8 +271,11 @@ class Manifest:
     """The GCS generation holding this version, once published (``None``: not durable)."""
     uploaded_crc32c: tuple[str, ...] = ()
     """The crc32c of the versions of this URI the local tier uploads or uploaded (the newest
-    ``UPLOADED_KEPT``), each recorded before its upload starts: an object in GCS with one of them
+    ``UPLOADED_KEPT``), each recorded when its upload starts: an object in GCS with one of them
     is this tier's own, never newer than the local copy."""
+    published_generation: int | None = None
+    """The newest GCS generation this local tier published for this URI, of this version or an
+    older one: an object in GCS of that generation or an older one is not newer than the local copy."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str):
@@ -293,6 +296,7 @@ class Manifest:
         if not isinstance(self.remote, bool):
             raise ManifestError(f"manifest field 'remote' must be true or false, not {self.remote!r}")
         _optional_generation("durable_generation", self.durable_generation)
+        _optional_generation("published_generation", self.published_generation)
         uploaded = self.uploaded_crc32c
         if isinstance(uploaded, list):
             uploaded = tuple(uploaded)
@@ -849,8 +853,10 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             try:
                 with self._state_lock:
                     previous = self._tier.read(key)
-                    self._tier.write(key, Manifest(target.uri, version, size, None, time.time(), remote,
-                                                   uploaded_crc32c=previous.uploaded_crc32c if previous else ()))
+                    self._tier.write(key, Manifest(
+                        target.uri, version, size, None, time.time(), remote,
+                        uploaded_crc32c=previous.uploaded_crc32c if previous else (),
+                        published_generation=previous.published_generation if previous else None))
                     job = _Job(target, key, version, fd, size, remote, started)
                     self._supersede(key, job)
                     self._jobs.setdefault(key, []).append(job)
@@ -955,21 +961,25 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             job.sealed.set()
 
     def _record_checksum(self, job: _Job) -> None:
-        """Record ``job``'s crc32c in the manifest: as its version's, and, before it is uploaded, among
-        the uploads of the URI (whatever version the manifest now describes)."""
+        """Record ``job``'s crc32c in the manifest as its version's (when the manifest still names it)."""
         assert job.crc is not None
         crc = crc32c_b64(job.crc)
         with self._state_lock:
             current = self._tier.read(job.key)
-            if current is None:
-                return
-            changes: dict[str, Any] = {}
-            if current.version == job.version and current.crc32c != crc:
-                changes["crc32c"] = crc
-            if job.remote and crc not in current.uploaded_crc32c:
-                changes["uploaded_crc32c"] = (*current.uploaded_crc32c, crc)[-UPLOADED_KEPT:]
-            if changes:
-                self._tier.write(job.key, current.replace(**changes))
+            if current is not None and current.version == job.version and current.crc32c != crc:
+                self._tier.write(job.key, current.replace(crc32c=crc))
+
+    def _record_upload(self, job: _Job) -> None:
+        """Record, before ``job``'s upload starts, its crc32c among the uploads of the URI (whatever
+        version the manifest now describes). Only uploads that start are recorded: saves replaced
+        before theirs started would push older uploads, which GCS may still hold, out of the list."""
+        assert job.crc is not None
+        crc = crc32c_b64(job.crc)
+        with self._state_lock:
+            current = self._tier.read(job.key)
+            if current is not None and crc not in current.uploaded_crc32c:
+                self._tier.write(job.key, current.replace(
+                    uploaded_crc32c=(*current.uploaded_crc32c, crc)[-UPLOADED_KEPT:]))
 
     def _finish(self, job: _Job) -> None:
         job.close()
@@ -999,6 +1009,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         attempts = 0
         uploader = self._uploader
         assert uploader is not None
+        self._record_upload(job)
         while not job.cancelled.is_set() and not uploader.stopping:
             try:
                 log.debug("uploading %s (%d bytes) from the local tier", job, job.size)
@@ -1043,8 +1054,14 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         """Record that ``job``'s version is published in GCS (only now is it durable)."""
         with self._state_lock:
             current = self._tier.read(job.key)
-            if current is not None and current.version == job.version and generation:
-                self._tier.write(job.key, current.replace(durable_generation=generation))
+            if current is not None and generation:
+                changes: dict[str, Any] = {}
+                if current.version == job.version:
+                    changes["durable_generation"] = generation
+                if generation > (current.published_generation or 0):
+                    changes["published_generation"] = generation
+                if changes:
+                    self._tier.write(job.key, current.replace(**changes))
             durable_s = time.perf_counter() - job.started
             self._count(uploads_done=self._stats.uploads_done + 1, last_durable_s=durable_s,
                         last_durable=job.target.uri)
@@ -1179,6 +1196,8 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             return False
         if info.crc32c == manifest.crc32c or info.crc32c in manifest.uploaded_crc32c:
             return False  # this version, or an older one this tier uploaded
+        if manifest.published_generation is not None and info.generation <= manifest.published_generation:
+            return False  # what this tier published, or older
         # Another writer's (another node's) object. A generation is the object's creation time in
         # microseconds, in GCS and its emulators alike: it is newer if it was made after the local save.
         newer = info.generation > manifest.saved_at * 1e6

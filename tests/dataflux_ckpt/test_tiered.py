@@ -34,7 +34,7 @@ from dataflux_ckpt import (
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
 from dataflux_ckpt.paths import parse_gcs_path
 from dataflux_ckpt.retry import Deadline
-from dataflux_ckpt.tiered import Manifest, ManifestError
+from dataflux_ckpt.tiered import UPLOADED_KEPT, Manifest, ManifestError
 from tests.support.gcs import FAST_RETRY, FaultProxy
 from tests.support.processes import wait_for
 
@@ -159,6 +159,51 @@ def test_a_load_reads_the_whole_local_copy_without_downloading(proxied, gcs_prox
     assert media_gets(gcs_proxy) == before  # only a look-up: is GCS's copy newer? (it is the same)
     with plugin.reader(uri) as stream:  # the file-like reads the same copy
         assert torch.load(stream, weights_only=True)["global_step"] == 5
+
+
+def _is_publish(request) -> bool:
+    """A composite upload's compose into the checkpoint itself (not into one of its part objects)."""
+    path = request.path.split("?")[0]
+    return request.method == "POST" and path.endswith("/compose") and ".dataflux-parts" not in path
+
+
+def test_an_older_save_published_after_newer_local_saves_is_not_taken_for_a_newer_copy(proxied, gcs_proxy,
+                                                                                      gcs_bucket):
+    """Saves far faster than uploads: step 1's upload publishes only once steps 2 to N (more of them
+    than the manifest keeps uploads) are saved locally. GCS then holds step 1 in an object made after
+    step N's local save, and the local tier still holds the newest copy."""
+    held = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    publishes = []
+
+    def hold_publishes(request, seen):
+        if _is_publish(request) and len(publishes) < 2:
+            publishes.append(request)
+            number = len(publishes) - 1
+            held[number].set()
+            release[number].wait(120)
+        return None
+
+    gcs_proxy.fault = hold_publishes
+    plugin = proxied(keep_local=None, upload_mode="composite")
+    uri = f"gs://{gcs_bucket}/run/last.ckpt"
+    newest = UPLOADED_KEPT + 4
+    try:
+        plugin.save_checkpoint(checkpoint(1), uri)
+        assert held[0].wait(120), "step 1's upload reaches its publish"
+        for step in range(2, newest + 1):
+            plugin.save_checkpoint(checkpoint(step), uri)
+        release[0].set()
+        assert held[1].wait(120), "step 1 is durable and the newest save's upload reaches its publish"
+        assert_is_step(gcs_reader().load_checkpoint(uri), 1)
+        assert_is_step(plugin.load_checkpoint(uri), newest)
+        assert_is_step(proxied().load_checkpoint(uri), newest)  # another reader of the same local tier
+    finally:
+        for event in release:
+            event.set()
+    plugin.teardown()
+    gcs_proxy.fault = None
+    assert_is_step(gcs_reader().load_checkpoint(uri), newest)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete"])
@@ -403,14 +448,16 @@ keys = st.text(st.characters(codec="utf-8", exclude_categories=("Cc", "Cs")), mi
 
 @given(key=keys, version=versions, size=st.integers(0, 2**63), crc=crcs, saved_at=st.floats(0, 4e9),
        remote=st.booleans(), durable=generations,
-       uploaded=st.lists(crcs.filter(lambda crc: crc is not None), max_size=16).map(tuple))
-def test_every_valid_manifest_round_trips(key, version, size, crc, saved_at, remote, durable, uploaded):
-    manifest = Manifest(f"gs://bucket-a/{key}", version, size, crc, saved_at, remote, durable, uploaded)
+       uploaded=st.lists(crcs.filter(lambda crc: crc is not None), max_size=UPLOADED_KEPT).map(tuple),
+       published=generations)
+def test_every_valid_manifest_round_trips(key, version, size, crc, saved_at, remote, durable, uploaded, published):
+    manifest = Manifest(f"gs://bucket-a/{key}", version, size, crc, saved_at, remote, durable, uploaded, published)
     assert Manifest.from_json(manifest.to_json()) == manifest
 
 
 VALID = {"uri": "gs://bucket-a/run/x.ckpt", "version": "0123456789abcdef", "size": 10, "crc32c": "AAAAAA==",
-         "saved_at": 1.0, "remote": True, "durable_generation": None, "uploaded_crc32c": ()}
+         "saved_at": 1.0, "remote": True, "durable_generation": None, "uploaded_crc32c": (),
+         "published_generation": None}
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -418,8 +465,8 @@ VALID = {"uri": "gs://bucket-a/run/x.ckpt", "version": "0123456789abcdef", "size
     ("version", "0123456789abcdef0"), ("version", "0123456789ABCDEF"), ("size", -1), ("size", True), ("size", 1.5),
     ("crc32c", "AAAA"), ("crc32c", "AAAAAAA="), ("crc32c", "not base64"), ("saved_at", -1.0),
     ("saved_at", float("inf")), ("remote", 1), ("durable_generation", 0), ("uploaded_crc32c", ["AAAA"]),
-    ("uploaded_crc32c", ["AAAAAA=="] * 17), ("uploaded_crc32c", "AAAAAA=="),
-    ("durable_generation", True)])
+    ("uploaded_crc32c", ["AAAAAA=="] * (UPLOADED_KEPT + 1)), ("uploaded_crc32c", "AAAAAA=="),
+    ("durable_generation", True), ("published_generation", 0), ("published_generation", 1.5)])
 def test_a_manifest_field_out_of_range_is_refused_by_name(field, value):
     with pytest.raises(ManifestError, match=field):
         Manifest(**{**VALID, field: value})
