@@ -26,8 +26,9 @@ object in GCS has the version's size and crc32c.
 
 The local copy is the newest unless GCS holds another writer's newer object (another node saved
 there since): before an upload starts, the crc32c of the version it uploads is recorded in the
-manifest, so an object in GCS with one of those checksums is this tier's own, never newer, and any
-other one is newer when it was created after the local save.
+manifest, and after a publish its generation, so an object in GCS with one of those checksums, or of
+that generation or an older one, is this tier's own, never newer (an older save's upload may
+publish after newer saves returned); any other one is newer when it was created after the local save.
 
 One process writes to a local tier at a time (an exclusive ``flock`` on ``.tiered.lock``, taken at
 its first save and released at teardown); it first finishes the uploads a crashed writer left
