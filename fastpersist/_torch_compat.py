@@ -343,13 +343,14 @@ class _DirectPickle:
     def _dict(self, mapping: dict[Any, Any]) -> None:
         self.out += b"}"
         self._memoize(mapping)
-        if len(mapping) == 1:
-            for key, value in mapping.items():
-                self._save(key)
-                self._save(value)
+        # One snapshot of the items, taken at once: a caller's thread may change the dict while it is
+        # written (Lightning 2.5's AsyncCheckpointIO hands over ModelCheckpoint's live state).
+        items = list(mapping.items())
+        if len(items) == 1:
+            self._save(items[0][0])
+            self._save(items[0][1])
             self.out += b"s"
-        elif mapping:
-            items = list(mapping.items())
+        elif items:
             # A full batch is followed by another, even an empty one (the pickler's loop for exact dicts).
             for start in range(0, len(items) // _BATCH * _BATCH + 1, _BATCH):
                 self._items(items[start : start + _BATCH])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from collections import OrderedDict
@@ -264,3 +265,31 @@ def test_stats_report_bytes_time_speed_engine_and_path(
     assert stats.path == str(path) and stats.bytes == path.stat().st_size > 1_200_000
     assert stats.seconds > 0 and stats.gbps > 0 and stats.engine == engine
     assert set(stats.as_dict()) >= {"path", "bytes", "seconds", "gbps", "engine"}
+
+
+
+def test_a_dict_changed_by_another_thread_while_it_is_saved_is_saved_as_it_was_when_reached(
+    ckpt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning 2.5's ``AsyncCheckpointIO`` saves ModelCheckpoint's live state on its own thread while
+    the training thread replaces the one entry of ``best_k_models``. Here an engine thread replaces it
+    at the save's first write, which the save waits for before it goes on (the tensor fills both
+    halves of the staging buffer): the dict is written as it was when the save reached it, as
+    torch.save writes a one-entry dict."""
+    best: dict[str, Any] = {"step=8.ckpt": torch.arange(4 * 2**20, dtype=torch.float32)}
+    real_pwritev = os.pwritev
+    replaced = []
+
+    def pwritev(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+        if not replaced:
+            replaced.append(best.pop("step=8.ckpt"))
+            best["step=9.ckpt"] = torch.zeros(1)
+        return real_pwritev(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    path = ckpt_dir / "changed.ckpt"
+    with FastPersistContext(engine="python", io_buffer_mb=1) as context:
+        fastpersist_save({"best_k_models": best}, path, context=context)
+    assert replaced and list(best) == ["step=9.ckpt"]
+    loaded = torch.load(path, weights_only=True)["best_k_models"]
+    assert list(loaded) == ["step=8.ckpt"] and torch.equal(loaded["step=8.ckpt"], replaced[0])
