@@ -377,9 +377,10 @@ class Worker:
     def register(self) -> None:
         """Register on every server now, and keep the registration alive from now on (heartbeats).
 
-        :meth:`serve` registers a worker that has not; one that still has a slow step before it
-        serves (a worker dropping privileges warms torch up first) registers before it, so that
-        requests queue for it instead of finding no worker.
+        :meth:`serve` registers a worker that has not. Registered means ready to take requests
+        (``INFO srio`` counts it, launchers wait for it): the module counts ``QUEUE_TIMEOUT`` only
+        from a registered worker's first request for work, so a worker that registers before a
+        slow step of its own does not get queued requests refused meanwhile.
         """
         if not self._registered:
             self._heartbeat.beat()

@@ -181,7 +181,6 @@ def _serve(options: WorkerOptions, device: str, name: str,
         if early["stop"]:
             worker.request_stop()
         if dropping:
-            worker.register()  # runs queue for it, not for QUEUE_TIMEOUT, while torch warms up
             executor.warm_up()
             drop_privileges(user)
         serving = True
