@@ -212,6 +212,17 @@ def unfinished_saves(events: Sequence[Mapping[str, Any]], *, rank: int = 0) -> l
             for e in open_saves.values()]
 
 
+def finished_where_another_rank_died(events: Sequence[Mapping[str, Any]], *, rank: int = 0,
+                                     ranks: int = 1) -> list[SavedCheckpoint]:
+    """Sharded saves ``rank`` finished whose step another rank started and never finished: that rank
+    may have died after the save was published whole (the coordinating rank between its commit, which
+    lets the others return, and its own record of the end)."""
+    interrupted = {(save.path, save.step) for other in range(ranks) if other != rank
+                   for save in unfinished_saves(events, rank=other)}
+    return [saves[-1] for path, saves in _finished_saves(events, rank).items()
+            if (path, saves[-1].step) in interrupted]
+
+
 def expected_resume(events: Sequence[Mapping[str, Any]], *, slurm: bool = False, rank: int = 0,
                     ranks: int = 1) -> SavedCheckpoint | None:
     """The checkpoint a restart after ``events`` must resume from, by the log: the newest whole one that
@@ -274,7 +285,8 @@ def check_resume(events: Sequence[Mapping[str, Any]], started: Mapping[str, Any]
     # A save in flight when its process died may have been published whole just before: newer, allowed.
     allowed = [expected] if expected else []
     if not (slurm and expected is not None and hpc_number(expected.path) is not None):
-        allowed += [save for save in unfinished_saves(before, rank=rank)
+        allowed += [save for save in [*unfinished_saves(before, rank=rank),
+                                      *finished_where_another_rank_died(before, rank=rank, ranks=ranks)]
                     if is_last_candidate(save.path) and (expected is None or save.time > expected.time)]
     if slurm:
         allowed += [save for save in unfinished_saves(before, rank=rank) if hpc_number(save.path) is not None

@@ -125,6 +125,25 @@ def test_a_restart_that_resumed_elsewhere_fails_the_check() -> None:
     assert check_resume(hpc, {**started, "step": 3, "digest": "d3"}, slurm=True).ok
 
 
+def _ranked(events: list[dict], rank: int) -> list[dict]:
+    return [{**event, "rank": rank} for event in events]
+
+
+def test_a_sharded_save_one_rank_finished_may_have_been_published_by_a_rank_that_died() -> None:
+    """Rank 1 returned from the step-4 save (the coordinator had committed it) and rank 0 died before
+    it recorded its end: rank 1 may resume at step 4 with its own shard, at step 2, and nowhere else.
+    A step-4 save that no rank finished is allowed as before; one every rank finished is expected."""
+    path = "/r/checkpoints/last.ckpt"
+    both_at_2 = _ranked(_save(path, 2, 1.0, pid=10), 0) + _ranked(_save(path, 2, 1.0, pid=11), 1)
+    events = both_at_2 + _ranked(_save(path, 4, 2.0, pid=10, end=False), 0) + _ranked(_save(path, 4, 2.0, pid=11), 1)
+    started = {"event": "train_start", "pid": 21, "rank": 1, "time": 5.0, "step": 2, "digest": "d2", "ckpt_path": path}
+    assert check_resume(events, started, ranks=2).ok
+    assert check_resume(events, {**started, "step": 4, "digest": "d4"}, ranks=2).ok
+    assert not check_resume(events, {**started, "step": 4, "digest": "mixed"}, ranks=2).ok
+    unrelated = both_at_2 + _ranked(_save(path, 3, 2.0, pid=10, end=False), 0) + _ranked(_save(path, 4, 2.0, pid=11), 1)
+    assert not check_resume(unrelated, {**started, "step": 4, "digest": "d4"}, ranks=2).ok
+
+
 def test_a_state_digest_sees_one_changed_element() -> None:
     import torch
 
