@@ -131,6 +131,8 @@ void SRIO_ClaimsInit(void);
 void SRIO_InflightAdd(Request *r);
 /* How many workers are registered. */
 unsigned long long SRIO_WorkerCount(void);
+/* How many registered workers have asked for requests, and since when (SRIO_Now()) at least one has:
+ * QUEUE_TIMEOUT counts from then. */
 unsigned long long SRIO_ServingCount(void);
 long long SRIO_ServingSince(void);
 /* Whether a request with no worker registered fails at once (the module's workers cannot start,

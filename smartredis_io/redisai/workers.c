@@ -34,7 +34,7 @@ typedef struct Worker {
     long long beat; /* last sign of life, SRIO_Now() */
     unsigned long long connections[WORKER_CONNECTIONS]; /* client ids it spoke on (the latest ones) */
     int nconnections;
-    int serving; /* it has asked for requests (a worker registers before its slow warm-up) */
+    int serving; /* it has asked for requests (it registers with its first heartbeat, before that) */
 } Worker;
 
 static RedisModuleDict *workers;  /* name -> Worker */

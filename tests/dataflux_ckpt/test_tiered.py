@@ -37,6 +37,7 @@ from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.tiered import UPLOADED_KEPT, Manifest, ManifestError
 from tests.support.gcs import FAST_RETRY, FaultProxy
 from tests.support.processes import wait_for
+from tests.support.tiered_crash import is_publish
 
 TIERED_LOG = "dataflux_ckpt.tiered"
 
@@ -161,12 +162,6 @@ def test_a_load_reads_the_whole_local_copy_without_downloading(proxied, gcs_prox
         assert torch.load(stream, weights_only=True)["global_step"] == 5
 
 
-def _is_publish(request) -> bool:
-    """A composite upload's compose into the checkpoint itself (not into one of its part objects)."""
-    path = request.path.split("?")[0]
-    return request.method == "POST" and path.endswith("/compose") and ".dataflux-parts" not in path
-
-
 def test_an_older_save_published_after_newer_local_saves_is_not_taken_for_a_newer_copy(proxied, gcs_proxy,
                                                                                       gcs_bucket):
     """Saves far faster than uploads: step 1's upload publishes only once steps 2 to N (more of them
@@ -177,7 +172,7 @@ def test_an_older_save_published_after_newer_local_saves_is_not_taken_for_a_newe
     publishes = []
 
     def hold_publishes(request, seen):
-        if _is_publish(request) and len(publishes) < 2:
+        if is_publish(request) and len(publishes) < 2:
             publishes.append(request)
             number = len(publishes) - 1
             held[number].set()

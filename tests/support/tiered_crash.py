@@ -173,7 +173,8 @@ def _is_part(request: Any) -> bool:
     return request.method == "POST" and ".dataflux-parts" in request.path and "uploadType=media" in request.path
 
 
-def _is_publish(request: Any) -> bool:
+def is_publish(request: Any) -> bool:
+    """A composite upload's compose into the checkpoint itself (not into one of its part objects)."""
     return request.method == "POST" and request.path.split("?")[0].endswith("/compose") and \
         ".dataflux-parts" not in request.path.split("/compose")[0]
 
@@ -275,7 +276,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         elif phase == "upload":
             trigger = Trigger(_is_part, rng.randint(1, 10), rng)
         else:
-            trigger = Trigger(_is_publish, rng.randint(1, 2), rng)
+            trigger = Trigger(is_publish, rng.randint(1, 2), rng)
         proxy.fault = trigger.rule
         try:
             run(local_dir, saves=50, trigger=trigger, problems=problems, round_=round_)
