@@ -55,16 +55,19 @@ class RangedReader(io.RawIOBase):
         tail_first: the last ``TAIL_BYTES`` are a range of their own, fetched first (a torch zip
             archive is read from its end).
         deadline: waiting for the bytes ends by it.
+        buffer: where the bytes are (``size`` of them, writable); default: new memory.
     """
 
     def __init__(self, path: GcsPath, size: int, expected_crc32c: str | None, *, range_bytes: int | None,
-                 tail_first: bool, deadline: Deadline) -> None:
+                 tail_first: bool, deadline: Deadline, buffer: mmap.mmap | None = None) -> None:
         super().__init__()
         self.path, self.size, self._expected_crc, self._deadline = path, size, expected_crc32c, deadline
         # The one copy of the bytes in memory; loaded tensors are views of it. Anonymous mmap pages
         # are zeroed lazily by the kernel, as the fetching threads first touch them, not all up
         # front by this thread as bytearray(size) would.
-        self._buffer: mmap.mmap | bytearray = mmap.mmap(-1, size) if size else bytearray()
+        if buffer is None:
+            buffer = mmap.mmap(-1, size) if size else None
+        self._buffer: mmap.mmap | bytearray = buffer if buffer is not None else bytearray()
         self._view = memoryview(self._buffer)
         self._pos = 0
         step = range_bytes or max(size, 1)

@@ -47,6 +47,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import re
 import threading
@@ -63,9 +64,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from dataflux_ckpt.checkpoint_io import DatafluxCheckpointIO, _load_checkpoint, _Target
-from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
+from dataflux_ckpt.checksums import crc32c_b64
 from dataflux_ckpt.download import DEADLINE_S, RangedReader
 from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError
+from dataflux_ckpt.mapped import file_crc32c, map_file, read_ahead
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline
 from dataflux_ckpt.upload import UploadStopped, upload_file
@@ -99,10 +101,9 @@ UPLOADED_KEPT = 64
 DEFAULT_KEEP_LOCAL = 2
 DEFAULT_TEARDOWN_TIMEOUT_S = 1800.0
 DEFAULT_IO_BUFFER_MB = 256
-# Bytes a checkpoint takes beyond its tensors' bytes: the pickle, the zip records and directory.
-ARCHIVE_OVERHEAD_BYTES = 1 * 2**20
-RECORD_ALIGNMENT_BYTES = 4096  # FastPersist starts each tensor record on a block boundary
-READ_BLOCK_BYTES = 8 * 2**20
+# Room a save makes beyond FastPersist's estimate of its file: the pickle and the zip records of a
+# checkpoint of many small tensors take more than the estimate counts for them.
+ROOM_MARGIN_BYTES = 1 * 2**20
 LOCAL_READ_THREADS = 4
 # A local load reads its file this much at a time per thread; unpickling follows the reads.
 LOCAL_RANGE_BYTES = 8 * 2**20
@@ -477,37 +478,13 @@ class _LocalTier:
         return stats.f_bavail * stats.f_frsize
 
 
-def _estimated_size(obj: Any) -> int:
-    """About the bytes FastPersist writes for ``obj``: every tensor storage once, aligned, plus the archive."""
-    import torch
-
-    total, seen, storages = ARCHIVE_OVERHEAD_BYTES, set(), set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            where = (storage.device.type, storage.data_ptr(), storage.nbytes())
-            if where not in storages:
-                storages.add(where)
-                total += storage.nbytes() + RECORD_ALIGNMENT_BYTES
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-        elif isinstance(item, (bytes, bytearray, str)):
-            total += len(item)
-    return total
-
-
 # Reading a local copy ----------------------------------------------------------------------------
 class _LocalCopy(RangedReader):
-    """A local tier file read into memory by ``LOCAL_READ_THREADS`` threads, ``LOCAL_RANGE_BYTES`` at a
-    time (its end first), each range's crc32c taken as it is read; read like an :class:`ObjectReader`,
-    as soon as the bytes a read touches are in (a load unpickles while the rest is read).
+    """A local tier file, mapped copy-on-write (loaded tensors are views of the page cache's pages, and
+    changing them leaves the file as it is), its ranges of ``LOCAL_RANGE_BYTES`` checked by
+    ``LOCAL_READ_THREADS`` threads (its end first), each range's crc32c taken as it is read from disk
+    or the page cache; read like an :class:`ObjectReader`, as soon as the bytes a read touches are
+    checked (a load unpickles while the rest is).
 
     ``path`` is the checkpoint's ``gs://`` path (a format error names the checkpoint). With ``crc32c``
     (the manifest's), :meth:`verify` and ``close()`` check the bytes against it.
@@ -523,14 +500,19 @@ class _LocalCopy(RangedReader):
                  deadline_s: float = DEADLINE_S) -> None:
         self.file_path = file_path
         self._fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+        mapping = None
         try:
+            what = f"the local copy {file_path} of {path.uri}"
+            mapping = map_file(self._fd, size, what, private=True) if size else None
             super().__init__(path, size, crc32c, range_bytes=LOCAL_RANGE_BYTES, tail_first=True,
-                             deadline=Deadline(deadline_s, "load", path.uri))
+                             deadline=Deadline(deadline_s, "load", path.uri), buffer=mapping)
             pool = ThreadPoolExecutor(LOCAL_READ_THREADS, thread_name_prefix="dataflux-tiered-read")
             self._start(pool.submit, LOCAL_READ_THREADS)
             pool.shutdown(wait=False)  # its threads end once the ranges are read
         except BaseException:
             os.close(self._fd)
+            if mapping is not None:
+                mapping.close()
             raise
 
     @override
@@ -539,7 +521,15 @@ class _LocalCopy(RangedReader):
 
     @override
     def _fill(self, index: int, what: str) -> None:
-        self._receive(index, lambda block, offset: os.preadv(self._fd, [block], offset), what)
+        mapping = self._buffer
+        assert isinstance(mapping, mmap.mmap)
+
+        def arrived(block: memoryview, offset: int) -> int:
+            # The bytes are mapped already: a block "arrives" once the kernel has read it ahead.
+            read_ahead(mapping, offset, offset + block.nbytes)
+            return block.nbytes
+
+        self._receive(index, arrived, what)
 
     @override
     def _ended_early(self, what: str, got: int, total: int) -> BaseException:
@@ -844,12 +834,14 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         remote = self._next_round(checkpoint)
         key, version = self._tier.key(target.uri), uuid.uuid4().hex[:VERSION_HEX]
         with self._save_lock:
-            self._make_room(_estimated_size(checkpoint), key)
+            estimated = fastpersist.estimated_bytes(checkpoint)
+            self._make_room(estimated + ROOM_MARGIN_BYTES, key)
             path = self._tier.data_path(key, version, target.uri)
             if self._context is None:
                 self._context = fastpersist.FastPersistContext(engine=self.tier_options.engine,
                                                                io_buffer_mb=self.tier_options.io_buffer_mb)
-            size = fastpersist.fastpersist_save(checkpoint, path, context=self._context).bytes
+            size = fastpersist.fastpersist_save(checkpoint, path, context=self._context,
+                                                estimated_nbytes=estimated).bytes
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 with self._state_lock:
@@ -942,15 +934,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
     def _checksum(self, job: _Job) -> bool:
         """Take the crc32c of ``job``'s file and record it in its manifest; whether that worked."""
         try:
-            crc = offset = 0
-            block = bytearray(min(READ_BLOCK_BYTES, max(job.size, 1)))
-            view = memoryview(block)
-            while offset < job.size:
-                got = os.preadv(job.fd, [view[: min(len(block), job.size - offset)]], offset)
-                if got == 0:
-                    raise DataCorruptionError(f"{job.target}: the local file ends after {offset} of {job.size} bytes")
-                crc = crc32c_extend(crc, view[:got])
-                offset += got
+            crc = file_crc32c(job.fd, job.size, f"the local copy of {job.target}")
             job.crc = crc
             self._record_checksum(job)
             return True

@@ -35,7 +35,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-import os
+import mmap
 import queue
 import re
 import time
@@ -49,6 +49,7 @@ from typing import Any, Protocol
 from dataflux_ckpt.checksums import BytesLike, crc32c_b64, crc32c_combine, crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError, DeadlineExceededError, HttpStatusError, TransferError
 from dataflux_ckpt.gcs import Gcs, ListedObject, ObjectInfo
+from dataflux_ckpt.mapped import map_file, read_ahead
 from dataflux_ckpt.paths import GcsPath
 from dataflux_ckpt.retry import Deadline
 from lightning_storage_plugins.owners import Owner
@@ -262,6 +263,7 @@ class _ChunkingWriter(io.RawIOBase):
         self._fill = 0
         self._size = 0
         self._crc = 0
+        self._required_crc: int | None = None
         self._free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         self._allocated = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -272,6 +274,23 @@ class _ChunkingWriter(io.RawIOBase):
         # before anything is serialized.
         self._expected_generation = gcs.current_generation(path, self._deadline)
         self._done = False
+
+    def require_crc32c(self, crc: int) -> None:
+        """Publish only if all the bytes written have crc32c ``crc`` (the crc32c they were written
+        with, taken earlier); otherwise :meth:`close` raises :class:`DataCorruptionError` and nothing
+        is published. The bytes checked are the ones sent: each part's crc32c, taken when it is cut."""
+        self._required_crc = crc
+
+    def _check_required_crc(self) -> None:
+        """Raise before the publish when every part is cut and the whole's crc32c is not the required one."""
+        if self._required_crc is not None and self._crc != self._required_crc:
+            raise DataCorruptionError(f"{self.path}: the bytes uploaded have crc32c {crc32c_b64(self._crc)}, not the "
+                                      f"{crc32c_b64(self._required_crc)} they were written with; nothing is published")
+
+    @property
+    def chunk_size(self) -> int:
+        """Bytes per part: whole parts handed to :meth:`write_borrowed` go up without a copy."""
+        return self._chunk_size
 
     @property
     def lease_s(self) -> float:
@@ -546,12 +565,14 @@ class ObjectWriter(_ChunkingWriter):
         if self._engine is None:
             # Everything fits in one part: a single upload straight to the final name.
             _, data, crc = self._cut_part()
+            self._check_required_crc()
             info = self._gcs.upload_object(self.path, data, crc, self._deadline,
                                            if_generation_match=self._expected_generation)
             self._check_published(info)
             return
         if self._fill:
             self._submit_buffer()
+        self._check_required_crc()
         tokens = self._wait_all()
         self._check_published(self._engine.complete(tokens, self._crc, self._deadline))
         log.debug("uploaded %s: %d bytes in %d parts", self.path, self._size, len(tokens))
@@ -616,6 +637,7 @@ class StreamingWriter(_ChunkingWriter):
 
     def _finish(self) -> None:
         slot, data, _ = self._cut_part()
+        self._check_required_crc()
         self._submit(self._send, slot, data, True)
         self._wait_all()
         if self._result is None:
@@ -639,24 +661,23 @@ class UploadStopped(Exception):
     """:func:`upload_file` was stopped by its caller before it published anything."""
 
 
-FILE_READ_BYTES = 8 * 2**20
-
-
 def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, expected_crc32c: int | None = None,
                 stop: Callable[[], bool] | None = None) -> int | None:
     """Upload the first ``size`` bytes of the file open at ``fd`` through ``writer``, and publish them.
 
-    The file is read once, block by block, into the writer's parts (the writer's own parallelism,
-    integrity checks, atomic publish and generation precondition apply); nothing is serialized.
-    Before publishing, the crc32c of what was read is compared with ``expected_crc32c``: a file that
-    changed since that checksum was taken is never published.
+    The file is mapped, not read: whole parts go up straight from the page cache's pages
+    (:meth:`~_ChunkingWriter.write_borrowed`), through the writer's own parallelism, integrity checks,
+    atomic publish and generation precondition; nothing is serialized or copied. Before publishing,
+    the crc32c of what was sent is compared with ``expected_crc32c``: a file that changed since that
+    checksum was taken is never published. The file must not be truncated meanwhile (see
+    :mod:`dataflux_ckpt.mapped`): upload only files written once and never changed in place.
 
     Args:
         writer: a fresh writer for the destination (it is closed or aborted here).
-        fd: an open, readable file descriptor (read with ``pread``: its offset is not used).
+        fd: an open, readable file descriptor.
         size: how many bytes to upload.
         expected_crc32c: the crc32c the bytes must have (``None``: not checked).
-        stop: asked between blocks; when it answers ``True`` the upload is aborted.
+        stop: asked between parts; when it answers ``True`` the upload is aborted.
 
     Returns:
         The generation published (``None`` where the server did not say).
@@ -668,22 +689,32 @@ def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, e
         DeadlineExceededError, ConcurrentWriteError, TransferError, BucketNotFoundError: as the writer's
             ``close()``.
     """
-    block = bytearray(min(FILE_READ_BYTES, max(size, 1)))
-    view = memoryview(block)
+    if expected_crc32c is not None:
+        writer.require_crc32c(expected_crc32c)
     with writer:
-        crc = offset = 0
-        while offset < size:
-            if stop is not None and stop():
-                raise UploadStopped(f"upload of {writer.path} stopped after {offset} of {size} bytes")
-            got = os.preadv(fd, [view[: min(len(block), size - offset)]], offset)
-            if got == 0:
-                raise DataCorruptionError(f"{writer.path}: the local file ends after {offset} of {size} bytes")
-            crc = crc32c_extend(crc, view[:got])
-            writer.write(view[:got])
-            offset += got
-        if expected_crc32c is not None and crc != expected_crc32c:
-            raise DataCorruptionError(f"{writer.path}: the local file's bytes have crc32c {crc32c_b64(crc)}, "
-                                      f"not the {crc32c_b64(expected_crc32c)} they were written with")
-        if stop is not None and stop():
-            raise UploadStopped(f"upload of {writer.path} stopped before its publish")
+        mapping = map_file(fd, size, f"upload of {writer.path}") if size else None
+        try:
+            with memoryview(mapping if mapping is not None else b"") as view:
+                for start in range(0, size, writer.chunk_size):
+                    if stop is not None and stop():
+                        raise UploadStopped(f"upload of {writer.path} stopped after {start} of {size} bytes")
+                    end = min(start + writer.chunk_size, size)
+                    assert mapping is not None
+                    read_ahead(mapping, start, end)
+                    writer.write_borrowed(view[start:end])
+                if stop is not None and stop():
+                    raise UploadStopped(f"upload of {writer.path} stopped before its publish")
+                writer.close()  # publishes; the parts are borrowed from the mapping until then
+        finally:
+            if mapping is not None:
+                writer.abort()  # nothing if published: the borrowed parts must be let go of before the unmapping
+                _unmap(mapping)
     return writer.generation
+
+
+def _unmap(mapping: mmap.mmap) -> None:
+    """Unmap now, or once the last view of it (a part request still unwinding) is let go of."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass

@@ -15,12 +15,13 @@ from fastpersist.aio import AioConfig, get_aio_handle
 from fastpersist.context import ContextInUseError, FastPersistContext
 from fastpersist.memory import get_pinned_buffer, release_pinned_buffer
 from fastpersist.reader import CheckpointFormatError, fastpersist_load
-from fastpersist.writer import SaveStats, fastpersist_save, remove_stale_temporaries
+from fastpersist.writer import SaveStats, estimated_bytes, fastpersist_save, remove_stale_temporaries
 from lightning_storage_plugins.lazy import lazy_exports
 
 __all__ = [
     "fastpersist_save",
     "fastpersist_load",
+    "estimated_bytes",
     "FastPersistContext",
     "AioConfig",
     "get_aio_handle",

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES as C
+from dataflux_ckpt.checksums import crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError, TransferError
 from tests.support.gcs import client_for, object_names
 
@@ -51,3 +52,29 @@ def test_a_borrowed_part_changed_after_it_was_cut_is_refused(make_plugin, gcs_xm
     finally:
         del gcs.xml_upload_part
     assert "borrowed/changed.bin" not in object_names(gcs_xml_server.url, gcs_bucket)
+
+
+@pytest.mark.parametrize("size", [0, 1, C - 1, C, C + 1, 3 * C])
+@pytest.mark.parametrize("mode", ["xml", "composite", "streaming"])
+def test_a_writer_publishes_only_bytes_with_the_crc32c_it_requires(make_plugin, gcs_xml_server, gcs_bucket, mode, size):
+    options = {"use_transfer_manager": False} if mode == "streaming" else {"upload_mode": mode}
+    plugin = make_plugin(client_for(gcs_xml_server.url), **options)
+    data = bytearray(random.Random(size).randbytes(size))
+    changed = bytearray(data)
+    if size:
+        changed[size // 2] ^= 0x01
+    required = crc32c_extend(0, data)
+    good, bad = f"gs://{gcs_bucket}/required/{mode}-{size}.bin", f"gs://{gcs_bucket}/required/{mode}-{size}-changed.bin"
+    with plugin.writer(good) as stream:
+        stream.require_crc32c(required)
+        stream.write_borrowed(data)
+    with plugin.reader(good) as reader:
+        assert reader.read() == data
+    if not size:
+        return  # no other bytes of that size
+    stream = plugin.writer(bad)
+    stream.require_crc32c(required)
+    with pytest.raises(DataCorruptionError, match="they were written with"), stream:
+        stream.write_borrowed(changed)
+    names = object_names(gcs_xml_server.url, gcs_bucket)
+    assert good.split("/", 3)[3] in names and bad.split("/", 3)[3] not in names

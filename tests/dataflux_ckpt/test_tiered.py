@@ -162,6 +162,26 @@ def test_a_load_reads_the_whole_local_copy_without_downloading(proxied, gcs_prox
         assert torch.load(stream, weights_only=True)["global_step"] == 5
 
 
+def test_tensors_loaded_from_the_local_tier_change_without_the_file_and_outlive_it(make_tiered, gcs_bucket,
+                                                                                   tmp_path, caplog):
+    plugin = make_tiered()
+    uri = f"gs://{gcs_bucket}/run/a.ckpt"
+    plugin.save_checkpoint(checkpoint(3), uri)
+    path = local_file(tmp_path / "tier", uri)
+    written = path.read_bytes()
+    with caplog.at_level(logging.INFO, logger=TIERED_LOG):
+        loaded = plugin.load_checkpoint(uri)
+    assert "from the local tier" in caplog.text
+    loaded["state_dict"]["w"].add_(1)  # as an optimizer steps on state it was loaded with
+    assert path.read_bytes() == written
+    assert_is_step(plugin.load_checkpoint(uri), 3)
+    plugin.save_checkpoint(checkpoint(4), uri)  # replaces, and removes, the file the tensors came from
+    plugin.teardown()
+    assert not path.exists()
+    assert torch.equal(loaded["state_dict"]["w"], checkpoint(3)["state_dict"]["w"] + 1)
+    assert_is_step(gcs_reader().load_checkpoint(uri), 4)
+
+
 def test_an_older_save_published_after_newer_local_saves_is_not_taken_for_a_newer_copy(proxied, gcs_proxy,
                                                                                       gcs_bucket):
     """Saves far faster than uploads: step 1's upload publishes only once steps 2 to N (more of them
@@ -358,6 +378,24 @@ def test_a_failing_upload_is_retried_with_a_warning_while_saves_go_on(proxied, g
         plugin.teardown()
     assert f"upload of {uri} to GCS failed" in caplog.text and "trying again in" in caplog.text
     assert_is_step(gcs_reader().load_checkpoint(uri), 2)
+
+
+def test_a_local_file_changed_after_its_checksum_is_never_uploaded(proxied, gcs_bucket, uploads_blocked, tmp_path,
+                                                                   caplog):
+    plugin = proxied()
+    uri = f"gs://{gcs_bucket}/run/a.ckpt"
+    with caplog.at_level(logging.WARNING, logger=TIERED_LOG):
+        plugin.save_checkpoint(checkpoint(1), uri)
+        wait_for(lambda: plugin.stats().upload_failures >= 1, "a failed upload attempt", timeout_s=120)
+        with local_file(tmp_path / "tier", uri).open("r+b") as changed:  # in place, as a failing disk would
+            changed.seek(-5000, os.SEEK_END)
+            byte = changed.read(1)[0]
+            changed.seek(-1, os.SEEK_CUR)
+            changed.write(bytes([byte ^ 0x10]))
+        uploads_blocked.clear()
+        plugin.teardown()
+    assert f"not uploading {uri}" in caplog.text and "they were written with" in caplog.text
+    assert gcs_reader().list_checkpoints(f"gs://{gcs_bucket}/run/") == []
 
 
 def test_teardown_waits_with_a_deadline_and_a_restart_finishes_the_upload(

@@ -14,7 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastpersist import FastPersistCheckpointIO, FastPersistContext, fastpersist_load
+from fastpersist import (
+    FastPersistCheckpointIO,
+    FastPersistContext,
+    estimated_bytes,
+    fastpersist_load,
+    fastpersist_save,
+)
 from fastpersist.context import MIN_STAGING_BYTES
 from fastpersist.memory import ALIGNMENT_BYTES, MiB
 
@@ -91,6 +97,28 @@ def test_a_save_locks_what_its_checkpoint_needs_grows_for_a_bigger_one_and_stops
         capped.teardown()
     for name, state in (("small", small), ("big", big), ("capped", big)):
         loaded = torch.load(ckpt_dir / f"{name}.ckpt", weights_only=True)
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == state["step"]
+
+
+def test_a_save_given_the_estimate_sizes_its_buffer_by_it_and_writes_the_same_checkpoint(ckpt_dir: Path,
+                                                                                  locks_with_aio: None) -> None:
+    state = mib_state(16, 4)
+    estimate = estimated_bytes(state)
+    assert 16 * MiB < estimate < 17 * MiB
+    paths = {name: ckpt_dir / name / "x.ckpt" for name in ("walked", "given", "small")}  # one archive name
+    for path in paths.values():
+        path.parent.mkdir()
+    before = locked_bytes()
+    with FastPersistContext() as context:
+        fastpersist_save(state, paths["walked"], context=context)
+        fastpersist_save(state, paths["given"], context=context, estimated_nbytes=estimate)
+        assert 16 * MiB <= locked_bytes() - before <= 18 * MiB
+    with FastPersistContext() as context:  # a caller's (smaller) estimate is what the buffer is sized by
+        fastpersist_save(state, paths["small"], context=context, estimated_nbytes=4 * MiB)
+        assert locked_bytes() - before < 6 * MiB
+    assert len({path.stat().st_size for path in paths.values()}) == 1  # (each save has its own serialization id)
+    for path in paths.values():
+        loaded = torch.load(path, weights_only=True)
         assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == state["step"]
 
 
