@@ -1115,21 +1115,33 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
     def _read(self, target: _Target, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
         """Load the newest whole copy of ``target``. A local copy is unpickled while it is read (as a
         GCS load is while it downloads) and returned only once every byte matched its manifest's
-        crc32c; one that does not match, or cannot be read, is loaded from GCS instead."""
+        crc32c and GCS, asked meanwhile, holds no newer copy; one that does not match, or cannot be
+        read, is loaded from GCS instead, as is a newer copy GCS holds."""
         if isinstance(target, str):
             return super()._read(target, map_location, weights_only)
-        local = self._local_copy(target)
-        if local is not None:
+        found = self._local_candidate(target)
+        if found is not None:
+            local, manifest = found
+            # GCS is asked whether it holds a newer copy while the local one loads (a round trip
+            # saved); a newer one there makes this load's result moot.
+            asking = ThreadPoolExecutor(1, thread_name_prefix="dataflux-tiered-newer")
+            newer = asking.submit(self._newer_in_gcs, target, manifest)
+            asking.shutdown(wait=False)
             try:
                 with local:
                     checkpoint = _load_checkpoint(local, map_location, weights_only)
             except Exception as exc:
-                if local.checked:
+                if newer.result():
+                    pass  # GCS's newer copy is the one to load
+                elif local.checked:
                     raise  # the bytes are the ones written: the checkpoint itself does not load
-                self._local_copy_failed(target, local, exc)
+                else:
+                    self._local_copy_failed(target, local, exc)
             else:
-                log.info("loaded %s from the local tier (%s)", target, local.file_path)
-                return checkpoint
+                if not newer.result():
+                    log.info("loaded %s from the local tier (%s)", target, local.file_path)
+                    return checkpoint
+                del checkpoint
         with super()._reader(target) as stream:
             return _load_checkpoint(stream, map_location, weights_only)
 
@@ -1140,6 +1152,18 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
     def _local_copy(self, target: GcsPath) -> _LocalCopy | None:
         """The local tier's copy of ``target``, being read, when its manifest names a file of the size
         written and GCS holds no newer copy (asked while the file is read); else ``None``."""
+        found = self._local_candidate(target)
+        if found is None:
+            return None
+        copy, manifest = found
+        if self._newer_in_gcs(target, manifest):
+            copy.abandon()
+            return None
+        return copy
+
+    def _local_candidate(self, target: GcsPath) -> tuple[_LocalCopy, Manifest] | None:
+        """The local tier's copy of ``target``, being read, and its manifest, when the manifest names
+        a file of the size written (GCS is not asked whether it holds a newer one); else ``None``."""
         self._in_this_process()
         key = self._tier.key(target.uri)
         with self._state_lock:
@@ -1163,10 +1187,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         except OSError as exc:
             log.warning("could not read the local copy of %s (%s); loading it from GCS", target, exc)
             return None
-        if self._newer_in_gcs(target, manifest):
-            copy.abandon()
-            return None
-        return copy
+        return copy, manifest
 
     def _newer_in_gcs(self, target: GcsPath, manifest: Manifest) -> bool:
         """Whether GCS holds a newer version of ``target`` than the local tier (saved there from
