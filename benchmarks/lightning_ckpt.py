@@ -464,10 +464,10 @@ def raw_local_read(path: str, threads: int, range_bytes: int, block_bytes: int) 
 
 
 class LocalReadCeiling(Subject):
-    """The local tier's file read into new memory, as the tier's loads read it, and nothing else: the
-    bound of a load from the local tier. The file is a FastPersist save of the same checkpoint on the
-    same disk; it is read once before the rounds, so that the page cache holds it as it holds the
-    tier's own file, which the tier reads for its checksum right after each save."""
+    """The local tier's file read into new memory, and nothing else: the bound of a load that reads
+    the file (the tier's load maps it instead, and can beat this). The file is a FastPersist save of
+    the same checkpoint on the same disk; it is read once before the rounds, so that the page cache
+    holds it as it holds the tier's own file, which the tier checksums right after each save."""
 
     def __init__(self, path: str, meter: CpuMeter) -> None:
         from dataflux_ckpt.download import READ_BLOCK_BYTES
