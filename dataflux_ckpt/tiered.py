@@ -925,16 +925,33 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
 
     # Background: checksum, upload, recovery ---------------------------------------------------
     def _seal(self, job: _Job) -> None:
-        """Take a new version's checksum (the sealer thread), then queue its upload if it goes to GCS."""
-        if self._checksum(job) and job.remote and self._uploader is not None:
-            self._uploader.put(job)
-        else:
+        """Take a new version's checksum (the sealer thread). A version that goes to GCS is queued for
+        upload first: its parts go up while the checksum is taken (both read the file, which the
+        local write left on disk, not in the page cache), and it is published only once the
+        checksum is recorded and matches what was sent."""
+        if not job.remote or self._uploader is None:
+            self._checksum(job)
             self._finish(job)
-
-    def _checksum(self, job: _Job) -> bool:
-        """Take the crc32c of ``job``'s file and record it in its manifest; whether that worked."""
+            return
         try:
-            crc = file_crc32c(job.fd, job.size, f"the local copy of {job.target}")
+            fd = os.dup(job.fd)  # the checksum's own: the upload may end, and let go of the job's, first
+        except OSError:  # no descriptor to spare: the checksum, then the upload
+            if self._checksum(job):
+                self._uploader.put(job)
+            else:
+                self._finish(job)
+            return
+        try:
+            self._uploader.put(job)
+            self._checksum(job, fd)
+        finally:
+            os.close(fd)
+
+    def _checksum(self, job: _Job, fd: int | None = None) -> bool:
+        """Take the crc32c of ``job``'s file (through ``fd``, else the job's own) and record it in its
+        manifest; whether that worked."""
+        try:
+            crc = file_crc32c(job.fd if fd is None else fd, job.size, f"the local copy of {job.target}")
             job.crc = crc
             self._record_checksum(job)
             return True
@@ -955,9 +972,9 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                 self._tier.write(job.key, current.replace(crc32c=crc))
 
     def _record_upload(self, job: _Job) -> None:
-        """Record, before ``job``'s upload starts, its crc32c among the uploads of the URI (whatever
-        version the manifest now describes). Only uploads that start are recorded: saves replaced
-        before theirs started would push older uploads, which GCS may still hold, out of the list."""
+        """Record, before ``job``'s upload publishes, its crc32c among the uploads of the URI (whatever
+        version the manifest now describes). Only uploads about to publish are recorded: saves replaced
+        before theirs did would push older uploads, which GCS may still hold, out of the list."""
         assert job.crc is not None
         crc = crc32c_b64(job.crc)
         with self._state_lock:
@@ -994,12 +1011,27 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         attempts = 0
         uploader = self._uploader
         assert uploader is not None
-        self._record_upload(job)
-        while not job.cancelled.is_set() and not uploader.stopping:
+
+        def stopping() -> bool:
+            return job.cancelled.is_set() or uploader.stopping
+
+        def publishable_crc() -> int:
+            """The crc32c the version was written with, once the sealer has it, recorded among the
+            uploads of its URI before the publish (so that a restart after the publish knows GCS's
+            object for this tier's own)."""
+            while not job.sealed.wait(0.5):
+                if stopping():
+                    break
+            if job.crc is None or stopping():
+                raise UploadStopped(f"upload of {job.target} stopped before its publish (no checksum of it)")
+            self._record_upload(job)
+            return job.crc
+
+        while not stopping():
             try:
                 log.debug("uploading %s (%d bytes) from the local tier", job, job.size)
-                generation = upload_file(self._writer(job.target), job.fd, job.size, expected_crc32c=job.crc,
-                                         stop=lambda: job.cancelled.is_set() or uploader.stopping)
+                generation = upload_file(self._writer(job.target), job.fd, job.size, expected_crc32c=publishable_crc,
+                                         stop=stopping)
             except UploadStopped:
                 log.info("stopped the upload of %s before its publish", job.target)
                 return

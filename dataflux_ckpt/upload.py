@@ -661,7 +661,8 @@ class UploadStopped(Exception):
     """:func:`upload_file` was stopped by its caller before it published anything."""
 
 
-def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, expected_crc32c: int | None = None,
+def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *,
+                expected_crc32c: int | Callable[[], int] | None = None,
                 stop: Callable[[], bool] | None = None) -> int | None:
     """Upload the first ``size`` bytes of the file open at ``fd`` through ``writer``, and publish them.
 
@@ -676,7 +677,9 @@ def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, e
         writer: a fresh writer for the destination (it is closed or aborted here).
         fd: an open, readable file descriptor.
         size: how many bytes to upload.
-        expected_crc32c: the crc32c the bytes must have (``None``: not checked).
+        expected_crc32c: the crc32c the bytes must have (``None``: not checked), or a function that
+            gives it, called once every part is handed over, before the publish (it may wait for a
+            checksum taken meanwhile, or raise :class:`UploadStopped`).
         stop: asked between parts; when it answers ``True`` the upload is aborted.
 
     Returns:
@@ -689,7 +692,7 @@ def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, e
         DeadlineExceededError, ConcurrentWriteError, TransferError, BucketNotFoundError: as the writer's
             ``close()``.
     """
-    if expected_crc32c is not None:
+    if isinstance(expected_crc32c, int):
         writer.require_crc32c(expected_crc32c)
     with writer:
         mapping = map_file(fd, size, f"upload of {writer.path}") if size else None
@@ -702,6 +705,8 @@ def upload_file(writer: ObjectWriter | StreamingWriter, fd: int, size: int, *, e
                     assert mapping is not None
                     read_ahead(mapping, start, end)
                     writer.write_borrowed(view[start:end])
+                if callable(expected_crc32c):
+                    writer.require_crc32c(expected_crc32c())
                 if stop is not None and stop():
                     raise UploadStopped(f"upload of {writer.path} stopped before its publish")
                 writer.close()  # publishes; the parts are borrowed from the mapping until then

@@ -30,6 +30,7 @@ from dataflux_ckpt import (
     TieredCheckpointIO,
     TieredCheckpointMonitor,
     TieredOptions,
+    tiered,
 )
 from dataflux_ckpt.checkpoint_io import RESUMABLE_CHUNK_MULTIPLE_BYTES
 from dataflux_ckpt.paths import parse_gcs_path
@@ -219,6 +220,43 @@ def test_an_older_save_published_after_newer_local_saves_is_not_taken_for_a_newe
     plugin.teardown()
     gcs_proxy.fault = None
     assert_is_step(gcs_reader().load_checkpoint(uri), newest)
+
+
+def test_parts_go_up_while_the_checksum_is_taken_and_the_publish_waits_for_it(proxied, gcs_proxy, gcs_bucket,
+                                                                             tmp_path, monkeypatch):
+    checksum_started, checksum_released = threading.Event(), threading.Event()
+    take_checksum = tiered.file_crc32c
+
+    def held_checksum(fd: int, size: int, what: str) -> int:
+        checksum_started.set()
+        checksum_released.wait(120)
+        return take_checksum(fd, size, what)
+
+    monkeypatch.setattr(tiered, "file_crc32c", held_checksum)
+    requests = []
+    gcs_proxy.fault = lambda request, seen: requests.append(request)
+    plugin = proxied(upload_mode="composite")
+    uri = f"gs://{gcs_bucket}/run/a.ckpt"
+    try:
+        plugin.save_checkpoint(checkpoint(1), uri)
+        assert checksum_started.wait(120)
+        # Every part but the last, which a writer cuts when it closes, after the checksum is known.
+        parts = -(-manifests(tmp_path / "tier")[uri].size // RESUMABLE_CHUNK_MULTIPLE_BYTES) - 1
+        assert parts >= 2
+        wait_for(lambda: sum(".dataflux-parts" in r.path and r.method == "POST" for r in requests) >= parts,
+                 f"{parts} part uploads while the checksum is taken", timeout_s=120)
+        time.sleep(0.5)  # a publish that did not wait for the checksum would follow the parts' answers
+        assert not any(is_publish(r) for r in requests) and plugin.stats().uploads_pending == 1
+        assert manifests(tmp_path / "tier")[uri].crc32c is None and gcs_reader().list_checkpoints(
+            f"gs://{gcs_bucket}/run/") == []
+    finally:
+        checksum_released.set()
+    plugin.teardown()
+    gcs_proxy.fault = None
+    assert any(is_publish(r) for r in requests)
+    manifest = manifests(tmp_path / "tier")[uri]
+    assert manifest.durable and manifest.crc32c in manifest.uploaded_crc32c
+    assert_is_step(gcs_reader().load_checkpoint(uri), 1)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete"])
