@@ -59,15 +59,15 @@ class RangedReader(io.RawIOBase):
     """
 
     def __init__(self, path: GcsPath, size: int, expected_crc32c: str | None, *, range_bytes: int | None,
-                 tail_first: bool, deadline: Deadline, buffer: mmap.mmap | None = None) -> None:
+                 tail_first: bool, deadline: Deadline, buffer: mmap.mmap | bytearray | None = None) -> None:
         super().__init__()
         self.path, self.size, self._expected_crc, self._deadline = path, size, expected_crc32c, deadline
         # The one copy of the bytes in memory; loaded tensors are views of it. Anonymous mmap pages
         # are zeroed lazily by the kernel, as the fetching threads first touch them, not all up
         # front by this thread as bytearray(size) would.
         if buffer is None:
-            buffer = mmap.mmap(-1, size) if size else None
-        self._buffer: mmap.mmap | bytearray = buffer if buffer is not None else bytearray()
+            buffer = mmap.mmap(-1, size) if size else bytearray()
+        self._buffer: mmap.mmap | bytearray = buffer
         self._view = memoryview(self._buffer)
         self._pos = 0
         step = range_bytes or max(size, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
 
 from dataflux_ckpt.checksums import crc32c_extend
 from dataflux_ckpt.errors import DataCorruptionError
@@ -49,6 +50,31 @@ def read_ahead(mapping: mmap.mmap, start: int, end: int) -> None:
         mapping.madvise(mmap.MADV_WILLNEED, first, end - first)
 
 
+def mapped_blocks(fd: int, size: int, what: str) -> Iterator[tuple[int, memoryview]]:
+    """The first ``size`` bytes of the file open at ``fd``, mapped, as ``(offset, view)`` blocks of
+    ``MAP_BLOCK_BYTES`` in order, the next block read ahead while the caller uses this one. A view is
+    valid only until the next block is asked for (the file is unmapped once the walk ends, or once the
+    caller stops it).
+
+    Raises:
+        DataCorruptionError: the file is shorter than ``size``.
+        OSError: the file cannot be mapped.
+    """
+    if size == 0:
+        return
+    mapping = map_file(fd, size, what)
+    try:
+        with memoryview(mapping) as whole:
+            read_ahead(mapping, 0, min(MAP_BLOCK_BYTES, size))
+            for start in range(0, size, MAP_BLOCK_BYTES):
+                end = min(start + MAP_BLOCK_BYTES, size)
+                read_ahead(mapping, end, min(end + MAP_BLOCK_BYTES, size))
+                with whole[start:end] as view:  # let go of before the unmapping
+                    yield start, view
+    finally:
+        mapping.close()
+
+
 def file_crc32c(fd: int, size: int, what: str) -> int:
     """The crc32c of the first ``size`` bytes of the file open at ``fd``, taken over a mapping.
 
@@ -56,17 +82,7 @@ def file_crc32c(fd: int, size: int, what: str) -> int:
         DataCorruptionError: the file is shorter than ``size``.
         OSError: the file cannot be read.
     """
-    if size == 0:
-        return 0
-    mapping = map_file(fd, size, what)
-    try:
-        with memoryview(mapping) as view:
-            crc = 0
-            read_ahead(mapping, 0, min(MAP_BLOCK_BYTES, size))
-            for start in range(0, size, MAP_BLOCK_BYTES):
-                end = min(start + MAP_BLOCK_BYTES, size)
-                read_ahead(mapping, end, min(end + MAP_BLOCK_BYTES, size))  # the next block, while this one is summed
-                crc = crc32c_extend(crc, view[start:end])
-            return crc
-    finally:
-        mapping.close()
+    crc = 0
+    for _, view in mapped_blocks(fd, size, what):
+        crc = crc32c_extend(crc, view)
+    return crc

@@ -93,7 +93,7 @@ from dataflux_ckpt.dcp_objects import (
     write_commit_record,
 )
 from dataflux_ckpt.errors import ConcurrentWriteError, DataCorruptionError
-from dataflux_ckpt.mapped import MAP_BLOCK_BYTES, map_file, read_ahead
+from dataflux_ckpt.mapped import mapped_blocks
 from dataflux_ckpt.options import CRC_BLOCK_BYTES, TransferOptions
 from dataflux_ckpt.paths import GcsPath, parse_gcs_path
 from dataflux_ckpt.retry import Deadline
@@ -433,32 +433,23 @@ def _shard_checksums(fd: int, size: int, items: Sequence[tuple[int, int]], block
     crcs = [_BlockCrcs(block_size) for _ in items]
     whole, next_item = 0, 0
     open_items: list[int] = []
-    mapping = map_file(fd, size, "a shard of the local tier") if size else None
-    try:
-        with memoryview(mapping if mapping is not None else b"") as mapped:
-            for offset in range(0, size, MAP_BLOCK_BYTES):
-                if stop is not None and stop():
-                    raise UploadStopped("checksum stopped")
-                end = min(offset + MAP_BLOCK_BYTES, size)
-                assert mapping is not None
-                read_ahead(mapping, end, min(end + MAP_BLOCK_BYTES, size))  # the next block, while this one is summed
-                with mapped[offset:end] as view:  # let go of before the unmapping
-                    whole = crc32c_extend(whole, view)
-                    while next_item < len(order) and items[order[next_item]][0] < end:
-                        open_items.append(order[next_item])
-                        next_item += 1
-                    still_open = []
-                    for index in open_items:
-                        start, length = items[index]
-                        lo, hi = max(start, offset), min(start + length, end)
-                        if hi > lo:
-                            crcs[index].update(view[lo - offset : hi - offset])
-                        if start + length > end:
-                            still_open.append(index)
-                    open_items = still_open
-    finally:
-        if mapping is not None:
-            mapping.close()
+    for offset, view in mapped_blocks(fd, size, "a shard of the local tier"):
+        if stop is not None and stop():
+            raise UploadStopped("checksum stopped")
+        end = offset + view.nbytes
+        whole = crc32c_extend(whole, view)
+        while next_item < len(order) and items[order[next_item]][0] < end:
+            open_items.append(order[next_item])
+            next_item += 1
+        still_open = []
+        for index in open_items:
+            start, length = items[index]
+            lo, hi = max(start, offset), min(start + length, end)
+            if hi > lo:
+                crcs[index].update(view[lo - offset : hi - offset])
+            if start + length > end:
+                still_open.append(index)
+        open_items = still_open
     if any(start + length > size for start, length in items):
         raise DataCorruptionError(f"an item ends after the file's {size} bytes")
     return whole, [crc.values() for crc in crcs]
