@@ -784,6 +784,35 @@ def load_tensor_item(data: memoryview, storage: torch.UntypedStorage, where: str
     return unpickle(open_reader(MemoryFile(data)), "cpu", True, where, overall_storage=storage)
 
 
+def load_archive(data: memoryview, storage: torch.UntypedStorage, map_location: Any, weights_only: bool | None,
+                 where: str) -> Any:
+    """``torch.load`` of the checkpoint whose bytes are ``data`` (the bytes of ``storage``), with its
+    CPU tensors views of ``storage`` instead of copies, as ``torch.load(mmap=True)`` makes them views
+    of a file: the memory lives as long as one of them does.
+
+    A stored, well-formed zip archive this torch can read goes through :func:`unpickle`, so what loads
+    and what is refused stays torch's decision; anything else (torch's legacy format, a TorchScript
+    archive, compressed or damaged records, a newer archive version) goes to ``torch.load`` itself,
+    which copies.
+
+    Raises:
+        RecordSizeError: a record does not hold the bytes its storage needs (the message names ``where``).
+        WeightsOnlyError: weights-only loading refused something in the checkpoint.
+    """
+    weights_only = resolve_weights_only(weights_only)
+    table = _memory_table(data, storage)
+    if table is None or table.has_record("constants.pkl"):
+        return torch.load(MemoryFile(data), map_location=map_location, weights_only=weights_only)
+    if weights_only and _plain_tensor_loop_applies(table, map_location):
+        try:
+            return _load_plain_tensors(table, map_location)
+        except (_OutsideFastPath, _NotMirrored):
+            pass
+        except RecordSizeError as err:
+            raise RecordSizeError(f"{where}: {err}") from None
+    return unpickle(open_reader(MemoryFile(data)), map_location, weights_only, where, overall_storage=storage)
+
+
 class _MemoryArchive:
     """The records of a zip archive in memory, answering what the plain-tensor loop asks torch's
     reader for (``data.pkl``, ``byteorder``)."""

@@ -11,12 +11,12 @@ integrity check), into memory allocated for them, as a load must return memory o
   ``benchmarks.lightning_ckpt``'s download ceiling;
 * ``redis://``: the checkpoint's value and its chunks with plain redis-py ``GET`` s in one pipeline.
 
-A sharded (DCP) checkpoint's load costs more than its bytes: DCP plans it, runs its collectives and
-resolves every item into the model's and optimizers' state, whatever the storage.
-:func:`dcp_load_seconds` measures that part, as ``benchmarks.distributed_ckpt`` measures DCP's own
-cost: the loads a sharded strategy makes, through a storage reader that serves the checkpoint's
-metadata and reads no byte. The job times it in its last start, warm (so it is a lower bound of a
-restart's), and a sharded row's ceiling adds it to the raw read.
+A sharded (DCP) checkpoint's load costs more than its bytes, whatever the storage: DCP plans it, runs
+its collectives and resolves every item, and the strategy puts the state into the model and the
+optimizers (Lightning's FSDP strategy flattens each optimizer's state with collectives per parameter).
+:func:`sharded_load_seconds` measures that part: Lightning's own strategy loading the same state from
+``/dev/shm``, where every read is a copy from memory. The job times it in its last start, warm (so it
+is a lower bound of a restart's), and a sharded row's ceiling adds it to the raw read.
 """
 
 from __future__ import annotations
@@ -129,40 +129,35 @@ def read_redis(key: str, address: str) -> int:
         return sum(len(value) for value in pipe.execute() if value is not None)
 
 
-def dcp_load_seconds(strategy: Any, checkpoint: str) -> float:
-    """Seconds DCP itself takes to load the sharded checkpoint ``checkpoint`` into ``strategy``'s model
-    and optimizers (a Lightning ``FSDPStrategy`` with sharded state dicts, or a ``ModelParallelStrategy``,
-    the plugins' or Lightning's own), with no byte read: the model's state, then each optimizer's, as
-    the sharded strategies load them, each through a reader that serves the checkpoint's metadata
-    (read once, untimed) and hands every tensor back to the planner as it is. Nothing is applied to the
-    model or the optimizers."""
-    import torch.distributed.checkpoint as dcp
-    from lightning.pytorch.strategies import FSDPStrategy
+def sharded_load_seconds(strategy: Any, checkpoint: dict[str, Any]) -> float:
+    """Seconds Lightning's own sharded strategy takes to load ``checkpoint`` (a checkpoint dict of the
+    job's current state, as the strategy's ``save_checkpoint`` receives it) when its bytes are in memory.
 
-    from benchmarks.distributed_ckpt import null_storage
+    ``strategy`` is a Lightning ``FSDPStrategy`` with sharded state dicts or a ``ModelParallelStrategy``
+    (the plugins' subclasses or Lightning's own). The checkpoint is saved (untimed) by Lightning's own
+    class of that strategy, DCP's ``FileSystemWriter``, into ``/dev/shm``, a file system in memory; then
+    that class's ``load_checkpoint`` is timed. It is the whole sharded load but the storage: DCP plans
+    the load, runs its collectives and resolves every item, each read is a copy from memory, and the
+    strategy puts the state into the model and the optimizers (FSDP flattens each optimizer's state
+    with collectives per parameter). The loaded state is the model's own, so training is unchanged.
+    Collective: every rank calls it. The temporary copy is removed.
+    """
+    import shutil
+    import tempfile
 
-    if hasattr(strategy, "storage_reader"):  # the plugins' strategies
-        metadata = strategy.storage_reader(checkpoint).read_metadata()
-    else:
-        metadata = dcp.FileSystemReader(checkpoint).read_metadata()
-    _, null_reader = null_storage()
-    reader = null_reader(metadata=metadata)
-    model, optimizers = strategy.model, strategy.optimizers
-    started = time.perf_counter()
-    if isinstance(strategy, FSDPStrategy):
-        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            state = {"model": model.state_dict()}
-            dcp.load(state, storage_reader=reader)
-            for index in range(len(optimizers)):
-                load_sharded_optimizer_state_dict(model_state_dict=state["model"], optimizer_key=f"optimizer_{index}",
-                                                  storage_reader=reader)
-    else:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        dcp.load({"state_dict": get_model_state_dict(model)}, storage_reader=reader)
-        for index, optimizer in enumerate(optimizers):
-            dcp.load({f"optimizer_{index}": get_optimizer_state_dict(model, optimizer)}, storage_reader=reader)
-    return time.perf_counter() - started
+    base = next(cls for cls in type(strategy).__mro__ if cls in (FSDPStrategy, ModelParallelStrategy))
+    made = tempfile.mkdtemp(prefix="recovery-ceiling-", dir="/dev/shm") if strategy.global_rank == 0 else None
+    path = strategy.broadcast(made)
+    try:
+        base.save_checkpoint(strategy, dict(checkpoint), path)  # it pops the states from the dict it is given
+        strategy.barrier("sharded-load-ceiling-saved")
+        started = time.perf_counter()
+        base.load_checkpoint(strategy, path)
+        elapsed = time.perf_counter() - started
+        strategy.barrier("sharded-load-ceiling-loaded")
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+    return elapsed

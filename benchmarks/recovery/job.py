@@ -23,8 +23,9 @@ Plugins (``--plugin``), each with the storage its ``--root`` names:
 * single-file, on ``--strategy single``: ``dataflux`` (gs://), ``fastpersist`` (its defaults: aio
   saves, loads read straight into the tensors), ``fastpersist-aio`` and ``fastpersist-python`` (that
   engine for saves and loads; a local directory), ``smartredis`` (redis://), and the baselines
-  ``torch-local`` (``TorchCheckpointIO``, a local directory) and ``torch-gcsfs`` (``TorchCheckpointIO``
-  through gcsfs, gs://);
+  ``torch-local`` (``TorchCheckpointIO``, a local directory), ``torch-gcsfs`` (``TorchCheckpointIO``
+  through gcsfs, gs://) and ``torch-redis`` (``TorchCheckpointIO`` through fsspec's ``redis://``
+  filesystem, the one ``smartredis_io`` registers);
 * sharded (DCP), on ``--strategy fsdp`` or ``model_parallel``: ``dataflux-dcp`` (gs://),
   ``fastpersist-dcp`` (a local directory), and the baseline ``torch-dcp`` (Lightning's own strategies,
   DCP's ``FileSystemWriter``, a local directory). Under ``torchrun`` each rank runs this job.
@@ -47,14 +48,14 @@ from dataclasses import dataclass
 from typing import Any
 
 SINGLE_FILE_PLUGINS = ("dataflux", "fastpersist", "fastpersist-aio", "fastpersist-python", "smartredis",
-                       "torch-local", "torch-gcsfs")
+                       "torch-local", "torch-gcsfs", "torch-redis")
 SHARDED_PLUGINS = ("dataflux-dcp", "fastpersist-dcp", "torch-dcp")
 PLUGINS = SINGLE_FILE_PLUGINS + SHARDED_PLUGINS
 STRATEGIES = ("single", "fsdp", "model_parallel")
 # Where each plugin keeps checkpoints: the scheme its --root must have ("" for a local directory).
-_SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "smartredis": "redis"}
+_SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "smartredis": "redis", "torch-redis": "redis"}
 CHECKPOINT_SUBDIR = "checkpoints"
-# The event of one timing of DCP's own cost of loading the last checkpoint (JobConfig.dcp_loads).
+# The event of one timing of a sharded load's own cost, its bytes in memory (JobConfig.dcp_loads).
 DCP_LOAD_EVENT = "dcp_load"
 ON_EXCEPTION_NAME = "on_exception"
 # AdamW keeps two moments per weight: a checkpoint holds about three times the weights' bytes.
@@ -98,9 +99,10 @@ class JobConfig:
             more with ``trainer.save_checkpoint`` to ``<checkpoint_dir>/last.ckpt``, outside the training
             loop (as ``benchmarks.lightning_ckpt`` times a plugin's save): what a save stall in training
             compares with.
-        dcp_loads: (sharded plugins) after the plain saves, time DCP's own cost of loading that
-            checkpoint this many times (:func:`benchmarks.recovery.ceilings.dcp_load_seconds`, a
-            ``dcp_load`` event each): what the restarts' ceiling adds to the raw read.
+        dcp_loads: (sharded plugins, with ``plain_saves``) after the plain saves, time Lightning's own
+            strategy loading the last plain save's state from memory this many times
+            (:func:`benchmarks.recovery.ceilings.sharded_load_seconds`, a ``dcp_load`` event each): what
+            the restarts' ceiling adds to the raw read.
     """
 
     plugin: str
@@ -147,6 +149,8 @@ class JobConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dcp_loads and self.plugin not in SHARDED_PLUGINS:
             raise ValueError(f"dcp_loads is for the sharded plugins, not {self.plugin}")
+        if self.dcp_loads and not self.plain_saves:
+            raise ValueError("dcp_loads times loads of the last plain save's state: give plain_saves too")
         if self.save_top_k < 0 or self.plain_saves < 0 or self.dcp_loads < 0 or self.size_mb <= 0 or self.step_time_s < 0:
             raise ValueError(f"save_top_k ({self.save_top_k}), plain_saves ({self.plain_saves}), dcp_loads "
                              f"({self.dcp_loads}) and step_time_s "
@@ -306,8 +310,14 @@ class _LoggedStrategy:
     ``LoggedCheckpointIO`` does for a single-file plugin: DCP checkpoints go through the strategy."""
 
     recovery_log: EventLog
+    # Keep the checkpoint dict each save is given (as it is given: the strategy takes the states out
+    # of it), for the restarts' ceiling (JobConfig.dcp_loads).
+    recovery_keep_last = False
+    recovery_last_checkpoint: dict[str, Any] | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.recovery_keep_last:
+            self.recovery_last_checkpoint = dict(checkpoint)
         path, step = str(filepath), _checkpoint_step(checkpoint)
         digest = state_digest(checkpoint.get("state_dict", {}))
         self.recovery_log.emit("save_start", path=path, step=step, digest=digest, blocking=True,
@@ -462,8 +472,8 @@ def _checkpoint_callback_class(config: JobConfig) -> type:
         from smartredis_io import SmartRedisModelCheckpoint
 
         return SmartRedisModelCheckpoint
-    if config.plugin == "torch-gcsfs":
-        # stock ModelCheckpoint drops gs:// from the last checkpoints it finds, and would train from scratch
+    if config.plugin in ("torch-gcsfs", "torch-redis"):
+        # stock ModelCheckpoint drops the scheme from the last checkpoints it finds, and would train from scratch
         from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 
         return RemoteModelCheckpoint
@@ -594,14 +604,15 @@ def run(config: JobConfig) -> None:
             trainer, ckpt_path = build_trainer(config, log)
             trainer.fit(_recovery_model(config), train_dataloaders=_data(config), ckpt_path=ckpt_path)
             log.emit("train_end", step=trainer.global_step)
+            trainer.strategy.recovery_keep_last = bool(config.dcp_loads)
             for _ in range(config.plain_saves):
                 trainer.save_checkpoint(f"{config.checkpoint_dir}/last.ckpt")
             if config.dcp_loads:
-                from benchmarks.recovery.ceilings import dcp_load_seconds
+                from benchmarks.recovery.ceilings import sharded_load_seconds
 
                 for _ in range(config.dcp_loads):
-                    log.emit(DCP_LOAD_EVENT, seconds=dcp_load_seconds(trainer.strategy,
-                                                                      f"{config.checkpoint_dir}/last.ckpt"))
+                    log.emit(DCP_LOAD_EVENT, seconds=sharded_load_seconds(trainer.strategy,
+                                                                          trainer.strategy.recovery_last_checkpoint))
             step = trainer.global_step
     except BaseException as exc:
         log.emit("exit", reason=type(exc).__name__, error=str(exc)[:500])

@@ -19,6 +19,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from typing_extensions import override
 
+from lightning_storage_plugins import _torch_compat
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.owners import Owner
@@ -101,33 +102,6 @@ def _settings(address: str, cluster: bool | None, options: ConfigOptions | None,
     settings = ConnectionSettings.from_options(options, address=address or None, cluster=bool(cluster))
     settings = settings.with_(address_source=address_source)
     return settings if cluster is not None else settings.with_(cluster=detect_cluster(settings))
-
-
-class _BufferReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so ``torch.load`` reads the fetched bytes in place."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self._view.nbytes - self._pos)
-        memoryview(buffer).cast("B")[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
 
 class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
@@ -260,8 +234,10 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
                 buffer = wire.get_array(self.db, key)  # sizes are checked before the buffer exists
             except RedisKeyError:
                 raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}") from None
-        return torch.load(_BufferReader(memoryview(buffer.reshape(-1).view(np.uint8))),
-                          map_location=map_location, weights_only=weights_only)
+        data = buffer.reshape(-1).view(np.uint8)
+        # The tensors are views of the fetched buffer: a copy of every byte saved, as Dataflux loads do.
+        return _torch_compat.load_archive(memoryview(data), torch.frombuffer(data, dtype=torch.uint8).untyped_storage(),
+                                          map_location, weights_only, f"redis key {key!r}")
 
     @override
     def _delete(self, target: _Checkpoint) -> None:

@@ -193,23 +193,40 @@ class RedisFileSystem(AbstractFileSystem):
         with wire.ChunkedWriter(self.db, key, wire.bulk_limit() - wire.HEADER_MAX_BYTES) as writer:
             writer.write(value)
 
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: Any = None, **kwargs: Any) -> Any:
         if "r" in mode:
             return io.BytesIO(self.cat_file(path))
-        return _WriteOnClose(self, path)
+        return _WriteOnClose(self, path, autocommit)
 
 
 class _WriteOnClose(io.BytesIO):
-    """A file written to the database, in one piece, when closed."""
+    """A file written to the database, in one piece, when closed; inside an fsspec transaction (as
+    Lightning's ``TorchCheckpointIO`` saves), when the transaction commits, and never if it is
+    discarded."""
 
-    def __init__(self, fs: RedisFileSystem, path: str) -> None:
+    def __init__(self, fs: RedisFileSystem, path: str, autocommit: bool = True) -> None:
         super().__init__()
-        self._fs, self._path = fs, path
+        self._fs, self._path, self._autocommit = fs, path, autocommit
+        self._pending: bytes | None = None
 
     def close(self) -> None:
         if not self.closed:
-            self._fs.pipe_file(self._path, self.getvalue())
+            if self._autocommit:
+                self._fs.pipe_file(self._path, self.getvalue())
+            else:
+                self._pending = self.getvalue()
         super().close()
+
+    def commit(self) -> None:
+        """Store what was written (fsspec calls it when the transaction the file was opened in commits)."""
+        if self._pending is not None:
+            data, self._pending = self._pending, None
+            self._fs.pipe_file(self._path, data)
+
+    def discard(self) -> None:
+        """Drop what was written (the transaction was abandoned)."""
+        self._pending = None
 
 
 fsspec.register_implementation(PROTOCOL, RedisFileSystem, clobber=True)

@@ -216,7 +216,7 @@ def test_help_lists_the_rows_the_schedule_and_the_defaults():
                          text=True, check=True).stdout
     out = " ".join(out.split()).replace("- ", "-")  # argparse wraps long defaults at their dashes
     for word in ("--rows", "--schedule", "--grace-s", "--launcher", "--json", "--chart", "sigkill-save",
-                 goodput.DEFAULT_SCHEDULE, "(default: 16.0)", *goodput.ROWS):
+                 goodput.DEFAULT_SCHEDULE, "(default: 64.0)", *goodput.ROWS):
         assert word in out, word
 
 
@@ -276,9 +276,10 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sharded_gcs_row_runs_and_its_ceiling_adds_dcps_own_load(tmp_path):
-    """The Dataflux DCP row: two ranks, checkpoints that are a prefix and its commit record in the
-    emulator. Each restart's ceiling is its start-up, the raw read and DCP's own cost of the load."""
+def test_a_sharded_gcs_row_runs_and_its_ceiling_adds_the_sharded_loads_own_cost(tmp_path):
+    """The Dataflux DCP row: checkpoints that are a prefix and its commit record in the emulator. Each
+    restart's ceiling is its start-up, the raw read and the sharded load's own cost (Lightning's strategy
+    loading the same state from memory)."""
     out_json = tmp_path / "recovery.json"
     argv = ["--rows", "dataflux-dcp", "--rounds", "1", "--size-mb", "1", "--every-n-steps", "2", "--max-steps", "10",
             "--step-time-s", "0.02", "--plain-saves", "2", "--raw-reads", "1", "--json", str(out_json)]

@@ -26,7 +26,7 @@ def make_storage(plugin: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     if plugin in ("dataflux", "torch-gcsfs", "dataflux-dcp"):
         bucket = request.getfixturevalue("gcs_bucket")
         return Storage(plugin, f"gs://{bucket}/{run}", gcs_url=request.getfixturevalue("gcs_emulator").url)
-    if plugin == "smartredis":
+    if plugin in ("smartredis", "torch-redis"):
         return Storage(plugin, f"redis://{run}", redis_address=request.getfixturevalue("redis_server").address)
     return Storage(plugin, str(o_direct_dir(tmp_path) / run))
 

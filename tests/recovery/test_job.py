@@ -164,8 +164,9 @@ SHARDED_ON_ONE_RANK = {"dataflux-dcp": "fsdp", "fastpersist-dcp": "fsdp", "torch
 @pytest.mark.parametrize("plugin", PLUGINS, ids=[f"{plugin}-sigkill-once" for plugin in PLUGINS])
 def test_every_plugin_of_the_job_resumes_after_a_kill_in_a_save(plugin: str, storage: Storage, fork_server,
                                                                  tmp_path: Path) -> None:
-    """The goodput runner's rows, baselines included (TorchCheckpointIO on a local disk and through gcsfs,
-    DCP's FileSystemWriter under Lightning's own FSDP strategy): killed in a save, resumed whole."""
+    """The goodput runner's rows, baselines included (TorchCheckpointIO on a local disk, through gcsfs and
+    through fsspec's redis:// filesystem, DCP's FileSystemWriter under Lightning's own FSDP strategy):
+    killed in a save, resumed whole."""
     rounds = Rounds(fork_server, storage, tmp_path / "events.jsonl", seed=len(plugin))
     config = storage.config(rounds.log_path, strategy=SHARDED_ON_ONE_RANK.get(plugin, "single"))
     for attempt in range(3):
@@ -182,7 +183,9 @@ def test_every_plugin_of_the_job_resumes_after_a_kill_in_a_save(plugin: str, sto
     current.job.wait(60)
     assert rounds.rounds[1].started["step"] > 0 and rounds.rounds[2].started["step"] > 0, rounds.summary()
     # each restart resumed right (above); then what killed saves left
-    expect_no_leftovers(plugin, {r.index: r.leftovers for r in rounds.rounds if r.leftovers})
+    # (TorchCheckpointIO on redis:// has no sweep: the chunks of a killed save stay until their lease runs out.)
+    if plugin != "torch-redis":
+        expect_no_leftovers(plugin, {r.index: r.leftovers for r in rounds.rounds if r.leftovers})
 
 
 @pytest.mark.recovery

@@ -303,6 +303,28 @@ def test_lightning_lists_redis_urls_as_local_paths_without_the_subclass(redis_se
     assert stock._find_last_checkpoints(trainer) == {f"{uid}/last.ckpt"}, "Lightning changed: drop the subclass?"
 
 
+def test_stock_torch_checkpoint_io_saves_redis_urls_through_fsspec(redis_server, uid: str, monkeypatch) -> None:
+    """Lightning's TorchCheckpointIO writes inside an fsspec transaction: the value is stored when the
+    transaction commits, never when it is discarded, and the plugin loads what it stored."""
+    import fsspec
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    monkeypatch.setenv("SSDB", redis_server.address)
+    state = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 3}
+    TorchCheckpointIO().save_checkpoint(state, f"redis://{uid}/last.ckpt")
+    assert TorchCheckpointIO().load_checkpoint(f"redis://{uid}/last.ckpt")["global_step"] == 3
+    loaded = SmartRedisCheckpointIO().load_checkpoint(f"redis://{uid}/last.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(6.0))
+
+    fs = fsspec.filesystem("redis")
+    with pytest.raises(RuntimeError, match="abandoned"):
+        with fs.transaction:
+            with fs.open(f"redis://{uid}/dropped.ckpt", "wb") as f:
+                f.write(b"never stored")
+            raise RuntimeError("abandoned")
+    assert not fs.exists(f"redis://{uid}/dropped.ckpt")
+
+
 def test_the_plugin_pickles_and_keys_paths_portably(redis_server, tmp_path, uid: str) -> None:
     io = SmartRedisCheckpointIO(redis_server.address, root_dir=tmp_path)
     io.save_checkpoint({"w": torch.ones(2)}, tmp_path / uid / "a.ckpt")
