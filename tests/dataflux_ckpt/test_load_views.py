@@ -10,11 +10,8 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
-import json
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -32,8 +29,13 @@ from dataflux_ckpt.errors import InvalidCheckpointError
 from tests.fastpersist.test_crafted_archives import STATE as CRAFTED_STATE
 from tests.fastpersist.test_crafted_archives import _apply, mutations
 from tests.support.fork import exit_code_in_fork
-from tests.support.fp_compare import assert_same
+from tests.support.fp_compare import (
+    assert_loads_are_writable_and_independent,
+    assert_loads_as_torch_load,
+    assert_same,
+)
 from tests.support.gcs import LoopbackServer, client_for, ranged_read_ports
+from tests.support.load_memory import load_peak
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool, torch.complex64]
 
@@ -91,13 +93,8 @@ def test_loads_match_torch_load(make_plugin, gcs_bucket, state, weights_only, ma
 
 
 def test_loaded_tensors_are_writable_and_independent_of_another_load(ckpt_io, ckpt_path):
-    ckpt_io.save_checkpoint({"a": torch.zeros(1000), "b": torch.ones(10)}, ckpt_path)
-    first = ckpt_io.load_checkpoint(ckpt_path)
-    second = ckpt_io.load_checkpoint(ckpt_path)
-    first["a"] += 5
-    first["b"].mul_(3)
-    assert torch.equal(second["a"], torch.zeros(1000)) and torch.equal(second["b"], torch.ones(10))
-    assert torch.equal(first["a"], torch.full((1000,), 5.0)) and torch.equal(first["b"], torch.full((10,), 3.0))
+    assert_loads_are_writable_and_independent(lambda state: ckpt_io.save_checkpoint(state, ckpt_path),
+                                              lambda: ckpt_io.load_checkpoint(ckpt_path))
 
 
 def test_legacy_format_and_torchscript_archives_load_as_torch_load_does(ckpt_io, gcs_bucket):
@@ -130,56 +127,27 @@ def test_crafted_record_sizes_are_refused_or_load_as_torch_load_does(make_plugin
     crafted = _apply(crafted_original, changes)
     path = f"gs://{gcs_bucket}/views/crafted.ckpt"
     _put(plugin, path, crafted)
-    expected, refused = None, False
-    try:
-        expected = torch.load(io.BytesIO(crafted), weights_only=True)
-    except Exception:  # noqa: BLE001 - any refusal by torch.load: the plugin must refuse too
-        refused = True
-    try:
-        got = plugin.load_checkpoint(path, weights_only=True)
-    except InvalidCheckpointError as err:
-        assert path in str(err)
-        return
-    assert not refused, f"torch.load refuses {changes}, the plugin returned {got!r}"
-    assert_same(got, expected)
+    assert_loads_as_torch_load(crafted, lambda: plugin.load_checkpoint(path, weights_only=True),
+                               InvalidCheckpointError, path)
 
 
-_MEASURE = textwrap.dedent("""
-    import json, sys
-    import torch
-    from dataflux_ckpt import DatafluxCheckpointIO
-    from google.cloud import storage
-    from google.auth.credentials import AnonymousCredentials
+_MAKE_PLUGIN = """
+from dataflux_ckpt import DatafluxCheckpointIO
+from google.cloud import storage
+from google.auth.credentials import AnonymousCredentials
 
-    client = storage.Client(project="test", credentials=AnonymousCredentials(),
-                            client_options={"api_endpoint": sys.argv[1]})
-    plugin = DatafluxCheckpointIO(storage_client=client)
-
-    def rss_kib(field):
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the peak resident size starts again from the current one
-    before = rss_kib("VmRSS")
-    loaded = plugin.load_checkpoint(sys.argv[2])
-    peak = rss_kib("VmHWM")
-    total = sum(t.numel() * t.element_size() for t in loaded.values())
-    plugin.teardown()
-    print(json.dumps({"extra": (peak - before) * 1024, "bytes": total}))
-""")
+client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                        client_options={{"api_endpoint": {endpoint!r}}})
+plugin = DatafluxCheckpointIO(storage_client=client)
+"""
 
 
 def test_a_load_holds_about_one_checkpoint_of_extra_memory(gcs_emulator, ckpt_io, ckpt_path, tmp_path):
     state = {f"layer{index}": torch.randn(2**20) for index in range(48)}  # 192 MiB
     ckpt_io.save_checkpoint(state, ckpt_path)
     del state
-    script = tmp_path / "measure.py"
-    script.write_text(_MEASURE)
-    done = subprocess.run([sys.executable, str(script), gcs_emulator.url, ckpt_path], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "STORAGE_EMULATOR_HOST": gcs_emulator.url})
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    measured = load_peak(_MAKE_PLUGIN.format(endpoint=gcs_emulator.url), ckpt_path,
+                         env={**os.environ, "STORAGE_EMULATOR_HOST": gcs_emulator.url})
     # The downloaded buffer is the tensors' memory: about one checkpoint, where copying tensors out
     # of it held 1.6-1.7 checkpoints at the peak.
     assert measured["extra"] <= 1.2 * measured["bytes"], measured

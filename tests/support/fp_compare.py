@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +36,38 @@ def assert_same(got: Any, want: Any, where: str = "obj") -> None:
             else -index - 1
         )
         assert g_key == w_key, f"{where}: tensor #{index} storage sharing differs"
+
+
+def assert_loads_are_writable_and_independent(save: Callable[[Any], None], load: Callable[[], Any]) -> None:
+    """Two loads of what ``save`` stored give tensors that can be written, and writing those of one
+    load changes nothing of the other's (views of a load's buffer must not be shared between loads)."""
+    save({"a": torch.zeros(100_000), "b": torch.ones(10)})
+    first, second = load(), load()
+    first["a"] += 5
+    first["b"].mul_(3)
+    assert torch.equal(second["a"], torch.zeros(100_000)) and torch.equal(second["b"], torch.ones(10))
+    assert torch.equal(first["a"], torch.full((100_000,), 5.0)) and torch.equal(first["b"], torch.full((10,), 3.0))
+
+
+def assert_loads_as_torch_load(data: bytes, load: Callable[[], Any], refusals: type[BaseException] | tuple[type[BaseException], ...],
+                               name: str) -> None:
+    """``load()`` (a plugin's weights-only load of the stored ``data``) returns what
+    ``torch.load(data, weights_only=True)`` returns, or refuses it with one of ``refusals``, which must
+    name ``name`` unless ``torch.load`` refuses ``data`` too; where ``torch.load`` refuses, so must ``load``."""
+    import io
+
+    expected, refused = None, False
+    try:
+        expected = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception:  # noqa: BLE001 - any refusal by torch.load: the plugin must refuse too
+        refused = True
+    try:
+        got = load()
+    except refusals as err:
+        assert refused or name in str(err), f"a refusal of what torch.load loads does not name {name}: {err!r}"
+        return
+    assert not refused, f"torch.load refuses these bytes, the plugin returned {got!r}"
+    assert_same(got, expected)
 
 
 def _compare(got: Any, want: Any, where: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
