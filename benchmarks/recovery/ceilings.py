@@ -15,8 +15,9 @@ A sharded (DCP) checkpoint's load costs more than its bytes, whatever the storag
 its collectives and resolves every item, and the strategy puts the state into the model and the
 optimizers (Lightning's FSDP strategy flattens each optimizer's state with collectives per parameter).
 :func:`sharded_load_seconds` measures that part: Lightning's own strategy loading the same state from
-``/dev/shm``, where every read is a copy from memory. The job times it in its last start, warm (so it
-is a lower bound of a restart's), and a sharded row's ceiling adds it to the raw read.
+``/dev/shm``, where every read is a copy from memory. The job times it in its last start, and a
+sharded row's ceiling adds the fastest timing to the raw read. It is about what a restart's own load
+costs, not a strict lower bound: a process that has trained loads no faster than a fresh one.
 """
 
 from __future__ import annotations
