@@ -773,15 +773,7 @@ def load_tensor_item(data: memoryview, storage: torch.UntypedStorage, where: str
             ``where``).
         WeightsOnlyError: weights-only loading refused the item.
     """
-    table = _memory_table(data, storage)
-    if table is not None and _plain_tensor_loop_applies(table, "cpu"):
-        try:
-            return _load_plain_tensors(table, "cpu")
-        except (_OutsideFastPath, _NotMirrored):
-            pass
-        except RecordSizeError as err:
-            raise RecordSizeError(f"{where}: {err}") from None
-    return unpickle(open_reader(MemoryFile(data)), "cpu", True, where, overall_storage=storage)
+    return _load_views(_memory_table(data, storage), data, storage, "cpu", True, where)
 
 
 def load_archive(data: memoryview, storage: torch.UntypedStorage, map_location: Any, weights_only: bool | None,
@@ -803,7 +795,15 @@ def load_archive(data: memoryview, storage: torch.UntypedStorage, map_location: 
     table = _memory_table(data, storage)
     if table is None or table.has_record("constants.pkl"):
         return torch.load(MemoryFile(data), map_location=map_location, weights_only=weights_only)
-    if weights_only and _plain_tensor_loop_applies(table, map_location):
+    return _load_views(table, data, storage, map_location, weights_only, where)
+
+
+def _load_views(table: StorageTable | None, data: memoryview, storage: torch.UntypedStorage, map_location: Any,
+                weights_only: bool, where: str) -> Any:
+    """The archive in ``data`` (the bytes of ``storage``; ``table``: :func:`_memory_table` of it) loaded
+    with its storages views of ``storage``: by the plain-tensor loop where it applies, else by torch's
+    reader and :func:`unpickle`."""
+    if table is not None and weights_only and _plain_tensor_loop_applies(table, map_location):
         try:
             return _load_plain_tensors(table, map_location)
         except (_OutsideFastPath, _NotMirrored):

@@ -337,11 +337,17 @@ class RunResult:
         return statistics.median(self.raw_read_s)
 
     @property
+    def dcp_load_floor_s(self) -> float | None:
+        """A sharded checkpoint's own load cost, the fastest of its timings (see
+        :func:`benchmarks.recovery.ceilings.sharded_load_seconds`: it moves by a third between
+        timings); ``None`` for a single-file checkpoint."""
+        return min(self.dcp_load_s, default=None)
+
+    @property
     def load_floor_s(self) -> float:
-        """The load part of a restart's ceiling: the raw read, and for a sharded checkpoint the sharded
-        load's own cost, the fastest of its timings (see
-        :func:`benchmarks.recovery.ceilings.sharded_load_seconds`: it moves by a third between timings)."""
-        return self.raw_read_median_s + (min(self.dcp_load_s) if self.dcp_load_s else 0.0)
+        """The load part of a restart's ceiling: the raw read, and for a sharded checkpoint its own
+        load cost (:attr:`dcp_load_floor_s`)."""
+        return self.raw_read_median_s + (self.dcp_load_floor_s or 0.0)
 
 
 class Launcher:
@@ -505,7 +511,7 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
             restarts.append({
                 "round": r.round, "after": restart.disruption, "startup_s": restart.startup_s,
                 "load_s": restart.load_s, "prep_s": restart.prep_s, "to_first_step_s": restart.to_first_step_s,
-                "raw_read_s": r.raw_read_median_s, "dcp_load_s": min(r.dcp_load_s, default=None), "ceiling_s": ceiling,
+                "raw_read_s": r.raw_read_median_s, "dcp_load_s": r.dcp_load_floor_s, "ceiling_s": ceiling,
                 "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
                 "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
             })
@@ -528,7 +534,7 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
         "ceiling_s": _median([x["ceiling_s"] for x in restarts if x["ceiling_s"] is not None]),
         "first_step_vs_ceiling": _median(vs_ceiling), "first_step_vs_ceiling_max": max(vs_ceiling, default=None),
         "raw_read_s": _median([r.raw_read_median_s for r in runs]),
-        "dcp_load_s": _median([min(r.dcp_load_s) for r in runs if r.dcp_load_s]),
+        "dcp_load_s": _median([r.dcp_load_floor_s for r in runs if r.dcp_load_s]),
         "lost_steps_max": max(lost, default=0), "lost_steps": lost,
         "resumes_ok": sum(r.resumes_ok for r in runs), "resumes": sum(r.resumes for r in runs),
         "save_kills_in_save": sum(r.save_kills_in_save for r in runs), "save_kills": sum(r.save_kills for r in runs),
