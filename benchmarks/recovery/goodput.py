@@ -21,9 +21,10 @@ From the event log of each run it reports, as Google's ``ml-goodput-measurement`
 * the progress lost to each disruption (at most one checkpoint interval).
 
 Rows run in interleaved rounds (A B C, then B C A...), and results are medians with their min-max.
-Ratios compare each plugin with TorchCheckpointIO on the same storage (DCP's ``FileSystemWriter`` for
-the sharded rows). Every service runs on loopback: fake-gcs-server behind the XML multipart server,
-a redis-server, and a local directory that takes ``O_DIRECT``.
+Ratios compare each plugin with TorchCheckpointIO on the same storage (for the sharded rows DCP's own
+writer on it: ``FileSystemWriter`` on the local disk, ``FsspecWriter`` through gcsfs in GCS). Every
+service runs on loopback: fake-gcs-server behind the XML multipart server, a redis-server, and a local
+directory that takes ``O_DIRECT``.
 """
 
 from __future__ import annotations
@@ -133,10 +134,11 @@ ROWS: dict[str, Row] = {r.key: r for r in [
     Row("torch-dcp", "FSDP, DCP FileSystemWriter (local)", "torch-dcp", "fsdp", "local", "torch-dcp"),
     Row("fastpersist-dcp", "FSDP, FastPersist DCP storage (local)", "fastpersist-dcp", "fsdp", "local",
         "torch-dcp"),
-    Row("dataflux-dcp", "FSDP, Dataflux DCP storage (gcs)", "dataflux-dcp", "fsdp", "gcs", "torch-dcp"),
+    Row("torch-dcp-gcsfs", "FSDP, DCP FsspecWriter (gcsfs)", "torch-dcp-gcsfs", "fsdp", "gcs", "torch-dcp-gcsfs"),
+    Row("dataflux-dcp", "FSDP, Dataflux DCP storage (gcs)", "dataflux-dcp", "fsdp", "gcs", "torch-dcp-gcsfs"),
 ]}
 DEFAULT_ROWS = ("torch-local", "fastpersist", "torch-redis", "smartredis", "torch-gcsfs", "dataflux", "torch-dcp",
-                "fastpersist-dcp", "dataflux-dcp")
+                "fastpersist-dcp", "torch-dcp-gcsfs", "dataflux-dcp")
 
 
 # The schedule ------------------------------------------------------------------------------------
@@ -187,6 +189,8 @@ class Settings:
 
     Args:
         size_mb: the checkpoint's size in MiB, about (weights and AdamW's moments).
+        width: the model's layer width (the checkpoint holds six tensors per layer of ``width`` x
+            ``width`` weights and its bias: weights, bias and their two AdamW moments).
         every_n_steps: a checkpoint (``last.ckpt``) every this many steps.
         max_steps: the run's steps in all.
         step_time_s: what a step waits besides its compute (a real model's step).
@@ -202,6 +206,7 @@ class Settings:
     """
 
     size_mb: float = 64.0
+    width: int = 512
     every_n_steps: int = 4
     max_steps: int = 16
     step_time_s: float = 0.05
@@ -215,7 +220,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"unknown launcher {self.launcher!r}; choose from {', '.join(LAUNCHERS)}")
-        for name in ("every_n_steps", "max_steps", "rounds", "raw_reads"):
+        for name in ("width", "every_n_steps", "max_steps", "rounds", "raw_reads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.plain_saves < 2:
@@ -228,7 +233,8 @@ class Settings:
 
     def describe(self) -> str:
         events = ", ".join(d.describe().format(d.step(self.every_n_steps)) for d in self.schedule)
-        return (f"{self.size_mb:g} MiB checkpoint every {self.every_n_steps} steps, {self.max_steps} steps of "
+        return (f"{self.size_mb:g} MiB checkpoint ({self.width}-wide layers) every {self.every_n_steps} steps, "
+                f"{self.max_steps} steps of "
                 f"{self.step_time_s * 1000:g} ms + compute; {events or 'no disruption'}; grace {self.grace_s:g} s; "
                 f"{self.rounds} rounds, {self.launcher} launcher")
 
@@ -257,7 +263,7 @@ class Storages:
         endpoint = self.services.endpoint
         fields: dict[str, Any] = {
             "every_n_steps": settings.every_n_steps, "save_top_k": 0, "max_steps": settings.max_steps,
-            "size_mb": settings.size_mb, "step_time_s": settings.step_time_s,
+            "size_mb": settings.size_mb, "width": settings.width, "step_time_s": settings.step_time_s,
             "gcs_url": endpoint.url if endpoint is not None and row.storage == "gcs" else None,
             "redis_address": self.services.redis_address() if row.storage == "redis" else None,
         }
@@ -728,6 +734,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds of every row")
     parser.add_argument("--size-mb", type=float, default=defaults.size_mb,
                         help="the checkpoint's size in MiB, about (weights and AdamW's two moments)")
+    parser.add_argument("--width", type=int, default=defaults.width,
+                        help="the model's layer width (its layers are as many as make --size-mb)")
     parser.add_argument("--every-n-steps", type=int, default=defaults.every_n_steps,
                         help="a checkpoint every this many steps (the checkpoint interval)")
     parser.add_argument("--max-steps", type=int, default=defaults.max_steps, help="steps of the whole run")
@@ -761,7 +769,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     args.rows = [ROWS[k] for k in keys]
     try:
-        args.settings = Settings(size_mb=args.size_mb, every_n_steps=args.every_n_steps, max_steps=args.max_steps,
+        args.settings = Settings(size_mb=args.size_mb, width=args.width, every_n_steps=args.every_n_steps,
+                                 max_steps=args.max_steps,
                                  step_time_s=args.step_time_s, schedule=parse_schedule(args.schedule),
                                  grace_s=args.grace_s, rounds=args.rounds, plain_saves=args.plain_saves,
                                  raw_reads=args.raw_reads, launcher=args.launcher)

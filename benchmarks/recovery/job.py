@@ -27,8 +27,10 @@ Plugins (``--plugin``), each with the storage its ``--root`` names:
   through gcsfs, gs://) and ``torch-redis`` (``TorchCheckpointIO`` through fsspec's ``redis://``
   filesystem, the one ``smartredis_io`` registers);
 * sharded (DCP), on ``--strategy fsdp`` or ``model_parallel``: ``dataflux-dcp`` (gs://),
-  ``fastpersist-dcp`` (a local directory), and the baseline ``torch-dcp`` (Lightning's own strategies,
-  DCP's ``FileSystemWriter``, a local directory). Under ``torchrun`` each rank runs this job.
+  ``fastpersist-dcp`` (a local directory), and the baselines ``torch-dcp`` (Lightning's own strategies,
+  DCP's ``FileSystemWriter``, a local directory) and ``torch-dcp-gcsfs`` (DCP's ``FsspecWriter``
+  through gcsfs, gs://: see :mod:`benchmarks.recovery.fsspec_dcp`). Under ``torchrun`` each rank runs
+  this job.
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ from typing import Any
 
 SINGLE_FILE_PLUGINS = ("dataflux", "fastpersist", "fastpersist-aio", "fastpersist-python", "smartredis",
                        "torch-local", "torch-gcsfs", "torch-redis")
-SHARDED_PLUGINS = ("dataflux-dcp", "fastpersist-dcp", "torch-dcp")
+SHARDED_PLUGINS = ("dataflux-dcp", "fastpersist-dcp", "torch-dcp", "torch-dcp-gcsfs")
 PLUGINS = SINGLE_FILE_PLUGINS + SHARDED_PLUGINS
 STRATEGIES = ("single", "fsdp", "model_parallel")
 # Where each plugin keeps checkpoints: the scheme its --root must have ("" for a local directory).
-_SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "smartredis": "redis", "torch-redis": "redis"}
+_SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "torch-dcp-gcsfs": "gs", "smartredis": "redis",
+            "torch-redis": "redis"}
 CHECKPOINT_SUBDIR = "checkpoints"
 # The event of one timing of a sharded load's own cost, its bytes in memory (JobConfig.dcp_loads).
 DCP_LOAD_EVENT = "dcp_load"
@@ -472,7 +475,7 @@ def _checkpoint_callback_class(config: JobConfig) -> type:
         from smartredis_io import SmartRedisModelCheckpoint
 
         return SmartRedisModelCheckpoint
-    if config.plugin in ("torch-gcsfs", "torch-redis"):
+    if config.plugin in ("torch-gcsfs", "torch-redis", "torch-dcp-gcsfs"):
         # stock ModelCheckpoint drops the scheme from the last checkpoints it finds, and would train from scratch
         from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
 
@@ -493,6 +496,16 @@ def _sharded_strategy(config: JobConfig, log: EventLog) -> Any:
         from fastpersist import FastPersistModelParallelStrategy as ModelParallel
 
         options = {"writer_options": {"io_buffer_mb": config.io_buffer_mb} if config.io_buffer_mb else {}}
+    elif config.plugin == "torch-dcp-gcsfs":
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        from benchmarks.recovery.fsspec_dcp import FsspecShardedStorage
+        from lightning_storage_plugins.sharded import ShardedFSDPMixin, ShardedModelParallelMixin
+
+        FSDP = type("FsspecFSDPStrategy", (FsspecShardedStorage, ShardedFSDPMixin, FSDPStrategy), {})
+        ModelParallel = type("FsspecModelParallelStrategy",
+                             (FsspecShardedStorage, ShardedModelParallelMixin, ModelParallelStrategy), {})
+        options = {}
     else:
         from lightning.pytorch.strategies import FSDPStrategy as FSDP
         from lightning.pytorch.strategies import ModelParallelStrategy as ModelParallel
@@ -546,7 +559,14 @@ def build_trainer(config: JobConfig, log: EventLog) -> tuple[Any, Any]:
                       callbacks=callbacks, max_steps=config.max_steps, limit_val_batches=0, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, default_root_dir=config.root)
     # Under Slurm, Lightning's own choice: the newest hpc_ckpt_N, else "last" (OnExceptionCheckpoint is there).
-    return trainer, None if slurm else "last"
+    if slurm:
+        return trainer, None
+    if config.plugin == "torch-dcp-gcsfs":
+        from benchmarks.recovery.fsspec_dcp import newest_checkpoint
+
+        # Lightning cannot date a checkpoint that is an object prefix ("last" fails): the user's own choice.
+        return trainer, newest_checkpoint(config.checkpoint_dir, ["last.ckpt", f"{ON_EXCEPTION_NAME}.ckpt"])
+    return trainer, "last"
 
 
 def init_elastic_process_group(backend: str = "gloo") -> bool:

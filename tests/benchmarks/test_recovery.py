@@ -224,7 +224,7 @@ def test_help_lists_the_rows_the_schedule_and_the_defaults():
 @pytest.mark.slow
 def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     logs, out_json = tmp_path / "logs", tmp_path / "recovery.json"
-    argv = ["--rows", "torch-local,fastpersist", "--rounds", "2", "--size-mb", "1", "--every-n-steps", "2",
+    argv = ["--rows", "torch-local,fastpersist", "--rounds", "2", "--size-mb", "1", "--width", "256", "--every-n-steps", "2",
             "--max-steps", "10", "--step-time-s", "0.02", "--schedule", "sigkill@1.5,sigterm@2.5,sigkill-save@3",
             "--plain-saves", "2", "--raw-reads", "2", "--local-dir", str(tmp_path / "local"), "--logs", str(logs),
             "--json", str(out_json)]
@@ -276,19 +276,25 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sharded_gcs_row_runs_and_its_ceiling_adds_the_sharded_loads_own_cost(tmp_path):
-    """The Dataflux DCP row: checkpoints that are a prefix and its commit record in the emulator. Each
-    restart's ceiling is its start-up, the raw read and the sharded load's own cost (Lightning's strategy
-    loading the same state from memory)."""
+def test_the_sharded_gcs_rows_run_and_their_ceilings_add_the_sharded_loads_own_cost(tmp_path):
+    """The Dataflux DCP row (checkpoints that are a prefix and its commit record in the emulator) and its
+    baseline on the same storage, DCP's own FsspecWriter through gcsfs. Each restart's ceiling is its
+    start-up, the raw read and the sharded load's own cost (Lightning's strategy loading the same state
+    from memory); the Dataflux row's goodput is compared with the baseline's."""
     out_json = tmp_path / "recovery.json"
-    argv = ["--rows", "dataflux-dcp", "--rounds", "1", "--size-mb", "1", "--every-n-steps", "2", "--max-steps", "10",
-            "--step-time-s", "0.02", "--plain-saves", "2", "--raw-reads", "1", "--json", str(out_json)]
+    argv = ["--rows", "torch-dcp-gcsfs,dataflux-dcp", "--rounds", "1", "--size-mb", "1", "--width", "256",
+            "--every-n-steps", "2", "--max-steps", "10", "--step-time-s", "0.02", "--plain-saves", "2",
+            "--raw-reads", "1", "--json", str(out_json)]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.recovery", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = json.loads(out_json.read_text())
-    assert row["key"] == "dataflux-dcp" and row["resumes_ok"] == row["resumes"] == 3, row.get("notes")
-    assert row["dcp_load_s"] > 0 and row["raw_read_s"] > 0
-    for restart in row["restarts"]:
-        assert restart["ceiling_s"] == pytest.approx(restart["startup_s"] + restart["raw_read_s"]
-                                                     + restart["dcp_load_s"])
+    baseline, row = json.loads(out_json.read_text())
+    assert [baseline["key"], row["key"]] == ["torch-dcp-gcsfs", "dataflux-dcp"]
+    for each in (baseline, row):
+        assert each["resumes_ok"] == each["resumes"] == 3, each.get("notes")
+        assert each["dcp_load_s"] > 0 and each["raw_read_s"] > 0
+        for restart in each["restarts"]:
+            assert restart["ceiling_s"] == pytest.approx(restart["startup_s"] + restart["raw_read_s"]
+                                                         + restart["dcp_load_s"])
+    assert row["baseline"] == "torch-dcp-gcsfs" and baseline["bars"] is None
+    assert row["goodput_vs_baseline"] == pytest.approx(row["goodput"] / baseline["goodput"])

@@ -23,7 +23,7 @@ def make_storage(plugin: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     """A fresh place for ``plugin``'s run: a prefix of a fresh bucket on the session's fake-gcs-server, a
     key prefix on the session's redis-server, or a directory that takes O_DIRECT."""
     run = f"run-{uuid.uuid4().hex[:8]}"
-    if plugin in ("dataflux", "torch-gcsfs", "dataflux-dcp"):
+    if plugin in ("dataflux", "torch-gcsfs", "dataflux-dcp", "torch-dcp-gcsfs"):
         bucket = request.getfixturevalue("gcs_bucket")
         return Storage(plugin, f"gs://{bucket}/{run}", gcs_url=request.getfixturevalue("gcs_emulator").url)
     if plugin in ("smartredis", "torch-redis"):

@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.recovery.events import (
+    DEFAULT_GRACE_S,
     LogFollower,
     check_resume,
     expected_resume,
     kill_at,
+    preempt,
     read_events,
 )
 from benchmarks.recovery.job import PLUGINS, EventLog, JobConfig, state_digest
@@ -156,17 +158,21 @@ def test_a_state_digest_sees_one_changed_element() -> None:
 
 # -- every plugin of the job, killed in a save and restarted ----------------------------------------
 
-SHARDED_ON_ONE_RANK = {"dataflux-dcp": "fsdp", "fastpersist-dcp": "fsdp", "torch-dcp": "fsdp"}
+SHARDED_ON_ONE_RANK = {"dataflux-dcp": "fsdp", "fastpersist-dcp": "fsdp", "torch-dcp": "fsdp",
+                       "torch-dcp-gcsfs": "fsdp"}
+# DCP's FsspecWriter replaces a checkpoint's objects one by one, .metadata last: a kill in its save of
+# last.ckpt may leave a checkpoint of mixed saves there, which the goodput runner reports; no resume to assert.
+KILLED_IN_A_SAVE = [plugin for plugin in PLUGINS if plugin != "torch-dcp-gcsfs"]
 
 
 @pytest.mark.recovery
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", PLUGINS, ids=[f"{plugin}-sigkill-once" for plugin in PLUGINS])
+@pytest.mark.parametrize("plugin", KILLED_IN_A_SAVE, ids=[f"{plugin}-sigkill-once" for plugin in KILLED_IN_A_SAVE])
 def test_every_plugin_of_the_job_resumes_after_a_kill_in_a_save(plugin: str, storage: Storage, fork_server,
                                                                  tmp_path: Path) -> None:
     """The goodput runner's rows, baselines included (TorchCheckpointIO on a local disk, through gcsfs and
-    through fsspec's redis:// filesystem, DCP's FileSystemWriter under Lightning's own FSDP strategy):
-    killed in a save, resumed whole."""
+    through fsspec's redis:// filesystem, DCP's FileSystemWriter under Lightning's own FSDP strategy; not
+    DCP's FsspecWriter, see ``KILLED_IN_A_SAVE``): killed in a save, resumed whole."""
     rounds = Rounds(fork_server, storage, tmp_path / "events.jsonl", seed=len(plugin))
     config = storage.config(rounds.log_path, strategy=SHARDED_ON_ONE_RANK.get(plugin, "single"))
     for attempt in range(3):
@@ -207,6 +213,32 @@ def test_ckpt_path_last_resumes_a_sharded_checkpoint_on_gcs(plugin: str, storage
     second.job.wait(60)
     rounds.assert_resumed(second)
     assert second.started["step"] > 0 and "/last.ckpt" in second.started["ckpt_path"]
+
+
+@pytest.mark.recovery
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", ["torch-dcp-gcsfs"], ids=["torch-dcp-gcsfs-sigkill-then-sigterm"])
+def test_the_sharded_gcs_baseline_resumes_after_a_kill_and_a_preemption(plugin: str, storage: Storage, fork_server,
+                                                                       tmp_path: Path) -> None:
+    """DCP's own writer through gcsfs, the Dataflux DCP row's baseline: Lightning cannot date its checkpoints
+    (object prefixes), so the job resumes from the newest one whose ``.metadata`` is there: ``last.ckpt``
+    after a SIGKILL at a step, then the preemption's ``on_exception.ckpt``, each whole."""
+    rounds = Rounds(fork_server, storage, tmp_path / "events.jsonl", seed=7)
+    config = storage.config(rounds.log_path, strategy="fsdp")
+    first = rounds.start(config)
+    rounds.follower.wait_for(lambda e: e["event"] == "save_end" and e["path"].endswith("/last.ckpt")
+                             and e["pid"] == first.job.pid, 120, "a whole last.ckpt", job=first.job, since=0)
+    first.injection = kill_at(first.job, rounds.follower, "step", rounds.rng, log=rounds.log)
+    second = rounds.start(config)
+    rounds.assert_resumed(second)
+    assert second.started["step"] > 0 and second.started["ckpt_path"].endswith("/last.ckpt"), rounds.summary()
+    second.injection = preempt(second.job, rounds.follower, grace_s=DEFAULT_GRACE_S, log=rounds.log)
+    assert second.injection.exit_code == 0 and not second.injection.extra["killed"], rounds.summary()
+    third = rounds.start(config)
+    rounds.assert_resumed(third)
+    assert third.started["ckpt_path"].endswith("/on_exception.ckpt"), rounds.summary()
+    third.job.send(9)
+    third.job.wait(60)
 
 
 def test_interrupted_saves_are_those_without_an_end() -> None:
