@@ -40,7 +40,7 @@ from lightning_storage_plugins import _torch_compat as _load_compat
 from lightning_storage_plugins._lightning_compat import is_launcher_handback_path
 from lightning_storage_plugins.messages import plain_text
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
-from lightning_storage_plugins.ziparchive import read_directory
+from lightning_storage_plugins.ziparchive import ZIP_MAGIC, read_directory, torch_format_problem
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,6 @@ __all__ = [
     "writer",
 ]
 
-ZIP_MAGIC = b"PK\x03\x04"
-# torch.save's format before zip files (``_use_new_zipfile_serialization=False``) starts with this pickle.
-LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-ZIP_END_RECORD = b"PK\x05\x06"
-ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive comment after it
-
 # A checkpoint's place: an object, or the local file through which Lightning's own launchers hand
 # rank 0's weights back to the main process (``ddp_spawn``: ``<tmp>/.temp.ckpt``).
 _Target = GcsPath | str
@@ -72,20 +66,9 @@ def _check_torch_format(stream: RangedReader) -> None:
         InvalidCheckpointError: the object is empty, truncated (a zip archive without its central
             directory), or neither torch's zip format nor its legacy format.
     """
-    uri = stream.path.uri
-    if stream.size == 0:
-        raise InvalidCheckpointError(f"{uri} is an empty object (0 bytes), not a torch checkpoint")
-    head = stream.read(len(LEGACY_TORCH_MAGIC))
-    if head.startswith(ZIP_MAGIC):
-        stream.seek(max(0, stream.size - ZIP_END_SEARCH_BYTES))
-        if stream.read().rfind(ZIP_END_RECORD) < 0:
-            raise InvalidCheckpointError(
-                f"{uri} is a truncated torch checkpoint: its {stream.size} bytes end before the zip "
-                f"archive's central directory (an interrupted copy or upload?)")
-    elif head != LEGACY_TORCH_MAGIC:
-        raise InvalidCheckpointError(
-            f"{uri} is not a torch checkpoint: it starts with {head[:8]!r}, neither a zip archive "
-            f"(torch.save's format) nor torch's legacy format")
+    problem = torch_format_problem(stream.pread, stream.size, stream.path.uri, "object")
+    if problem is not None:
+        raise InvalidCheckpointError(problem)
     stream.seek(0)
 
 

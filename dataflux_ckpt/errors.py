@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_storage_plugins.errors import ConcurrentWriteError as SharedConcurrentWriteError
+from lightning_storage_plugins.errors import InvalidCheckpointError as SharedInvalidCheckpointError
 
 
 class DataCorruptionError(IOError):
@@ -51,8 +52,11 @@ class BucketNotFoundError(FileNotFoundError):
     """The bucket of a ``gs://`` path does not exist (or is not visible with these credentials)."""
 
 
-class InvalidCheckpointError(ValueError):
-    """A stored object is not a loadable torch checkpoint (empty, truncated, or not torch's format)."""
+class InvalidCheckpointError(SharedInvalidCheckpointError):
+    """A stored object is not a loadable torch checkpoint (empty, truncated, or not torch's format).
+
+    Also the ``InvalidCheckpointError`` all plugins share (``lightning_storage_plugins.errors``).
+    """
 
 
 class HttpStatusError(IOError):

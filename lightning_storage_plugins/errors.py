@@ -5,7 +5,7 @@ Each is picklable with its arguments (torch.distributed.checkpoint sends a rank'
 
 from __future__ import annotations
 
-__all__ = ["CheckpointExistsError", "CheckpointMetadataError", "ConcurrentWriteError"]
+__all__ = ["CheckpointExistsError", "CheckpointMetadataError", "ConcurrentWriteError", "InvalidCheckpointError"]
 
 
 class ConcurrentWriteError(OSError):
@@ -33,3 +33,11 @@ class CheckpointMetadataError(ValueError):
     """A checkpoint's metadata names something a reader must not read, or holds an impossible value:
     a file outside the checkpoint (an absolute path, ``..``), a file that is not a regular file (a
     FIFO, a device, a link), or a crc32c block size that is not positive."""
+
+
+class InvalidCheckpointError(ValueError):
+    """Stored bytes are not a checkpoint that loads: empty, truncated, not torch's format, or refused by
+    torch as damaged. The message names the checkpoint (object, key or path) and what is wrong.
+
+    ``dataflux_ckpt.InvalidCheckpointError`` is a subclass; ``smartredis_io`` raises this class itself.
+    """

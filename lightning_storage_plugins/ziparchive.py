@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["DirectoryEntry", "read_directory"]
+__all__ = ["DirectoryEntry", "read_directory", "torch_format_problem"]
 
 LOCAL = struct.Struct("<IHHHHHIIIHH")
 CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -45,6 +45,33 @@ class DirectoryEntry(NamedTuple):
 
 
 _END_SEARCH_BYTES = END.size + U16_MAX  # the end record plus the longest comment
+
+
+# The first bytes of torch.save's two formats (the legacy one, ``_use_new_zipfile_serialization=False``,
+# starts with this pickle), and where a zip archive's end record can be.
+ZIP_MAGIC = b"PK\x03\x04"
+LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+ZIP_END_RECORD = b"PK\x05\x06"
+ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive comment after it
+
+
+def torch_format_problem(pread: Callable[[int, int], bytes], size: int, what: str, noun: str) -> str | None:
+    """What makes the ``size`` stored bytes that ``pread(count, offset)`` reads something ``torch.load``
+    could only fail on with a misleading message (empty; a zip archive cut before its central directory;
+    neither torch's zip format nor its legacy one), naming ``what`` (a ``noun``: object, value...);
+    ``None`` when they may be a checkpoint."""
+    if size == 0:
+        return f"{what} is an empty {noun} (0 bytes), not a torch checkpoint"
+    head = pread(min(size, len(LEGACY_TORCH_MAGIC)), 0)
+    if head.startswith(ZIP_MAGIC):
+        start = max(0, size - ZIP_END_SEARCH_BYTES)
+        if pread(size - start, start).rfind(ZIP_END_RECORD) < 0:
+            return (f"{what} is a truncated torch checkpoint: its {size} bytes end before the zip archive's "
+                    "central directory (an interrupted copy or upload?)")
+    elif head != LEGACY_TORCH_MAGIC:
+        return (f"{what} is not a torch checkpoint: it starts with {head[:8]!r}, neither a zip archive "
+                "(torch.save's format) nor torch's legacy format")
+    return None
 
 
 def read_directory(source: int | Callable[[int, int], bytes], file_size: int) -> list[DirectoryEntry]:

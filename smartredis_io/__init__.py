@@ -12,6 +12,7 @@ Redis module's C sources. The client imports none of the others.
 """
 
 
+from lightning_storage_plugins.errors import InvalidCheckpointError
 from lightning_storage_plugins.lazy import lazy_exports
 from lightning_storage_plugins.reentry import DeferredOperationError, ReentrantOperationError
 from smartredis_io import error
@@ -32,6 +33,7 @@ __all__ = [
     "Dataset",
     "DatasetConverter",
     "DeferredOperationError",
+    "InvalidCheckpointError",
     "LLDebug",
     "LLDeveloper",
     "LLInfo",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 import re
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,9 +23,11 @@ from typing_extensions import override
 
 from lightning_storage_plugins import _torch_compat
 from lightning_storage_plugins.checkpoint_callback import RemoteModelCheckpoint
+from lightning_storage_plugins.errors import InvalidCheckpointError
 from lightning_storage_plugins.ordering import CheckpointDir, OrderedCheckpointIO, remove_local
 from lightning_storage_plugins.owners import Owner
 from lightning_storage_plugins.preflight import storage_plugin
+from lightning_storage_plugins.ziparchive import torch_format_problem
 from smartredis_io._client import wire
 from smartredis_io._client.connection import ConnectionSettings, Database, detect_cluster
 from smartredis_io.client import Client
@@ -142,6 +146,8 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
             stored, or a checksum fails).
         WeightsOnlyError: at load, the checkpoint holds objects that only ``weights_only=False``
             loads (the message names key, address and the object).
+        InvalidCheckpointError: at load, the stored bytes are not a torch checkpoint, or one torch
+            refuses as damaged (the message names key and address).
         RedisConnectionError: the database cannot be reached within ``SR_CONN_TIMEOUT`` or went away.
         RedisTimeoutError: an operation did not finish within ``timeout_s``, or the server stopped
             answering for ``SR_CMD_TIMEOUT``.
@@ -235,9 +241,23 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
             except RedisKeyError:
                 raise FileNotFoundError(f"Checkpoint {key!r} not found in the database at {self.address}") from None
         data = buffer.reshape(-1).view(np.uint8)
-        # The tensors are views of the fetched buffer: a copy of every byte saved, as Dataflux loads do.
-        return _torch_compat.load_archive(memoryview(data), torch.frombuffer(data, dtype=torch.uint8).untyped_storage(),
-                                          map_location, weights_only, f"redis key {key!r}")
+        where = f"checkpoint {key!r} in the database at {self.address}"
+        stored = memoryview(data)
+        problem = torch_format_problem(lambda count, offset: stored[offset:offset + count].tobytes(), len(stored),
+                                       where, "value")
+        if problem is not None:
+            raise InvalidCheckpointError(problem)
+        try:
+            # The tensors are views of the fetched buffer: a copy of every byte saved, as Dataflux loads do.
+            return _torch_compat.load_archive(memoryview(data), torch.frombuffer(data, dtype=torch.uint8).untyped_storage(),
+                                              map_location, weights_only, f"redis key {key!r}")
+        except pickle.UnpicklingError as exc:
+            if repr(key) in str(exc):
+                raise
+            # torch's own refusal (a legacy or TorchScript archive): it does not say which checkpoint
+            raise pickle.UnpicklingError(f"{where}: {exc}") from exc
+        except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
+            raise InvalidCheckpointError(f"{where} could not be loaded as a torch checkpoint: {exc}") from exc
 
     @override
     def _delete(self, target: _Checkpoint) -> None:

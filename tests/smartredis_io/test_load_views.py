@@ -8,14 +8,17 @@ archives refused or loaded alike, and a peak of about one checkpoint of extra me
 from __future__ import annotations
 
 import io
+import pickle
 import uuid
+import zipfile
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import SmartRedisCheckpointIO
+from dataflux_ckpt import InvalidCheckpointError as DatafluxInvalidCheckpointError
+from smartredis_io import InvalidCheckpointError, SmartRedisCheckpointIO
 from smartredis_io.lightning.filesystem import RedisFileSystem
 from tests.dataflux_ckpt.test_load_views import crafted_original, states  # noqa: F401 - a fixture
 from tests.fastpersist.test_crafted_archives import _apply, mutations
@@ -86,9 +89,32 @@ def test_crafted_record_sizes_are_refused_or_load_as_torch_load_does(plugin, red
     crafted = _apply(crafted_original, changes)
     key = f"views-{uuid.uuid4().hex[:8]}/crafted.ckpt"
     _put(redis_server, key, crafted)
-    # what torch refuses too may be refused with torch's own error, which does not name the key
-    assert_loads_as_torch_load(crafted, lambda: plugin.load_checkpoint(key, weights_only=True), Exception, key,
-                               torch_refusals_named=False)
+    assert_loads_as_torch_load(crafted, lambda: plugin.load_checkpoint(key, weights_only=True),
+                               (InvalidCheckpointError, pickle.UnpicklingError), key)
+
+
+@pytest.mark.parametrize("damage", ["not a torch archive", "truncated", "an archive without data.pkl"])
+def test_a_damaged_checkpoint_is_refused_with_a_typed_error_naming_its_key(plugin, redis_server, damage):
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(1000.0)}, buffer)
+    whole = buffer.getvalue()
+    if damage == "not a torch archive":
+        data = b"no checkpoint here " * 100
+    elif damage == "truncated":
+        data = whole[: len(whole) // 2]
+    else:
+        renamed = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(whole)) as source, zipfile.ZipFile(renamed, "w") as target:
+            for item in source.infolist():
+                target.writestr(item.filename.replace("data.pkl", "other.pkl"), source.read(item))
+        data = renamed.getvalue()
+    key = f"views-{uuid.uuid4().hex[:8]}/damaged.ckpt"
+    _put(redis_server, key, data)
+    with pytest.raises(InvalidCheckpointError) as caught:
+        plugin.load_checkpoint(key, weights_only=True)
+    assert key in str(caught.value) and redis_server.address in str(caught.value)
+    # the error all plugins share, and a ValueError as torch's own refusals of such bytes are
+    assert isinstance(caught.value, ValueError) and issubclass(DatafluxInvalidCheckpointError, InvalidCheckpointError)
 
 
 def test_a_load_holds_about_one_checkpoint_of_extra_memory(redis_server):

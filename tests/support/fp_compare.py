@@ -50,11 +50,10 @@ def assert_loads_are_writable_and_independent(save: Callable[[Any], None], load:
 
 
 def assert_loads_as_torch_load(data: bytes, load: Callable[[], Any], refusals: type[BaseException] | tuple[type[BaseException], ...],
-                               name: str, *, torch_refusals_named: bool = True) -> None:
+                               name: str) -> None:
     """``load()`` (a plugin's weights-only load of the stored ``data``) returns what
     ``torch.load(data, weights_only=True)`` returns, or refuses it with one of ``refusals``, which must
-    name ``name`` (without ``torch_refusals_named``: unless ``torch.load`` refuses ``data`` too, as the
-    plugin may pass torch's own error on); where ``torch.load`` refuses, so must ``load``."""
+    name ``name``; where ``torch.load`` refuses, so must ``load``."""
     import io
 
     expected, refused = None, False
@@ -65,7 +64,7 @@ def assert_loads_as_torch_load(data: bytes, load: Callable[[], Any], refusals: t
     try:
         got = load()
     except refusals as err:
-        assert name in str(err) or (refused and not torch_refusals_named), f"the refusal does not name {name}: {err!r}"
+        assert name in str(err), f"the refusal does not name {name}: {err!r}"
         return
     assert not refused, f"torch.load refuses these bytes, the plugin returned {got!r}"
     assert_same(got, expected)
