@@ -141,7 +141,7 @@ def _load_checkpoint(stream: RangedReader, map_location: Any, weights_only: bool
         stream.raise_if_failed()
         stream.verify()  # damaged bytes explain a failed unpickling better than its own error
         raise pickle.UnpicklingError(f"{uri}: {plain_text(str(exc))}") from exc
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
+    except _load_compat.LOAD_FAILURES as exc:
         stream.raise_if_failed()
         stream.verify()
         raise InvalidCheckpointError(

@@ -49,6 +49,10 @@ from lightning_storage_plugins.ziparchive import read_directory
 
 log = logging.getLogger(__name__)
 
+# What torch.load (and the loads here) raise for bytes that are not a well-formed torch archive; a
+# plugin reports these as its InvalidCheckpointError, naming the checkpoint.
+LOAD_FAILURES = (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError)
+
 # (object, attribute) pairs of torch.load's internals this module touches; ``PRIVATE_APIS`` adds DCP's.
 _LOAD_PRIVATE_APIS: tuple[tuple[Any, str], ...] = (
     (_serialization, "_load"),

@@ -55,8 +55,8 @@ SHARDED_PLUGINS = ("dataflux-dcp", "fastpersist-dcp", "torch-dcp", "torch-dcp-gc
 PLUGINS = SINGLE_FILE_PLUGINS + SHARDED_PLUGINS
 STRATEGIES = ("single", "fsdp", "model_parallel")
 # Where each plugin keeps checkpoints: the scheme its --root must have ("" for a local directory).
-_SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "torch-dcp-gcsfs": "gs", "smartredis": "redis",
-            "torch-redis": "redis"}
+SCHEMES = {"dataflux": "gs", "torch-gcsfs": "gs", "dataflux-dcp": "gs", "torch-dcp-gcsfs": "gs", "smartredis": "redis",
+           "torch-redis": "redis"}
 CHECKPOINT_SUBDIR = "checkpoints"
 # The event of one timing of a sharded load's own cost, its bytes in memory (JobConfig.dcp_loads).
 DCP_LOAD_EVENT = "dcp_load"
@@ -142,7 +142,7 @@ class JobConfig:
                              f"not {self.strategy}")
         if self.async_save and self.plugin in SHARDED_PLUGINS:
             raise ValueError(f"async_save is for the single-file plugins, not {self.plugin}")
-        scheme = _SCHEMES.get(self.plugin, "")
+        scheme = SCHEMES.get(self.plugin, "")
         given = self.root.split("://", 1)[0] if "://" in self.root else ""
         if given != scheme:
             where = f"a {scheme}:// URL" if scheme else "a local directory"

@@ -7,7 +7,6 @@ import logging
 import os
 import pickle
 import re
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -249,14 +248,14 @@ class SmartRedisCheckpointIO(OrderedCheckpointIO[_Checkpoint]):
             raise InvalidCheckpointError(problem)
         try:
             # The tensors are views of the fetched buffer: a copy of every byte saved, as Dataflux loads do.
-            return _torch_compat.load_archive(memoryview(data), torch.frombuffer(data, dtype=torch.uint8).untyped_storage(),
+            return _torch_compat.load_archive(stored, torch.frombuffer(data, dtype=torch.uint8).untyped_storage(),
                                               map_location, weights_only, f"redis key {key!r}")
         except pickle.UnpicklingError as exc:
             if repr(key) in str(exc):
                 raise
             # torch's own refusal (a legacy or TorchScript archive): it does not say which checkpoint
             raise pickle.UnpicklingError(f"{where}: {exc}") from exc
-        except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, KeyError) as exc:
+        except _torch_compat.LOAD_FAILURES as exc:
             raise InvalidCheckpointError(f"{where} could not be loaded as a torch checkpoint: {exc}") from exc
 
     @override

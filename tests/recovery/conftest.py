@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.recovery.events import ForkServer
+from benchmarks.recovery.job import SCHEMES
 from tests.support.direct_io import o_direct_dir
 from tests.support.recovery import Storage
 
@@ -23,10 +24,10 @@ def make_storage(plugin: str, request: pytest.FixtureRequest, tmp_path: Path) ->
     """A fresh place for ``plugin``'s run: a prefix of a fresh bucket on the session's fake-gcs-server, a
     key prefix on the session's redis-server, or a directory that takes O_DIRECT."""
     run = f"run-{uuid.uuid4().hex[:8]}"
-    if plugin in ("dataflux", "torch-gcsfs", "dataflux-dcp", "torch-dcp-gcsfs"):
+    if SCHEMES.get(plugin) == "gs":
         bucket = request.getfixturevalue("gcs_bucket")
         return Storage(plugin, f"gs://{bucket}/{run}", gcs_url=request.getfixturevalue("gcs_emulator").url)
-    if plugin in ("smartredis", "torch-redis"):
+    if SCHEMES.get(plugin) == "redis":
         return Storage(plugin, f"redis://{run}", redis_address=request.getfixturevalue("redis_server").address)
     return Storage(plugin, str(o_direct_dir(tmp_path) / run))
 
