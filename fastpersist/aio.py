@@ -1,7 +1,19 @@
-"""DeepSpeed's asynchronous I/O ops: the ``async_io`` (libaio) and ``gds`` (GPUDirect Storage) handles."""
+"""DeepSpeed's asynchronous I/O ops: the ``async_io`` (libaio) and ``gds`` (GPUDirect Storage) handles.
+
+Handles made here start their I/O threads with every signal blocked. DeepSpeed's threads wait for
+completions in ``io_getevents``, which a signal handled on that thread interrupts (``EINTR``), and
+DeepSpeed then aborts the process (``deepspeed_aio_common.cpp: Assertion `n_completes >=
+min_completes' failed``). The kernel hands a process-directed signal to any thread that does not block
+it, an I/O thread too when the main thread already has one pending: a burst of ``SIGUSR1`` during
+aio saves aborted a process within seconds. With the I/O threads blocking every signal, signals go
+to the threads that can take them; Python runs its handlers on the main thread in any case.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +91,9 @@ def get_aio_handle(
     overlap_events: bool = AioConfig.overlap_events,
     intra_op_parallelism: int = AioConfig.intra_op_parallelism,
 ) -> Any:
-    """A new DeepSpeed aio handle (arguments as DeepSpeed's ``aio_handle``).
+    """A new DeepSpeed aio handle (arguments as DeepSpeed's ``aio_handle``), whose I/O threads block
+    every signal (see the module: a handle made with DeepSpeed's own ``aio_handle`` can abort the
+    process when a signal lands on one of its threads).
 
     Raises:
         RuntimeError: DeepSpeed's ``async_io`` op cannot be loaded (the message says why).
@@ -88,7 +102,20 @@ def get_aio_handle(
     if op is None:
         raise RuntimeError(f"DeepSpeed async_io op is unavailable: {reason}")
     config = AioConfig(block_size, queue_depth, intra_op_parallelism, single_submit, overlap_events)
-    return op.aio_handle(*config.handle_args())
+    with _threads_started_without_signals():
+        return op.aio_handle(*config.handle_args())
+
+
+@contextlib.contextmanager
+def _threads_started_without_signals() -> Iterator[None]:
+    """Block every signal on this thread for the block, so that threads started in it (a handle's I/O
+    threads, which inherit the mask) never take one; signals that arrive meanwhile wait, pending,
+    until the mask is restored."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def new_gds_handle(config: AioConfig) -> Any:
@@ -100,4 +127,5 @@ def new_gds_handle(config: AioConfig) -> Any:
     op, reason = _deepspeed_compat.gds_op()
     if op is None:
         raise RuntimeError(f"DeepSpeed gds op is unavailable: {reason}")
-    return op.gds_handle(*config.handle_args())
+    with _threads_started_without_signals():
+        return op.gds_handle(*config.handle_args())

@@ -207,7 +207,9 @@ class FastPersistContext:
 
         A buffer passed in is returned as given (engines check where it lives). Otherwise host memory is
         page-locked when ``pinned`` (with the aio handle where CUDA is absent; the python engine needs
-        no locking), and GPU memory is plain device memory.
+        no locking), and GPU memory is plain device memory. Host memory is one buffer at a time: a
+        locked one large enough serves where unlocked memory is asked for, and making a locked one
+        gives back the unlocked one.
 
         Why sized: page-locking memory costs time in proportion to its size (on a small VM, locking
         the default 256 MiB took 0.5 s, twice a 16 MiB checkpoint's whole save), and a short-lived
@@ -236,10 +238,14 @@ class FastPersistContext:
             buffer = self._buffers.get(key)
             if buffer is not None and buffer.numel() >= wanted:
                 return buffer
+            locked = self._buffers.get("cpu-pinned") if key == "cpu" else None
+            if locked is not None and locked.numel() >= wanted:
+                return locked
             if buffer is not None:  # grown geometrically, so that saves that grow a little do not each replace it
                 wanted = min(capacity, max(wanted, 2 * buffer.numel()))
                 self._free_buffer(key, buffer)
             if key == "cpu-pinned":
+                self._buffers.pop("cpu", None)
                 handle = self.aio_handle() if aio_unavailable_reason() is None else None
                 buffer = get_pinned_buffer(wanted / MiB, handle)
                 if handle is not None and not torch.cuda.is_available():

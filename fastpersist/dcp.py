@@ -88,7 +88,13 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FastPersistStorageReader", "FastPersistStorageWriter"]
 
+# A file is read in windows that start at FIRST_READ_WINDOW_BYTES and double up to READ_WINDOW_BYTES.
+# Only the first window's read has nothing to overlap (each later one is read while the items of the
+# one before are copied out), so a small first window starts the copying early; the large later ones
+# keep several reads in flight. On a 2-vCPU VM, a cold 64 MiB shard of 63 tensors loaded in about
+# 0.15 s this way against 0.25 s with 64 MiB windows throughout; 512 MiB loaded as fast as before.
 READ_WINDOW_BYTES = 64 * 2**20
+FIRST_READ_WINDOW_BYTES = 4 * 2**20
 # Where a tensor item's bytes start in the file, as torch.save aligns storages: each item is its own
 # archive and is read at its own offset, so page alignment (what a whole-file fastpersist_save keeps,
 # for reading straight into place) would only pad every small item out to 4 KiB.
@@ -645,16 +651,18 @@ class FastPersistStorageReader(_DirectoryCheckpoint, ShardedStorageReader):
                 context.close()
 
     def _read_file(self, name: str, items: list[ReadItem], context: FastPersistContext, planner: LoadPlanner) -> None:
-        """Read the items of one file in windows of about ``READ_WINDOW_BYTES``: the next window's reads
-        are in flight while the items of this one are copied into their targets. Windows are read
-        into two buffers in turn: the halves of the context's staging buffer where the caller keeps
-        that context (this reader was given it), else two allocated for this file."""
+        """Read the items of one file in windows (see ``FIRST_READ_WINDOW_BYTES``): the next window's
+        reads are in flight while the items of this one are copied into their targets. Windows are
+        read into two buffers in turn: the halves of the context's staging buffer where the caller
+        keeps that context (this reader was given it), else two allocated for this file."""
         pairs = sorted(((item, self.storage_data[item.storage_index]) for item in items), key=lambda p: p[1].offset)
         windows: list[list[tuple[ReadItem, Any]]] = [[]]
+        limit = min(FIRST_READ_WINDOW_BYTES, READ_WINDOW_BYTES)
         for pair in pairs:
             window = windows[-1]
-            if window and pair[1].offset + pair[1].length - window[0][1].offset > READ_WINDOW_BYTES:
+            if window and pair[1].offset + pair[1].length - window[0][1].offset > limit:
                 windows.append([])
+                limit = min(2 * limit, READ_WINDOW_BYTES)
             windows[-1].append(pair)
         path = self._file(name)
         with context.operation(f"loading {path}"):
@@ -709,6 +717,9 @@ def _window_buffers(context: FastPersistContext, windows: list[list[tuple[ReadIt
     """Two page-aligned buffers for ``windows`` to be read into in turn: the halves of the context's
     host staging buffer where ``staging`` (and it has one), else two as large as the largest window;
     ``(None, None)`` for a single window (a window too large for its buffer gets its own allocation).
+    Reads go through the python engine, which needs no page-locked memory: a context that holds no
+    locked buffer yet lends an unlocked one, so a process that only loads never loads DeepSpeed's
+    aio op, locks memory or makes an aio handle (whose teardown waits on the kernel at ``close``).
 
     Why: a window's tensors are views of its bytes only until they are copied into their targets, so
     two buffers serve every window. Memory already faulted in (the staging buffer, kept across
@@ -719,7 +730,7 @@ def _window_buffers(context: FastPersistContext, windows: list[list[tuple[ReadIt
     largest = max(max(info.offset + info.length for _, info in window) - window[0][1].offset for window in windows)
     size = largest + 2 * ALIGNMENT_BYTES  # the window's first and last blocks, read whole
     if staging:
-        buffer = context.staging_buffer("cpu", nbytes=2 * size)
+        buffer = context.staging_buffer("cpu", pinned=False, nbytes=2 * size)
         if buffer.device.type == "cpu":
             try:
                 return split_halves(buffer)

@@ -131,13 +131,16 @@ def test_many_small_tensors_take_no_more_room_than_torchs_writer_gives_them(nvme
     assert all(torch.equal(loaded[key], state[key]) for key in state)
 
 
+@pytest.mark.parametrize("windows", [(64 * 1024, 64 * 1024), (4 * 1024, 256 * 1024)], ids=["even", "growing"])
 @pytest.mark.parametrize("context", ["kept by the caller", "tiny staging buffer", "none"])
 def test_loads_read_window_after_window_into_two_buffers_and_keep_nothing_of_them(
-    nvme_root: Path, monkeypatch: pytest.MonkeyPatch, context: str
+    nvme_root: Path, monkeypatch: pytest.MonkeyPatch, context: str, windows: tuple[int, int]
 ) -> None:
     import fastpersist.dcp
 
-    monkeypatch.setattr(fastpersist.dcp, "READ_WINDOW_BYTES", 64 * 1024)  # many windows from a small checkpoint
+    # Many windows from a small checkpoint: all of one size, or doubling from the first to the largest.
+    monkeypatch.setattr(fastpersist.dcp, "FIRST_READ_WINDOW_BYTES", windows[0])
+    monkeypatch.setattr(fastpersist.dcp, "READ_WINDOW_BYTES", windows[1])
     first, second = sample_state(), {key: value * 2 if isinstance(value, torch.Tensor) and value.dtype != torch.bool
                                      else value for key, value in sample_state().items()}
     dcp.save(first, storage_writer=FastPersistStorageWriter(nvme_root / "first", io_buffer_mb=1))

@@ -11,6 +11,9 @@ an abort fails the test instead of ending pytest.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -245,3 +248,34 @@ def test_the_deepspeed_checkpoint_engine_refuses_a_save_asked_for_inside_its_sav
 
     assert result_in_fork(check) == [f"saving {ckpt_dir / 'hpc.pt'}"]
     assert not (ckpt_dir / "hpc.pt").exists() and _temporaries(ckpt_dir) == []
+
+
+def test_a_burst_of_signals_from_another_process_during_aio_saves_neither_aborts_nor_damages_them(
+    aio_engine: str, ckpt_dir: Path
+) -> None:
+    """Signals sent to the process land on whichever of its threads does not block them: DeepSpeed's
+    I/O threads, waiting in ``io_getevents``, must not be among them (a signal there aborts the process)."""
+
+    def check() -> tuple[int, list[int]]:
+        handled = [0]
+
+        def count(signum: int, frame: Any) -> None:
+            handled[0] += 1
+
+        sender = (f"import os, signal, time\nwhile True:\n    for _ in range(50): os.kill({os.getpid()}, "
+                  "signal.SIGUSR1)\n    time.sleep(0.0005)\n")
+        with handling(count), FastPersistContext(engine="aio") as context:
+            fastpersist_save(_state(0), ckpt_dir / "warm.pt", context=context)  # the handle and its threads
+            process = subprocess.Popen([sys.executable, "-c", sender])
+            try:
+                for step in range(12):
+                    fastpersist_save(_state(step, mib=32), ckpt_dir / f"{step % 2}.pt", context=context)
+            finally:
+                process.kill()
+                process.wait()
+            received = handled[0]
+        return received, [fastpersist_load(ckpt_dir / f"{index}.pt")["global_step"] for index in (0, 1)]
+
+    received, steps = result_in_fork(check)
+    assert received > 100, f"only {received} signals landed during the saves"
+    assert steps == [10, 11]

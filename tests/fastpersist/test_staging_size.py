@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastpersist import (
     FastPersistCheckpointIO,
     FastPersistContext,
+    FastPersistStorageReader,
+    FastPersistStorageWriter,
     estimated_bytes,
     fastpersist_load,
     fastpersist_save,
@@ -143,3 +146,28 @@ def test_a_load_reads_into_the_tensors_whatever_engine_saves(ckpt_dir: Path, loc
         staged = fastpersist_load(ckpt_dir / "x.ckpt", context=context, engine="aio")
         assert locked_bytes() - before >= 16 * MiB
     assert torch.equal(staged["w"], state["w"])
+
+
+def test_a_sharded_load_locks_no_memory_and_a_save_after_it_locks_what_it_needs(ckpt_dir: Path,
+                                                                                locks_with_aio: None) -> None:
+    generator = torch.Generator().manual_seed(5)
+    state = {f"w{index}": torch.randn(MiB // 2, generator=generator) for index in range(8)}  # 8 x 2 MiB
+
+    def load(path: Path, context: FastPersistContext) -> dict[str, torch.Tensor]:
+        loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+        dcp.load(loaded, storage_reader=FastPersistStorageReader(path, context=context))
+        return loaded
+
+    dcp.save(state, storage_writer=FastPersistStorageWriter(ckpt_dir / "first"))
+    before = locked_bytes()
+    with FastPersistContext() as context:  # as a restarted process: it loads, then saves
+        first = load(ckpt_dir / "first", context)
+        assert locked_bytes() == before, "reads go through the python engine: a load page-locks nothing"
+        dcp.save(state, storage_writer=FastPersistStorageWriter(ckpt_dir / "second", context=context))
+        locked = locked_bytes() - before
+        assert 16 * MiB <= locked <= 18 * MiB, f"{locked / MiB:.1f} MiB locked for a 16 MiB save"
+        second = load(ckpt_dir / "second", context)
+        assert locked_bytes() - before == locked, "a load after the save locks nothing more"
+    assert locked_bytes() == before, "close unlocks the buffer"
+    for loaded in (first, second):
+        assert all(torch.equal(loaded[key], value) for key, value in state.items())
