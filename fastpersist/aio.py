@@ -1,12 +1,12 @@
 """DeepSpeed's asynchronous I/O ops: the ``async_io`` (libaio) and ``gds`` (GPUDirect Storage) handles.
 
-Handles made here start their I/O threads with every signal blocked. DeepSpeed's threads wait for
-completions in ``io_getevents``, which a signal handled on that thread interrupts (``EINTR``), and
-DeepSpeed then aborts the process (``deepspeed_aio_common.cpp: Assertion `n_completes >=
-min_completes' failed``). The kernel hands a process-directed signal to any thread that does not block
-it, an I/O thread too when the main thread already has one pending: a burst of ``SIGUSR1`` during
-aio saves aborted a process within seconds. With the I/O threads blocking every signal, signals go
-to the threads that can take them; Python runs its handlers on the main thread in any case.
+Handles made here start their I/O threads with every signal blocked but those of a fault. DeepSpeed's
+threads wait for completions in ``io_getevents``, which a signal handled on that thread interrupts
+(``EINTR``), and DeepSpeed then aborts the process (``deepspeed_aio_common.cpp: Assertion `n_completes
+>= min_completes' failed``). The kernel hands a process-directed signal to any thread that does not
+block it, an I/O thread too when the main thread already has one pending: a burst of ``SIGUSR1``
+during aio saves aborted a process within seconds. With the I/O threads blocking them, signals go to
+the threads that can take them; Python runs its handlers on the main thread in any case.
 """
 
 from __future__ import annotations
@@ -106,12 +106,16 @@ def get_aio_handle(
         return op.aio_handle(*config.handle_args())
 
 
+_FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL}
+
+
 @contextlib.contextmanager
 def _threads_started_without_signals() -> Iterator[None]:
     """Block every signal on this thread for the block, so that threads started in it (a handle's I/O
     threads, which inherit the mask) never take one; signals that arrive meanwhile wait, pending,
-    until the mask is restored."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    until the mask is restored. The signals of a thread's own fault stay open (blocked, the kernel
+    would kill the process without running a handler such as ``faulthandler``'s)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _FAULT_SIGNALS)
     try:
         yield
     finally:
