@@ -92,8 +92,8 @@ def get_aio_handle(
     intra_op_parallelism: int = AioConfig.intra_op_parallelism,
 ) -> Any:
     """A new DeepSpeed aio handle (arguments as DeepSpeed's ``aio_handle``), whose I/O threads block
-    every signal (see the module: a handle made with DeepSpeed's own ``aio_handle`` can abort the
-    process when a signal lands on one of its threads).
+    every signal but those of a fault (see the module: a handle made with DeepSpeed's own
+    ``aio_handle`` can abort the process when a signal lands on one of its threads).
 
     Raises:
         RuntimeError: DeepSpeed's ``async_io`` op cannot be loaded (the message says why).

@@ -41,11 +41,10 @@ from fastpersist.context import FastPersistContext
 from fastpersist.engines import IOEngine, OpenFile, PythonEngine, Transfer, io_error, open_file
 from fastpersist.memory import aligned_empty, round_down, round_up
 from lightning_storage_plugins.collector import collector_paused
-from lightning_storage_plugins.ziparchive import read_directory
+from lightning_storage_plugins.ziparchive import ZIP_MAGIC, read_directory
 
 log = logging.getLogger(__name__)
 
-ZIP_MAGIC = b"PK\x03\x04"
 PICKLE_PROTOCOL_OPCODE = 0x80  # torch's legacy format is a pickle stream (protocol 2+)
 DEFAULT_LOAD_ENGINE = "python"
 Record = tuple[int, int, str]  # (file offset, size, record name)

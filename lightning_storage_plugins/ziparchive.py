@@ -47,12 +47,11 @@ class DirectoryEntry(NamedTuple):
 _END_SEARCH_BYTES = END.size + U16_MAX  # the end record plus the longest comment
 
 
-# The first bytes of torch.save's two formats (the legacy one, ``_use_new_zipfile_serialization=False``,
-# starts with this pickle), and where a zip archive's end record can be.
-ZIP_MAGIC = b"PK\x03\x04"
+# The first bytes of torch.save's two formats: a zip archive's first local header, or (the legacy
+# format, ``_use_new_zipfile_serialization=False``) this pickle.
+ZIP_MAGIC = struct.pack("<I", LOCAL_SIG)
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-ZIP_END_RECORD = b"PK\x05\x06"
-ZIP_END_SEARCH_BYTES = 22 + 65535  # the end record, and the longest archive comment after it
+_END_RECORD = struct.pack("<I", END_SIG)
 
 
 def torch_format_problem(pread: Callable[[int, int], bytes], size: int, what: str, noun: str) -> str | None:
@@ -64,8 +63,8 @@ def torch_format_problem(pread: Callable[[int, int], bytes], size: int, what: st
         return f"{what} is an empty {noun} (0 bytes), not a torch checkpoint"
     head = pread(min(size, len(LEGACY_TORCH_MAGIC)), 0)
     if head.startswith(ZIP_MAGIC):
-        start = max(0, size - ZIP_END_SEARCH_BYTES)
-        if pread(size - start, start).rfind(ZIP_END_RECORD) < 0:
+        start = max(0, size - _END_SEARCH_BYTES)
+        if pread(size - start, start).rfind(_END_RECORD) < 0:
             return (f"{what} is a truncated torch checkpoint: its {size} bytes end before the zip archive's "
                     "central directory (an interrupted copy or upload?)")
     elif head != LEGACY_TORCH_MAGIC:
