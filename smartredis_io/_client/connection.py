@@ -286,6 +286,57 @@ class Database:
                     raise reply
         return replies
 
+    def transaction(self, key: str, watch: Sequence[str],
+                    prepare: Callable[[Callable[[Sequence[Command]], list[Any]]], Sequence[Command]]) -> list[Any]:
+        """An optimistic transaction on the node that serves ``key``, as redis-py's ``Redis.transaction``
+        (every key it touches shares ``key``'s slot).
+
+        WATCH ``watch``, then ``prepare(read)``: ``read(commands)`` runs commands at once on the
+        watching connection and gives their replies (an error reply as its exception); ``prepare``
+        returns the commands to run in MULTI/EXEC. When a watched key changed (or expired) before
+        EXEC, nothing ran, and it starts again from WATCH. Returns EXEC's replies (the server's, no
+        response callbacks); an error reply among them is raised. An exception from ``prepare`` ends
+        the transaction with nothing run.
+        """
+        while True:
+            self.check_deadline()
+            pool = _redispy.node_pool(self.redis, key)
+            conn = self._connections.take(pool)
+            try:
+                replies = self._watched(conn, watch, prepare)
+            except _redispy.Redirected:
+                self._connections.discard(pool, conn)  # closing the connection ends its WATCH
+                self.redis.exists(key)  # redis-py follows the redirection and learns the new slot map
+                continue
+            except BaseException:
+                self._connections.discard(pool, conn)
+                raise
+            self._connections.give(pool, conn)
+            if replies is not None:
+                return replies
+
+    def _watched(self, conn: Any, watch: Sequence[str],
+                 prepare: Callable[[Callable[[Sequence[Command]], list[Any]]], Sequence[Command]]) -> list[Any] | None:
+        """One attempt of :meth:`transaction` on ``conn``: EXEC's replies, or None when a watched key changed."""
+        def run(commands: Sequence[Command]) -> list[Any]:
+            self.check_deadline()
+            _redispy.send_commands(conn, _redispy.encode_commands(commands, self.settings.encoding_errors))
+            replies = [_redispy.read_reply(conn) for _ in commands]
+            redirected = next((reply for reply in replies if _redispy.is_redirect(reply)), None)
+            if redirected is not None:
+                raise _redispy.Redirected(str(redirected))
+            return replies
+
+        (watched,) = run([("WATCH", *watch)])
+        if isinstance(watched, Exception):
+            raise watched
+        writes = prepare(run)
+        *queued, done = run([("MULTI",), *writes, ("EXEC",)])
+        for reply in (*queued, done, *(done or ())):
+            if isinstance(reply, Exception):
+                raise reply
+        return done
+
     def _redirected(self, commands: Sequence[Command], replies: list[Any]) -> list[Any]:
         """``replies``, those the cluster redirected replaced by the replies of their commands run again."""
         redirected = [i for i, reply in enumerate(replies) if _redispy.is_redirect(reply)]

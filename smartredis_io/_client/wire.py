@@ -16,15 +16,15 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from redis.crc import key_slot
 
-from smartredis_io._client.connection import Database
-from smartredis_io.error import RedisInternalError, RedisKeyError, RedisRuntimeError
+from smartredis_io._client.connection import Command, Database
+from smartredis_io.error import RedisInternalError, RedisKeyError, RedisReplyError, RedisRuntimeError
 
 MiB = 1 << 20
 BULK_LIMIT_BYTES = 512 * MiB
@@ -205,6 +205,23 @@ def _delete_chunks(db: Database, key: str, header: Header) -> None:
             return
 
 
+def _stored_chunks(read: Callable[[Sequence[Command]], list[Any]], key: str, old: Any) -> list[str]:
+    """The chunk keys the header ``old`` (read from ``key``) names, up to the batch that finds one
+    missing (one EXISTS per batch through ``read``); none for an inline value or a non-tensor."""
+    try:
+        header = decode_header(old, key) if isinstance(old, bytes) else None
+    except RedisReplyError:
+        return []
+    names: list[str] = []
+    for batch in header.probes() if header is not None else ():
+        batch_names = header.chunk_keys(key, batch)
+        names += batch_names
+        (present,) = read([("EXISTS", *batch_names)])
+        if present < len(batch_names):
+            break
+    return names
+
+
 def encode_inline(array: np.ndarray) -> bytes | None:
     """Header and data as one bytes value (for pipelines), or None when it needs chunks."""
     payload = _as_bytes(array)
@@ -287,8 +304,9 @@ class ChunkedWriter:
 
     Used as a context manager: a clean exit publishes and removes the chunks of the value it
     replaces; an exception removes the chunks written so far and leaves the previous value as it was.
-    Chunks are written with an expiry (``lease_ms``) made permanent just before the header is
-    written, so the chunks of a writer killed in the middle disappear by themselves.
+    Chunks are written with an expiry (``lease_ms``), made permanent in the MULTI/EXEC that writes
+    the header and leases the replaced value's chunks: whenever a writer is killed, what it leaves
+    disappears by itself.
     ``write`` (file-like, e.g. for ``torch.save``) gathers small writes in one preallocated chunk buffer.
     With ``owner`` (a name for the writing process), that name is stored beside the chunks, with
     their expiry, at :func:`owner_key`, until the value is published or abandoned: a process that
@@ -364,21 +382,34 @@ class ChunkedWriter:
         self._abort()
 
     def _publish(self) -> None:
+        """Make the chunks permanent, write the header, drop the owner record and lease the replaced
+        value's chunks, all in one MULTI/EXEC: a writer killed at any moment leaves nothing that
+        does not expire. The replaced chunks are then deleted at once."""
         self._flush()
         shape = self._shape if self._shape is not None else (self._nbytes,)
         head = encode_header(self._code, shape, len(self._written), self._crc, self._nbytes, self._version)
-        replies = persist(self._db, self._written)
-        missing = [key for key, reply in zip(self._written, replies, strict=True)
-                   if not reply and not self._db.redis.exists(key)]
-        if missing:  # the header would name chunks that are gone
-            raise RedisInternalError(
-                f"{len(missing)} of the {len(self._written)} chunks of {self._key!r} were removed before the "
-                "value was published (their lease ran out, or a clean-up took this writer for a dead one); "
-                "nothing was published")
-        old = self._db.set_parts(self._key, [head], HEADER_MAX_BYTES, self._header_lease)
-        if old:
-            delete_replaced_chunks(self._db, self._key, old)
-        self._forget_owner()
+        expiry = () if self._header_lease is None else ("PX", int(self._header_lease))
+        owner = [owner_key(self._key, self._version)] if self._owner is not None and self._written else []
+        replaced: list[str] = []
+
+        def prepare(read: Callable[[Sequence[Command]], list[Any]]) -> list[Command]:
+            checks = [("GETRANGE", self._key, 0, HEADER_MAX_BYTES - 1)]
+            if self._written:
+                checks.append(("EXISTS", *self._written))
+            old, *present = read(checks)
+            if self._written and present[0] != len(self._written):
+                raise RedisInternalError(
+                    f"{len(self._written) - present[0]} of the {len(self._written)} chunks of {self._key!r} were "
+                    "removed before the value was published (their lease ran out, or a clean-up took this writer "
+                    "for a dead one); nothing was published")
+            replaced[:] = _stored_chunks(read, self._key, old)
+            lease = lease_ms(self._db)
+            return [*(("PERSIST", name) for name in self._written), ("SET", self._key, head, *expiry),
+                    *(("DEL", name) for name in owner), *(("PEXPIRE", name, lease) for name in replaced)]
+
+        self._db.transaction(self._key, [self._key, *self._written], prepare)
+        if replaced:
+            self._db.redis.delete(*replaced)
 
     def _abort(self) -> None:
         if self._written:

@@ -43,6 +43,38 @@ def test_exchange_across_cluster_nodes(redis_cluster, uid: str) -> None:
     db.close()
 
 
+def test_a_transaction_starts_again_when_a_watched_key_changes_before_exec(db: Database, uid: str) -> None:
+    key, other = f"{{{uid}}}.count", f"{{{uid}}}.seen"
+    db.exchange([("SET", key, b"1")])
+    seen = []
+
+    def increment(read):
+        (value,) = read([("GET", key)])
+        seen.append(value)
+        if len(seen) == 1:
+            db.exchange([("SET", key, b"5")])  # another client's write, between WATCH and EXEC
+        return [("SET", key, b"%d" % (int(value) + 1)), ("RPUSH", other, value)]
+
+    assert db.transaction(key, [key], increment) == [b"OK", 1]
+    assert seen == [b"1", b"5"]
+    assert db.exchange([("GET", key), ("LRANGE", other, 0, -1)]) == [b"6", [b"5"]]
+
+
+def test_a_transaction_whose_preparation_fails_runs_nothing(db: Database, uid: str) -> None:
+    key = f"{{{uid}}}.kept"
+    db.exchange([("SET", key, b"before")])
+
+    def refuse(read):
+        read([("GET", key)])
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        db.transaction(key, [key], refuse)
+    assert db.exchange([("GET", key)]) == [b"before"]
+    assert db.transaction(key, [key], lambda read: [("SET", key, b"after")]) == [b"OK"]  # no WATCH left over
+    assert db.exchange([("GET", key)]) == [b"after"]
+
+
 class _Shards:
     """Plain connections to each primary of the test cluster, to move slots as a resharding does."""
 
@@ -81,15 +113,15 @@ def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid:
     does): the exchange, the zero-copy put and the zero-copy get each meet a real MOVED.
     """
     shards = _Shards(redis_cluster)
-    exchanged, put, got = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}"
-    home = {key: shards.owner(key) for key in (exchanged, put, got)}
+    exchanged, put, got, watched = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}", f"{{{uid}t}}"
+    home = {key: shards.owner(key) for key in (exchanged, put, got, watched)}
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
     db = Database(redis_cluster.settings())
     client = Client(True, redis_cluster.address)
     try:
         client.put_tensor(got, array)  # stored before its slot moves
         db.exchange([("GET", exchanged)])
-        for key in (exchanged, put, got):
+        for key in (exchanged, put, got, watched):
             shards.migrate(key, (home[key] + 1) % len(shards.nodes))
         assert db.exchange([("RPUSH", exchanged, "a"), ("RPUSH", exchanged, "b"), ("LRANGE", exchanged, 0, -1)]) == [
             1, 2, [b"a", b"b"]]
@@ -99,6 +131,8 @@ def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid:
         np.testing.assert_array_equal(out, array)
         np.testing.assert_array_equal(client.get_tensor(put), array * 2)
         assert shards.nodes[shards.owner(put)].exists(put) and shards.owner(put) != home[put]
+        assert db.transaction(watched, [watched], lambda read: [("SET", watched, b"t")]) == [b"OK"]
+        assert shards.nodes[shards.owner(watched)].get(watched) == b"t" and shards.owner(watched) != home[watched]
     finally:
         client.close()
         db.close()
