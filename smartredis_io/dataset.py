@@ -405,9 +405,10 @@ def _set_command(key: str, parts: list[bytes | memoryview]) -> list[bytes | memo
     return [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total), *parts, b"\r\n"]
 
 
-def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], count: int) -> list:
+def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], count: int,
+                 action: str = "Storing") -> list:
     """Run ``count`` commands (packed in ``buffers``, all on the slot of ``key``) in MULTI/EXEC on the
-    node holding ``key``; the replies EXEC gives."""
+    node holding ``key``; the replies EXEC gives (``action`` names what failed in an error)."""
     db.check_deadline()
     pool = _redispy.node_pool(db.redis, key)
     with _redispy.pooled_connection(pool) as conn:
@@ -415,26 +416,31 @@ def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], coun
         replies = [_redispy.read_reply(conn) for _ in range(count + 2)]
     for reply in replies[:-1]:
         if isinstance(reply, Exception):
-            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
+            raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {reply}")
     if isinstance(replies[-1], Exception):
-        raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {replies[-1]}")
+        raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {replies[-1]}")
     for reply in replies[-1]:
         if isinstance(reply, Exception):
-            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
+            raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {reply}")
     return replies[-1]
 
 
 def put(db: Database, base: str, dataset: Dataset) -> None:
     """Store a dataset in SmartRedis' layout, atomically: the tensors, the hash and the tensors it no
-    longer has go in one MULTI/EXEC (a tensor too large for one value has its chunks written first)."""
+    longer has go in one MULTI/EXEC (a tensor too large for one value has its chunks written first).
+
+    The chunks of the tensors it replaces or drops are leased in that MULTI/EXEC, then deleted: a
+    writer killed at any point leaves nothing that does not expire."""
     meta_key = base + META_SUFFIX
     previous = db.redis.hget(meta_key, TENSOR_NAMES_FIELD)
-    stale = []
+    names: list[str] = []
     if previous:
         try:
-            stale = [t for t in _unpack_strings(previous, ".tensor_names", meta_key) if t not in dataset._tensors]
+            names = _unpack_strings(previous, ".tensor_names", meta_key)
         except RedisRuntimeError:
-            stale = []
+            names = []
+    stale = [t for t in names if t not in dataset._tensors]
+    replaced = _chunk_keys(db, [_tensor_key(base, t) for t in names])
     buffers: list[bytes | memoryview] = []
     count = 0
     staged: list[str] = []
@@ -447,7 +453,9 @@ def put(db: Database, base: str, dataset: Dataset) -> None:
             count += 2
         fields = dataset._meta_fields()
         buffers += [_command("PERSIST", chunk) for chunk in staged]  # the chunks live from here on
-        count += len(staged)
+        lease = str(wire.lease_ms(db))
+        buffers += [_command("PEXPIRE", chunk, lease) for chunk in replaced]
+        count += len(staged) + len(replaced)
         buffers.append(_command("DEL", meta_key, *(_tensor_key(base, t) for t in stale)))
         buffers.append(_command("HSET", meta_key, *(item for pair in fields for item in pair), ACK_FIELD, b"1"))
         count += 2
@@ -456,9 +464,21 @@ def put(db: Database, base: str, dataset: Dataset) -> None:
         if staged:
             db.redis.delete(*staged)
         raise
+    if replaced:
+        db.redis.delete(*replaced)
+    # A writer that replaced the dataset since ``names`` were read: the chunks its tensors had.
     for tensor, old in zip(dataset._tensors, replies[0:2 * len(dataset._tensors):2], strict=True):
         if old:
             wire.delete_replaced_chunks(db, _tensor_key(base, tensor), old)
+
+
+def _chunk_keys(db: Database, keys: list[str]) -> list[str]:
+    """The stored chunk keys of the values at ``keys`` (all in one slot); none for inline values."""
+    if not keys:
+        return []
+    heads = db.exchange([("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1) for key in keys], raise_on_error=False)
+    return [name for key, head in zip(keys, heads, strict=True)
+            for name in wire.stored_chunk_keys(lambda commands: db.exchange(commands, raise_on_error=False), key, head)]
 
 
 def _meta_and_tensors(db: Database, base: str, name: str, tensors: list[str]) -> tuple[dict[bytes, bytes], list]:
@@ -499,7 +519,8 @@ def get(db: Database, base: str, name: str) -> Dataset:
 
 
 def delete(db: Database, base: str) -> bool:
-    """Delete a dataset (its hash first, then its tensors); False when there is none."""
+    """Delete a dataset, its hash and its tensors in one MULTI/EXEC that leases their chunks, which
+    are deleted next; False when there is none."""
     meta_key = base + META_SUFFIX
     fields = db.redis.hgetall(meta_key)
     if not fields:
@@ -508,9 +529,13 @@ def delete(db: Database, base: str) -> bool:
         tensors = Dataset._from_meta("", fields, meta_key)[1]
     except RedisRuntimeError:
         tensors = []
-    db.redis.delete(meta_key)
-    for tensor in tensors:
-        wire.delete_value(db, _tensor_key(base, tensor))
+    keys = [_tensor_key(base, tensor) for tensor in tensors]
+    chunks = _chunk_keys(db, keys)
+    lease = str(wire.lease_ms(db))
+    _transaction(db, meta_key, [_command("DEL", meta_key, *keys), *(_command("PEXPIRE", c, lease) for c in chunks)],
+                 1 + len(chunks), "Deleting")
+    if chunks:
+        db.redis.delete(*chunks)
     return True
 
 

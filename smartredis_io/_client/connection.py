@@ -304,7 +304,8 @@ class Database:
             conn = self._connections.take(pool)
             try:
                 replies = self._watched(conn, watch, prepare)
-            except _redispy.Redirected:
+            except _redispy.Redirected as exc:
+                log.debug("transaction on %r redirected (%s): starting again where the slot lives", key, exc)
                 self._connections.discard(pool, conn)  # closing the connection ends its WATCH
                 self.redis.exists(key)  # redis-py follows the redirection and learns the new slot map
                 continue

@@ -205,7 +205,7 @@ def _delete_chunks(db: Database, key: str, header: Header) -> None:
             return
 
 
-def _stored_chunks(read: Callable[[Sequence[Command]], list[Any]], key: str, old: Any) -> list[str]:
+def stored_chunk_keys(read: Callable[[Sequence[Command]], list[Any]], key: str, old: Any) -> list[str]:
     """The chunk keys the header ``old`` (read from ``key``) names, up to the batch that finds one
     missing (one EXISTS per batch through ``read``); none for an inline value or a non-tensor."""
     try:
@@ -402,7 +402,7 @@ class ChunkedWriter:
                     f"{len(self._written) - present[0]} of the {len(self._written)} chunks of {self._key!r} were "
                     "removed before the value was published (their lease ran out, or a clean-up took this writer "
                     "for a dead one); nothing was published")
-            replaced[:] = _stored_chunks(read, self._key, old)
+            replaced[:] = stored_chunk_keys(read, self._key, old)
             lease = lease_ms(self._db)
             return [*(("PERSIST", name) for name in self._written), ("SET", self._key, head, *expiry),
                     *(("DEL", name) for name in owner), *(("PEXPIRE", name, lease) for name in replaced)]
@@ -595,11 +595,19 @@ def _read_chunks(db: Database, key: str, header: Header, target: np.ndarray) -> 
 
 
 def delete_value(db: Database, key: str) -> int:
-    """Delete a tensor and its chunks; the number of top-level keys removed."""
-    try:
-        header = read_header(db, key)
-    except RedisRuntimeError:
-        header = None
-    if header and header.chunks:
-        _delete_chunks(db, key, header)
-    return db.redis.delete(key)
+    """Delete a value and its chunks; the number of top-level keys removed.
+
+    The key goes and its chunks are leased in one MULTI/EXEC, then the chunks are deleted: no
+    moment leaves a header naming missing chunks, or chunks that never expire."""
+    chunks: list[str] = []
+
+    def prepare(read: Callable[[Sequence[Command]], list[Any]]) -> list[Command]:
+        (head,) = read([("GETRANGE", key, 0, HEADER_MAX_BYTES - 1)])
+        chunks[:] = stored_chunk_keys(read, key, head)
+        lease = lease_ms(db)
+        return [("DEL", key), *(("PEXPIRE", name, lease) for name in chunks)]
+
+    (deleted, *_) = db.transaction(key, [key], prepare)
+    if chunks:
+        db.redis.delete(*chunks)
+    return deleted

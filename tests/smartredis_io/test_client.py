@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.extra import numpy as hnp
 from redis.cluster import key_slot
@@ -20,6 +21,7 @@ from smartredis_io.error import (
     RedisReplyError,
     RedisRuntimeError,
 )
+from tests.support.redis_faults import Killed, lasting_orphans, sends_fail_from
 
 DTYPES = ["f8", "f4", "f2", "i1", "i2", "i4", "i8", "u1", "u2", "?"]
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
@@ -84,6 +86,40 @@ def test_values_above_the_bulk_limit_are_chunked(any_client: Client, raw, uid: s
     any_client.put_tensor(uid, big[:2])  # overwrite with an inline value: old chunks go away
     assert not any(raw.exists(k) for k in header.chunk_keys(uid))
     np.testing.assert_array_equal(any_client.get_tensor(uid), big[:2])
+
+
+@pytest.mark.parametrize("operation", ["overwrite", "delete"])
+def test_a_chunked_tensor_writer_killed_before_any_of_its_commands_leaves_a_whole_value_and_only_chunks_that_expire(
+        redis_server, uid: str, monkeypatch, operation: str) -> None:
+    """put_tensor over a chunked tensor, or delete_tensor, dies before its n-th command, for every n:
+    the key holds the old value or the new one (or none, deleted), whole, and no chunk outlives it."""
+    monkeypatch.setenv(wire.BULK_LIMIT_ENV, "4096")
+    old, new = np.full(3000, 1.0), np.full(3000, 2.0)
+    plain = redis.Redis(host=redis_server.host, port=redis_server.port)
+
+    def run() -> None:
+        with Client(False, redis_server.address) as client:
+            client.put_tensor(uid, new) if operation == "overwrite" else client.delete_tensor(uid)
+
+    with Client(False, redis_server.address) as client:
+        client.put_tensor(uid, old)
+    with monkeypatch.context() as counting:
+        tried = sends_fail_from(counting, 1 << 30)
+        run()
+    for first in range(tried[0]):
+        with Client(False, redis_server.address) as client:
+            client.put_tensor(uid, old)
+        with monkeypatch.context() as dying, pytest.raises(Killed):
+            sends_fail_from(dying, first)
+            run()
+        where = f"killed before command {first} of {tried[0]}"
+        assert not lasting_orphans(plain, f"*{uid}*"), where
+        with Client(False, redis_server.address) as client:
+            if client.tensor_exists(uid):
+                assert np.unique(client.get_tensor(uid)).tolist() in ([1.0], [2.0]), where
+            else:
+                assert operation == "delete", where
+    plain.close()
 
 
 def test_corrupted_chunk_fails_its_checksum(standalone: Client, raw, uid: str, monkeypatch) -> None:

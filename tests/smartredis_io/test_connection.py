@@ -113,15 +113,16 @@ def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid:
     does): the exchange, the zero-copy put and the zero-copy get each meet a real MOVED.
     """
     shards = _Shards(redis_cluster)
-    exchanged, put, got, watched = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}", f"{{{uid}t}}"
-    home = {key: shards.owner(key) for key in (exchanged, put, got, watched)}
+    exchanged, put, got = f"{{{uid}x}}", f"{{{uid}p}}", f"{{{uid}g}}"
+    watched = got + ".watched"  # in got's slot, which this client has not used since it moved
+    home = {key: shards.owner(key) for key in (exchanged, put, got)}
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
     db = Database(redis_cluster.settings())
     client = Client(True, redis_cluster.address)
     try:
         client.put_tensor(got, array)  # stored before its slot moves
         db.exchange([("GET", exchanged)])
-        for key in (exchanged, put, got, watched):
+        for key in (exchanged, put, got):
             shards.migrate(key, (home[key] + 1) % len(shards.nodes))
         assert db.exchange([("RPUSH", exchanged, "a"), ("RPUSH", exchanged, "b"), ("LRANGE", exchanged, 0, -1)]) == [
             1, 2, [b"a", b"b"]]
@@ -132,11 +133,12 @@ def test_cluster_redirections_are_run_again_through_redis_py(redis_cluster, uid:
         np.testing.assert_array_equal(client.get_tensor(put), array * 2)
         assert shards.nodes[shards.owner(put)].exists(put) and shards.owner(put) != home[put]
         assert db.transaction(watched, [watched], lambda read: [("SET", watched, b"t")]) == [b"OK"]
-        assert shards.nodes[shards.owner(watched)].get(watched) == b"t" and shards.owner(watched) != home[watched]
+        assert shards.nodes[shards.owner(got)].get(watched) == b"t" and shards.owner(got) != home[got]
     finally:
         client.close()
         db.close()
         for key, owner in home.items():
             shards.migrate(key, owner)
             shards.nodes[owner].delete(key)
+        shards.nodes[home[got]].delete(watched)
         shards.close()

@@ -6,10 +6,13 @@ import threading
 
 import numpy as np
 import pytest
+import redis
 from redis.cluster import RedisCluster, key_slot
 
 from smartredis_io import Client, Dataset
+from smartredis_io._client import wire
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
+from tests.support.redis_faults import Killed, lasting_orphans, sends_fail_from
 
 PRODUCERS = 4
 DATASETS_PER_PRODUCER = 5
@@ -90,6 +93,80 @@ def test_overwriting_a_dataset_replaces_it_whole(standalone: Client, raw, uid: s
     back = standalone.get_dataset(uid)
     assert back.get_tensor_names() == ["only"] and back.get_metadata_field_names() == []
     assert len(_keys(raw, f"{{{uid}}}*")) == 2  # the old version's tensors are gone
+
+
+CHUNKED_LIMIT = 65536  # a lowered bulk limit: BIG elements of float32 take several chunks
+BIG = 100_000
+
+
+def _with_big(name: str, value: float) -> Dataset:
+    ds = Dataset(name)
+    ds.add_tensor("big", np.full(BIG, value, np.float32))
+    ds.add_tensor("u", np.full(3, value, np.float32))
+    return ds
+
+
+def _without_big(name: str) -> Dataset:
+    ds = Dataset(name)
+    ds.add_tensor("u", np.zeros(3, np.float32))
+    return ds
+
+
+def test_replacing_and_deleting_datasets_removes_the_chunks_of_their_tensors(
+        any_client: Client, raw, uid: str, monkeypatch) -> None:
+    monkeypatch.setenv(wire.BULK_LIMIT_ENV, str(CHUNKED_LIMIT))
+    any_client.put_dataset(_with_big(uid, 1.0))
+    first = set(_keys(raw, f"{{{uid}}}*"))
+    assert sum(b".chunk." in key for key in first) > 1
+    any_client.put_dataset(_with_big(uid, 2.0))
+    second = set(_keys(raw, f"{{{uid}}}*"))
+    assert len(second) == len(first) and not {key for key in first if b".chunk." in key} & second
+    any_client.put_dataset(_without_big(uid))
+    assert len(_keys(raw, f"{{{uid}}}*")) == 2, "the dropped tensor's chunks went with it"
+    any_client.put_dataset(_with_big(uid, 3.0))
+    any_client.delete_dataset(uid)
+    assert not _keys(raw, f"{{{uid}}}*"), "no chunk of the deleted dataset is left"
+
+
+@pytest.mark.parametrize("operation", ["replace", "drop a tensor", "delete"])
+def test_a_dataset_writer_killed_before_any_of_its_commands_leaves_a_whole_dataset_and_only_keys_that_expire(
+        redis_server, uid: str, monkeypatch, operation: str) -> None:
+    """The writer dies before its n-th command, for every n: the dataset reads as before or after,
+    and every key no stored value reaches expires."""
+    monkeypatch.setenv(wire.BULK_LIMIT_ENV, str(CHUNKED_LIMIT))
+    plain = redis.Redis(host=redis_server.host, port=redis_server.port)
+
+    def store(ds: Dataset) -> None:
+        with Client(False, redis_server.address) as client:
+            client.put_dataset(ds)
+
+    def run() -> None:
+        with Client(False, redis_server.address) as client:
+            if operation == "delete":
+                client.delete_dataset(uid)
+            else:
+                client.put_dataset(_with_big(uid, 2.0) if operation == "replace" else _without_big(uid))
+
+    store(_with_big(uid, 1.0))
+    with monkeypatch.context() as counting:
+        tried = sends_fail_from(counting, 1 << 30)
+        run()
+    for first in range(tried[0]):
+        store(_with_big(uid, 1.0))
+        with monkeypatch.context() as dying, pytest.raises(Killed):
+            sends_fail_from(dying, first)
+            run()
+        where = f"killed before command {first} of {tried[0]}"
+        assert not lasting_orphans(plain, f"{{{uid}}}*"), where
+        with Client(False, redis_server.address) as client:
+            if client.dataset_exists(uid):
+                back = client.get_dataset(uid)
+                values = {name: np.unique(back.get_tensor(name)).tolist() for name in back.get_tensor_names()}
+                assert values in ({"big": [1.0], "u": [1.0]}, {"big": [2.0], "u": [2.0]}, {"u": [0.0]}), where
+            else:
+                lasting = [key for key in plain.scan_iter(match=f"{{{uid}}}*") if plain.pttl(key) < 0]
+                assert operation == "delete" and not lasting, where
+    plain.close()
 
 
 def test_readers_never_see_half_a_dataset(redis_server, uid: str) -> None:

@@ -21,7 +21,14 @@ from smartredis_io._client import wire
 from smartredis_io.error import RedisInternalError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until, worker_env
+from tests.support.srio_workers import (
+    busy_worker,
+    protocol_client,
+    registry,
+    running_its_request,
+    wait_until,
+    worker_env,
+)
 
 X = np.ones((2, 4), dtype=np.float32)
 SECRET = 12345.0
@@ -177,6 +184,7 @@ def test_two_sigterms_stop_a_worker_inside_a_long_run(redis_server, uid: str) ->
         stuck.start()
         worker = busy_worker(plain)
         pid = registry(plain)[worker].pid
+        running_its_request(pid)
         os.kill(cli.pid, signal.SIGTERM)
         wait_until(lambda: "finishing it" in cli.log_tail(), 15, "the worker takes the first SIGTERM")
         assert alive(pid) and registry(plain)[worker].running, "the first SIGTERM lets the run go on"

@@ -22,9 +22,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from smartredis_io import SmartRedisCheckpointIO, SmartRedisModelCheckpoint
-from smartredis_io._client import _redispy, wire
+from smartredis_io._client import wire
 from smartredis_io.error import RedisInternalError
 from tests.support.processes import wait_for
+from tests.support.redis_faults import Killed, sends_fail_from
 
 SAVER = """
 import sys, torch
@@ -143,29 +144,6 @@ def test_a_writer_whose_chunks_were_removed_publishes_nothing(redis_server) -> N
     io.teardown()
 
 
-class Killed(BaseException):
-    """Stands for SIGKILL at a precise command: nothing the process would send after it reaches the server."""
-
-
-def _sends_fail_from(monkeypatch, first: int) -> list[int]:
-    """Every send of a command to the database from the ``first``-th on (counting from 0) raises
-    :class:`Killed`, before its bytes go out; returns the counter of sends tried."""
-    tried = [0]
-
-    def guarded(send: Callable) -> Callable:
-        def send_or_die(*args, **kwargs):
-            tried[0] += 1
-            if tried[0] > first:
-                raise Killed
-            return send(*args, **kwargs)
-        return send_or_die
-
-    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
-                        guarded(redis.connection.AbstractConnection.send_packed_command))
-    monkeypatch.setattr(_redispy, "send_buffers", guarded(_redispy.send_buffers))
-    return tried
-
-
 def _save(address: str, key: str, value: torch.Tensor) -> None:
     io = SmartRedisCheckpointIO(address, cluster=False, chunk_bytes=4096)
     try:
@@ -183,12 +161,12 @@ def test_a_save_killed_before_any_of_its_commands_leaves_the_old_or_new_value_an
     key = f"killed-{uuid.uuid4().hex[:8]}/last.ckpt"
     _save(redis_server.address, key, old)
     with monkeypatch.context() as counting:
-        tried = _sends_fail_from(counting, 1 << 30)
+        tried = sends_fail_from(counting, 1 << 30)
         _save(redis_server.address, key, old)
     assert tried[0] > 8, "the save sends its chunks, its owner record and its publish"
     for first in range(tried[0]):
         with monkeypatch.context() as dying, pytest.raises(Killed):
-            _sends_fail_from(dying, first)
+            sends_fail_from(dying, first)
             _save(redis_server.address, key, new)
         loaded = SmartRedisCheckpointIO(redis_server.address, cluster=False).load_checkpoint(f"redis://{key}")["w"]
         assert torch.equal(loaded, old) or torch.equal(loaded, new), f"killed before command {first}"

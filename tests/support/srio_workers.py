@@ -81,3 +81,21 @@ def busy_worker(client: redis.Redis | list[redis.Redis], seconds: float = 10, ex
                                     if entry.running and name not in exclude), None),
                       seconds, "a worker takes the request")
 
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def running_its_request(pid: int, seconds: float = 60) -> None:
+    """Wait until worker ``pid``, which the module lists as running a request, has spent CPU time on it.
+
+    The module lists a worker as running once it hands the request over, while the worker may still
+    be waiting in ``SRIO.POP``'s read (and, signalled then, hand it back as an idle worker does);
+    a worker waiting there uses no CPU time.
+    """
+    start = cpu_seconds(pid)
+    wait_until(lambda: cpu_seconds(pid) - start >= 0.2, seconds, f"worker {pid} to run its request")
