@@ -21,7 +21,7 @@ from smartredis_io.error import (
     RedisReplyError,
     RedisRuntimeError,
 )
-from tests.support.redis_faults import Killed, lasting_orphans, sends_fail_from
+from tests.support.redis_faults import deaths, lasting_orphans
 
 DTYPES = ["f8", "f4", "f2", "i1", "i2", "i4", "i8", "u1", "u2", "?"]
 SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
@@ -101,18 +101,11 @@ def test_a_chunked_tensor_writer_killed_before_any_of_its_commands_leaves_a_whol
         with Client(False, redis_server.address) as client:
             client.put_tensor(uid, new) if operation == "overwrite" else client.delete_tensor(uid)
 
-    with Client(False, redis_server.address) as client:
-        client.put_tensor(uid, old)
-    with monkeypatch.context() as counting:
-        tried = sends_fail_from(counting, 1 << 30)
-        run()
-    for first in range(tried[0]):
+    def put_old() -> None:
         with Client(False, redis_server.address) as client:
             client.put_tensor(uid, old)
-        with monkeypatch.context() as dying, pytest.raises(Killed):
-            sends_fail_from(dying, first)
-            run()
-        where = f"killed before command {first} of {tried[0]}"
+
+    for where in deaths(monkeypatch, run, put_old):
         assert not lasting_orphans(plain, f"*{uid}*"), where
         with Client(False, redis_server.address) as client:
             if client.tensor_exists(uid):

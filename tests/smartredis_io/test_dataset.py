@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster, key_slot
 from smartredis_io import Client, Dataset
 from smartredis_io._client import wire
 from smartredis_io.error import RedisKeyError, RedisRuntimeError
-from tests.support.redis_faults import Killed, lasting_orphans, sends_fail_from
+from tests.support.redis_faults import deaths, lasting_orphans
 
 PRODUCERS = 4
 DATASETS_PER_PRODUCER = 5
@@ -147,16 +147,7 @@ def test_a_dataset_writer_killed_before_any_of_its_commands_leaves_a_whole_datas
             else:
                 client.put_dataset(_with_big(uid, 2.0) if operation == "replace" else _without_big(uid))
 
-    store(_with_big(uid, 1.0))
-    with monkeypatch.context() as counting:
-        tried = sends_fail_from(counting, 1 << 30)
-        run()
-    for first in range(tried[0]):
-        store(_with_big(uid, 1.0))
-        with monkeypatch.context() as dying, pytest.raises(Killed):
-            sends_fail_from(dying, first)
-            run()
-        where = f"killed before command {first} of {tried[0]}"
+    for where in deaths(monkeypatch, run, lambda: store(_with_big(uid, 1.0))):
         assert not lasting_orphans(plain, f"{{{uid}}}*"), where
         with Client(False, redis_server.address) as client:
             if client.dataset_exists(uid):

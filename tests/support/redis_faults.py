@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import redis
 from redis.cluster import RedisCluster
 
@@ -49,3 +50,19 @@ def lasting_orphans(plain: redis.Redis | RedisCluster, match: str) -> list[bytes
             continue
         named |= {name.encode() for name in header.chunk_keys(key.decode())}
     return sorted(key for key in keys if b".chunk." in key and key not in named and plain.pttl(key) < 0)
+
+
+def deaths(monkeypatch, run: Callable[[], None], before: Callable[[], None]) -> Iterator[str]:
+    """Kill ``run`` before each of its commands in turn: ``run`` goes once whole to count its sends;
+    then for every n, ``before()`` sets the stage and ``run`` dies before its n-th send. Yields, after
+    each death, where it fell (for the caller's checks of what was left)."""
+    before()
+    with monkeypatch.context() as counting:
+        tried = sends_fail_from(counting, 1 << 30)
+        run()
+    for first in range(tried[0]):
+        before()
+        with monkeypatch.context() as dying, pytest.raises(Killed):
+            sends_fail_from(dying, first)
+            run()
+        yield f"killed before command {first} of {tried[0]}"
