@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_storage_plugins.services import die_with_parent, free_port
+from tests.support.processes import alive, wait_for
 
 # Small parts and crc blocks, so that small tensors still span many of them.
 GS_OPTIONS = {"chunk_size": 64 * 1024, "block_size": 4096, "max_workers": 3}
@@ -59,11 +60,15 @@ class Ranks:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        pids = self.pids()
         if self._launcher.poll() is None:
-            for pid in self.pids():
+            for pid in pids:
                 _kill(pid)
             self._launcher.kill()
         self._launcher.wait()
+        # A killed rank may still be exiting (freeing its memory and AIO contexts): what runs next,
+        # a restart's clean-up among it, must find it gone.
+        wait_for(lambda: not any(alive(pid) for pid in pids), "the ranks' exit")
 
     def pids(self) -> list[int]:
         """The ranks' process ids (none until they are forked)."""
