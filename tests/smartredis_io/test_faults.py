@@ -85,12 +85,27 @@ def test_a_checkpoint_save_to_a_stopped_server_fails_within_its_deadline(server,
 
 def test_a_save_that_outlives_its_overall_deadline_is_abandoned(server, uid: str) -> None:
     io = SmartRedisCheckpointIO(server.address, cluster=False, chunk_bytes=4096, timeout_s=0.5)
-    slow = threading.Thread(target=lambda: (time.sleep(0.2), os.kill(server.pids[0], signal.SIGSTOP),
-                                            time.sleep(0.6), os.kill(server.pids[0], signal.SIGCONT)))
-    slow.start()  # the server stalls for 0.6 s in the middle of a save of many chunks
-    elapsed, error = call_within(30, lambda: [io.save_checkpoint({"w": torch.zeros(50_000)}, f"{uid}-{i}.ckpt")
-                                              for i in range(1000)])
-    slow.join()
+    saving = threading.Event()
+    saving.set()
+
+    def stall() -> None:
+        # The server stalls for 0.6 s at a time in the middle of saves of many chunks, until one gives
+        # up: a stall over a save's last reply (its publish) only makes that save late, not abandoned.
+        time.sleep(0.2)
+        while saving.is_set():
+            os.kill(server.pids[0], signal.SIGSTOP)
+            time.sleep(0.6)
+            os.kill(server.pids[0], signal.SIGCONT)
+            time.sleep(0.1)
+
+    slow = threading.Thread(target=stall)
+    slow.start()
+    try:
+        elapsed, error = call_within(30, lambda: [io.save_checkpoint({"w": torch.zeros(50_000)}, f"{uid}-{i}.ckpt")
+                                                  for i in range(1000)])
+    finally:
+        saving.clear()
+        slow.join()
     assert isinstance(error, RedisTimeoutError) and "0.5 s" in str(error), error
     io.teardown()
 
