@@ -8,7 +8,9 @@ here sees the old dataset or the new one, never half.
 
 from __future__ import annotations
 
+import functools
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -440,7 +442,7 @@ def put(db: Database, base: str, dataset: Dataset) -> None:
         except RedisRuntimeError:
             names = []
     stale = [t for t in names if t not in dataset._tensors]
-    replaced = _chunk_keys(db, [_tensor_key(base, t) for t in names])
+    heads, replaced = _chunk_keys(db, [_tensor_key(base, t) for t in names])
     buffers: list[bytes | memoryview] = []
     count = 0
     staged: list[str] = []
@@ -468,17 +470,20 @@ def put(db: Database, base: str, dataset: Dataset) -> None:
         db.redis.delete(*replaced)
     # A writer that replaced the dataset since ``names`` were read: the chunks its tensors had.
     for tensor, old in zip(dataset._tensors, replies[0:2 * len(dataset._tensors):2], strict=True):
-        if old:
-            wire.delete_replaced_chunks(db, _tensor_key(base, tensor), old)
+        key = _tensor_key(base, tensor)
+        if old and old != heads.get(key):
+            wire.delete_replaced_chunks(db, key, old)
 
 
-def _chunk_keys(db: Database, keys: list[str]) -> list[str]:
-    """The stored chunk keys of the values at ``keys`` (all in one slot); none for inline values."""
+def _chunk_keys(db: Database, keys: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The headers read from ``keys`` (all in one slot), and the stored chunk keys they name (none
+    for inline values)."""
     if not keys:
-        return []
-    heads = db.exchange([("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1) for key in keys], raise_on_error=False)
-    return [name for key, head in zip(keys, heads, strict=True)
-            for name in wire.stored_chunk_keys(lambda commands: db.exchange(commands, raise_on_error=False), key, head)]
+        return {}, []
+    replies = db.exchange([("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1) for key in keys], raise_on_error=False)
+    heads = dict(zip(keys, replies, strict=True))
+    read = functools.partial(db.exchange, raise_on_error=False)
+    return heads, [name for key, head in heads.items() for name in wire.stored_chunk_keys(read, key, head)]
 
 
 def _meta_and_tensors(db: Database, base: str, name: str, tensors: list[str]) -> tuple[dict[bytes, bytes], list]:
@@ -530,7 +535,7 @@ def delete(db: Database, base: str) -> bool:
     except RedisRuntimeError:
         tensors = []
     keys = [_tensor_key(base, tensor) for tensor in tensors]
-    chunks = _chunk_keys(db, keys)
+    _, chunks = _chunk_keys(db, keys)
     lease = str(wire.lease_ms(db))
     _transaction(db, meta_key, [_command("DEL", meta_key, *keys), *(_command("PEXPIRE", c, lease) for c in chunks)],
                  1 + len(chunks), "Deleting")

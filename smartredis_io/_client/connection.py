@@ -321,7 +321,7 @@ class Database:
         """One attempt of :meth:`transaction` on ``conn``: EXEC's replies, or None when a watched key changed."""
         def run(commands: Sequence[Command]) -> list[Any]:
             self.check_deadline()
-            _redispy.send_commands(conn, _redispy.encode_commands(commands, self.settings.encoding_errors))
+            _redispy.send_commands(conn, commands)  # encoded as the connection's client says
             replies = [_redispy.read_reply(conn) for _ in commands]
             redirected = next((reply for reply in replies if _redispy.is_redirect(reply)), None)
             if redirected is not None:

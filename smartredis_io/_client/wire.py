@@ -208,12 +208,14 @@ def _delete_chunks(db: Database, key: str, header: Header) -> None:
 def stored_chunk_keys(read: Callable[[Sequence[Command]], list[Any]], key: str, old: Any) -> list[str]:
     """The chunk keys the header ``old`` (read from ``key``) names, up to the batch that finds one
     missing (one EXISTS per batch through ``read``); none for an inline value or a non-tensor."""
+    if not isinstance(old, bytes):
+        return []
     try:
-        header = decode_header(old, key) if isinstance(old, bytes) else None
+        header = decode_header(old, key)
     except RedisReplyError:
         return []
     names: list[str] = []
-    for batch in header.probes() if header is not None else ():
+    for batch in header.probes():
         batch_names = header.chunk_keys(key, batch)
         names += batch_names
         (present,) = read([("EXISTS", *batch_names)])
