@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
+    SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
@@ -84,6 +85,7 @@ from lightning_storage_plugins.dcp import (
     SaveLock,
     ShardedStorageReader,
     ShardedStorageWriter,
+    ShardPlan,
     StorageInfo,
     is_leftover,
     narrow,
@@ -105,6 +107,13 @@ DEVICE_PIECE_BYTES = 64 * 2**20  # a GPU tensor is copied to host in pieces of t
 SCRATCH_BYTES = 1 * 2**20
 # How long a load with a local tier waits for GCS to say which checkpoint it holds.
 NEWER_CHECK_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _TieredShardPlan(ShardPlan):
+    """A rank's ``SavePlan.storage_data`` in a tiered save: also whether the save goes to GCS."""
+
+    remote: bool = True
 
 
 def _ordered_save_id(after: str | None = None) -> str:
@@ -174,6 +183,9 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             shard there with FastPersist and returns, and the checkpoint is uploaded and published
             in GCS in the background (see :mod:`dataflux_ckpt.tiered_dcp`). It needs the
             ``[nvme]`` extra too.
+        save_round: with ``local_dir``, the round of the tier's ``remote_every`` this save
+            belongs to: saves of the same round one after another (Lightning's strategies pass the
+            ``global_step``) all go to GCS or all stay on the node. ``None``: a round of its own.
 
     Raises:
         ValueError: ``path`` is not a ``gs://`` path, or an option is out of range (the message names it).
@@ -200,11 +212,14 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         overwrite: bool = True,
         cache_staged_state_dict: bool = False,
         local_dir: str | os.PathLike[str] | ShardedLocalTier | None = None,
+        save_round: int | None = None,
     ) -> None:
         self.options = resolve_options(type(self).__name__, options, chunk_size=chunk_size, max_workers=max_workers,
                                        upload_mode=upload_mode, block_size=block_size, retry=retry,
                                        deadline_s=deadline_s)
         super().__init__(path, overwrite=overwrite, cache_staged_state_dict=cache_staged_state_dict)
+        self.save_round = save_round
+        self._remote = True  # whether the current tiered save goes to GCS (the coordinator's word)
         self._connection = _Connection(project_name, storage_client, self.options)
         self._metadata_generation = 0
         #: The local tier of a tiered save (``None``: each rank uploads its shard as it saves).
@@ -243,6 +258,25 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             raise
         return lock
 
+    @override
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """As ``ShardedStorageWriter.prepare_global_plan``; a tiered save's coordinator also decides,
+        for every rank, whether the save goes to GCS (its tier's ``remote_every``)."""
+        plans = super().prepare_global_plan(plans)
+        if self.local_tier is None:
+            return plans
+        self._remote = self.local_tier._next_round(self.save_round)
+        return [dataclasses.replace(plan, storage_data=_TieredShardPlan(**dataclasses.asdict(plan.storage_data),
+                                                                        remote=self._remote))
+                for plan in plans]
+
+    @override
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """As ``ShardedStorageWriter.write_data``; a tiered save writes to the local tier."""
+        if self.local_tier is not None:
+            self._remote = getattr(plan.storage_data, "remote", True)
+        return super().write_data(plan, planner)
+
     # Files --------------------------------------------------------------------------------------
     def _write_shard(self, name: str, items: Sequence[WriteItem], planner: SavePlanner) -> list[WriteResult]:
         if self.local_tier is not None:
@@ -250,7 +284,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
 
             self._rank = shard_rank(name)[0]
             return self.local_tier._save_shard(self.checkpoint_id, name, items, planner, self._connection,
-                                              self.block_size)
+                                              self.block_size, remote=self._remote)
         results: list[WriteResult] = []
         target = self._object(name)
         ordered = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)  # as torch orders them
@@ -304,7 +338,7 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
             stamp_version(metadata)
             self._held_lock().confirm()
             self.local_tier._commit(self.checkpoint_id, self.save_id[:TOKEN_HEX_DIGITS], pickle.dumps(metadata),
-                                   self._connection)
+                                   self._connection, remote=self._remote)
         finally:
             self._release()
 

@@ -39,6 +39,7 @@ class _DatafluxStorage:
         self.options = options
         self.local_dir = local_dir
         self._local_tier: ShardedLocalTier | None = None
+        self._save_round: int | None = None  # the global step of the save being written
         if local_dir is not None and not isinstance(local_dir, (str, os.PathLike, ShardedLocalTier)):
             raise TypeError(f"{type(self).__name__}: local_dir must be a directory or a ShardedLocalTier, not "
                             f"{local_dir!r}")
@@ -68,8 +69,18 @@ class _DatafluxStorage:
 
     def storage_writer(self, path: str) -> DatafluxStorageWriter:
         """A :class:`DatafluxStorageWriter` for ``path`` with ``options``, ``writer_options`` and the
-        local tier."""
-        return DatafluxStorageWriter(path, local_dir=self.local_tier(), **self._storage_options(self.writer_options))
+        local tier (the saves of one ``global_step`` are one round of its ``remote_every``)."""
+        return DatafluxStorageWriter(path, local_dir=self.local_tier(), save_round=self._save_round,
+                                     **self._storage_options(self.writer_options))
+
+    @override
+    def _write(self, checkpoint: Any, target: str) -> None:
+        step = checkpoint.checkpoint.get("global_step") if isinstance(checkpoint.checkpoint, dict) else None
+        self._save_round = step
+        try:
+            super()._write(checkpoint, target)  # type: ignore[misc]
+        finally:
+            self._save_round = None
 
     def storage_reader(self, path: str, weights_only: bool | None = None) -> DatafluxStorageReader:
         """A :class:`DatafluxStorageReader` for ``path`` with ``options``, ``reader_options`` and the

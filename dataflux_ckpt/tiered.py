@@ -591,6 +591,29 @@ class _Job:
         return f"{self.target.uri} (version {self.version})"
 
 
+class _SaveRounds:
+    """Which saves go to GCS with ``remote_every``: every N-th save round, the first round being
+    the N-th. Saves given the same ``key`` one after another (Lightning's ``global_step``: a step's
+    checkpoint and ``last.ckpt``) are one round, so that they go to GCS together; a save without a
+    key is a round of its own."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._lock = threading.Lock()
+        self._count = 0
+        self._key: object = None
+
+    def next(self, key: object = None) -> bool:
+        """Count a save of round ``key``; whether it goes to GCS."""
+        if isinstance(key, bool) or not isinstance(key, int):
+            key = object()  # only a step number joins a save to the round before it
+        with self._lock:
+            if key != self._key:
+                self._count += 1
+                self._key = key
+            return self._count % self.every == 0
+
+
 class _Worker:
     """A thread that runs what is queued to it in order, until stopped."""
 
@@ -719,7 +742,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
     """
 
     _process_local = (*DatafluxCheckpointIO._process_local, "_context", "_sealer", "_uploader", "_save_lock",
-                      "_state_lock", "_jobs", "_lock_fd", "_stats", "_round", "_round_step")
+                      "_state_lock", "_jobs", "_lock_fd", "_stats", "_rounds")
 
     def __init__(
         self,
@@ -757,8 +780,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         self._jobs: dict[str, list[_Job]] = {}
         self._lock_fd: int | None = None
         self._stats = TieredStats()
-        self._round = 0
-        self._round_step: object = None
+        self._rounds = _SaveRounds(self.tier_options.remote_every)
         self._pid = os.getpid()
 
     def _in_this_process(self) -> None:
@@ -816,12 +838,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
 
     def _next_round(self, checkpoint: dict[str, Any]) -> bool:
         """Whether this save goes to GCS (every ``remote_every``-th round; one round per ``global_step``)."""
-        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
-        with self._state_lock:
-            if step is None or isinstance(step, bool) or not isinstance(step, int) or step != self._round_step:
-                self._round += 1
-                self._round_step = step if isinstance(step, int) and not isinstance(step, bool) else object()
-            return self._round % self.tier_options.remote_every == 0
+        return self._rounds.next(checkpoint.get("global_step") if isinstance(checkpoint, dict) else None)
 
     @override
     def _write(self, checkpoint: dict[str, Any], target: _Target) -> None:

@@ -13,7 +13,10 @@ the background each rank takes its file's crc32c (and one per ``block_size`` byt
 uploads the file as it is to ``<prefix>/__<rank>_0.<token>.distcp`` (parallel parts, crc32c, the
 atomic publish and generation precondition of every Dataflux upload), then publishes a small
 *marker*, ``__<rank>_0.<token>.distcp.uploaded``, holding those checksums and the generation
-uploaded. The coordinator uploads the metadata as ``.metadata.<token>.pending``.
+uploaded. The coordinator uploads the metadata as ``.metadata.<token>.pending``. With
+``remote_every=N`` only every N-th save round goes to GCS: the coordinator decides as it plans the
+save and tells every rank in its plan; the saves of the other rounds take their checksums and stay
+on the node.
 
 **Publish.** ``.metadata`` is written only once the pending metadata and every marker it names are
 in GCS, by whichever rank sees that first: the rank that uploads the last marker, or the
@@ -46,7 +49,8 @@ later ones still uploading.
 A manifest is written (``writing``) before its file, and again (``written``, with the size) once
 FastPersist renamed the file into place whole: a crash leaves either a manifest naming a whole file
 or one that says ``writing``, which the next writer removes with its file. Then ``uploaded``
-(marker or pending metadata in GCS), and ``published`` or ``superseded``. The local tier keeps the
+(marker or pending metadata in GCS), and ``published`` or ``superseded``; a save that stays on the
+node goes from ``written`` to ``local`` once its checksums are taken. The local tier keeps the
 newest ``keep_local`` saves; an older one leaves once none of its jobs is pending.
 
 **Restart.** :meth:`ShardedLocalTier.finish_pending` (a writer's first save calls it) takes over the
@@ -111,6 +115,7 @@ from dataflux_ckpt.tiered import (
     _fastpersist,
     _LocalCopy,
     _LocalTier,
+    _SaveRounds,
     _unlink_quietly,
     _Worker,
     _write_atomically,
@@ -156,7 +161,8 @@ LEFTOVER_MARGIN_S = 60.0
 LOCK_LEASE_S = 30.0
 
 WRITING, WRITTEN, UPLOADED, PUBLISHED, SUPERSEDED = "writing", "written", "uploaded", "published", "superseded"
-_STATES = (WRITING, WRITTEN, UPLOADED, PUBLISHED, SUPERSEDED)
+LOCAL_ONLY = "local"  # a save of a round ``remote_every`` skips: whole on the node, never uploaded
+_STATES = (WRITING, WRITTEN, UPLOADED, PUBLISHED, SUPERSEDED, LOCAL_ONLY)
 _OVER = (PUBLISHED, SUPERSEDED)
 
 _SHARD_RE = re.compile(r"^__(?P<rank>\d+)_(?P<index>\d+)\.(?P<token>[0-9a-f]+)\.distcp")
@@ -246,6 +252,7 @@ class _JobManifest:
     block_size: int = CRC_BLOCK_BYTES
     items: tuple[tuple[int, int], ...] = ()
     block_crcs: tuple[tuple[int, ...], ...] | None = None
+    remote: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -277,6 +284,8 @@ class _JobManifest:
             raise ManifestError(f"job manifest field 'crc32c' must be a base64 crc32c or null, not {self.crc32c!r}")
         _positive_int("generation", self.generation, zero=False)
         _positive_int("block_size", self.block_size, optional=False, zero=False)
+        if not isinstance(self.remote, bool):
+            raise ManifestError(f"job manifest field 'remote' must be true or false, not {self.remote!r}")
         items = tuple(tuple(item) for item in self.items)
         if any(len(item) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in item)
                for item in items):
@@ -291,9 +300,10 @@ class _JobManifest:
 
     @property
     def pending(self) -> bool:
-        """Whether something is left to do for this file on this node: its upload, or (the
-        metadata's) the publish. A shard whose marker is in GCS waits for nothing more here: the
-        coordinator, or the last rank, publishes."""
+        """Whether something is left to do for this file on this node: its checksums and upload, or
+        (the metadata's) the publish. A shard whose marker is in GCS waits for nothing more here: the
+        coordinator, or the last rank, publishes. A save kept on the node only (``remote``
+        false) waits for its checksums."""
         return self.state in (WRITING, WRITTEN) or (self.state == UPLOADED and self.rank is None)
 
     def replace(self, **changes: Any) -> _JobManifest:
@@ -543,6 +553,10 @@ class ShardedLocalTier:
     Args:
         local_dir: the local tier's directory (a node-local NVMe filesystem; the same for the ranks
             of a node, so that a resharded load finds their files).
+        remote_every: upload every N-th save round to GCS (``1``: every one); the saves of the
+            other rounds stay on the node's local tier only. The coordinator's tier counts the
+            rounds: a save is one, and under the Lightning strategies the saves of one
+            ``global_step`` (a step's checkpoint and ``last.ckpt``) are one.
         keep_local: the local tier keeps the newest K saves (of any checkpoint); an older one
             leaves it once nothing of it is left to upload. ``None``: no limit.
         min_free_bytes: bytes a save must leave free on the local filesystem.
@@ -562,6 +576,7 @@ class ShardedLocalTier:
         self,
         local_dir: str | os.PathLike[str],
         *,
+        remote_every: int = 1,
         keep_local: int | None = DEFAULT_KEEP_LOCAL,
         min_free_bytes: int = 0,
         teardown_timeout_s: float = DEFAULT_TEARDOWN_TIMEOUT_S,
@@ -571,10 +586,10 @@ class ShardedLocalTier:
         storage_client: Any = None,
         options: TransferOptions | None = None,
     ) -> None:
-        #: The local tier's options, checked (``remote_every`` is 1: every save goes to GCS).
-        self.tier_options = TieredOptions(local_dir=local_dir, keep_local=keep_local, min_free_bytes=min_free_bytes,
-                                          teardown_timeout_s=teardown_timeout_s, io_buffer_mb=io_buffer_mb,
-                                          engine=engine)
+        #: The local tier's options, checked.
+        self.tier_options = TieredOptions(local_dir=local_dir, remote_every=remote_every, keep_local=keep_local,
+                                          min_free_bytes=min_free_bytes, teardown_timeout_s=teardown_timeout_s,
+                                          io_buffer_mb=io_buffer_mb, engine=engine)
         _fastpersist(self.tier_options.engine, "a DCP save with local_dir")
         if options is not None and not isinstance(options, TransferOptions):
             raise TypeError(f"ShardedLocalTier: options must be a TransferOptions, not {options!r}")
@@ -591,6 +606,7 @@ class ShardedLocalTier:
         self._context: Any = None
         self._writing = False
         self._stats = TieredStats()
+        self._rounds = _SaveRounds(self.tier_options.remote_every)
 
     def _in_this_process(self) -> None:
         """Start over in a forked child: the parent's threads and open files stay the parent's."""
@@ -627,7 +643,8 @@ class ShardedLocalTier:
         them, uploads pending, done and failed, and how long the last checkpoint it published took
         from its save to its publish."""
         with self._lock:
-            return dataclasses.replace(self._stats, uploads_pending=len(self._jobs))
+            pending = sum(1 for job in self._jobs.values() if job.manifest.remote)
+            return dataclasses.replace(self._stats, uploads_pending=pending)
 
     def _count(self, **changes: Any) -> None:
         with self._lock:
@@ -685,7 +702,8 @@ class ShardedLocalTier:
             os.close(fd)
         for directory, manifest, reason in taken:
             log.info("finishing the %s of %s that a previous writer left pending (%s)",
-                     "publish" if manifest.rank is None else f"upload of rank {manifest.rank}'s shard",
+                     "publish" if manifest.rank is None else
+                     f"{'upload' if manifest.remote else 'checksums'} of rank {manifest.rank}'s shard",
                      manifest.uri, reason)
             self._queue(directory, manifest, self._connection, time.perf_counter())
         self._evict()
@@ -719,6 +737,12 @@ class ShardedLocalTier:
                 remove_local(file)
 
     # Saving (the training path) ------------------------------------------------------------------
+    def _next_round(self, key: object = None) -> bool:
+        """Count a save (the coordinator's, as it plans it) of round ``key``; whether it goes to
+        GCS (see ``remote_every``)."""
+        self._in_this_process()
+        return self._rounds.next(key)
+
     def _save_lock(self, uri: str) -> SaveLock:
         """The coordinator's lock on saving ``uri`` from this node, held from planning to its local
         metadata (see :class:`_LocalSaveLock`).
@@ -730,9 +754,9 @@ class ShardedLocalTier:
         return _LocalSaveLock(self._dir(uri).path)
 
     def _save_shard(self, uri: str, name: str, items: Sequence[WriteItem], planner: SavePlanner,
-                   connection: _Connection, block_size: int) -> list[WriteResult]:
+                   connection: _Connection, block_size: int, remote: bool = True) -> list[WriteResult]:
         """Write this rank's items to its local file ``name`` with FastPersist, record it, and queue
-        its upload; what training waits for.
+        its checksums and (``remote``) its upload; what training waits for.
 
         Raises:
             LocalTierFullError: the local filesystem has no room for the shard (nothing written).
@@ -748,7 +772,7 @@ class ShardedLocalTier:
         os.makedirs(directory.path, exist_ok=True)
         self._make_room(_estimated_bytes(items, planner))
         manifest = _JobManifest(uri, token, rank, name, time.time(), self._owner.token(), WRITING,
-                                block_size=block_size)
+                                block_size=block_size, remote=remote)
         directory.write_job(manifest)
         fastpersist = _fastpersist(self.tier_options.engine, "a DCP save with local_dir")
         try:
@@ -776,14 +800,15 @@ class ShardedLocalTier:
         waited = time.perf_counter() - started
         with self._lock:
             self._count(saves=self._stats.saves + 1, last_save_s=waited, total_save_s=self._stats.total_save_s + waited)
-        log.info("saved rank %d's shard of %s to the local tier (%d bytes) in %.3f s; uploading it in the background",
-                 rank, uri, manifest.size, waited)
+        log.info("saved rank %d's shard of %s to the local tier (%d bytes) in %.3f s; %s", rank, uri, manifest.size,
+                 waited, "uploading it in the background" if remote else
+                 f"not uploaded (remote_every={self.tier_options.remote_every})")
         self._evict()
         return results
 
-    def _commit(self, uri: str, token: str, metadata: bytes, connection: _Connection) -> None:
+    def _commit(self, uri: str, token: str, metadata: bytes, connection: _Connection, remote: bool = True) -> None:
         """Write the checkpoint's metadata (the coordinator's) beside its shards, and queue its
-        publish: the save is whole on the local tier once this returns.
+        publish (``remote``): the save is whole on the local tier once this returns.
 
         Raises:
             OSError: the local write failed (nothing of it is left).
@@ -791,7 +816,7 @@ class ShardedLocalTier:
         self.finish_pending()
         directory = self._dir(uri)
         name = local_metadata_name(token)
-        manifest = _JobManifest(uri, token, None, name, time.time(), self._owner.token(), WRITING)
+        manifest = _JobManifest(uri, token, None, name, time.time(), self._owner.token(), WRITING, remote=remote)
         directory.write_job(manifest)
         try:
             _write_atomically(directory.file(name), metadata, directory.file(f".{uuid.uuid4().hex[:8]}{JOB_TEMP_SUFFIX}"))
@@ -800,8 +825,18 @@ class ShardedLocalTier:
             _unlink_quietly(directory.file(name))
             _unlink_quietly(directory.file(directory.job_name(token, None)))
             raise
-        manifest = manifest.replace(state=WRITTEN, size=len(metadata), crc32c=crc32c_b64(crc32c_extend(0, metadata)))
-        directory.write_job(manifest)
+        manifest = manifest.replace(state=WRITTEN if remote else LOCAL_ONLY, size=len(metadata),
+                                    crc32c=crc32c_b64(crc32c_extend(0, metadata)))
+        try:
+            directory.write_job(manifest)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not remote:
+            os.close(fd)
+            log.info("saved %s (save %s) to the local tier only (remote_every=%d)", uri, token,
+                     self.tier_options.remote_every)
+            return
         self._add_job(_Job(directory, manifest, fd, connection, time.perf_counter()))
 
     def _abort(self, uri: str, token: str, rank: int | None) -> None:
@@ -1011,6 +1046,10 @@ class ShardedLocalTier:
             if job.record(crc32c=crc32c_b64(whole), block_crcs=tuple(blocks)) is None:
                 raise _Stop
         manifest = job.manifest
+        if manifest.state == WRITTEN and not manifest.remote:  # its checksums were all it waited for
+            if job.record(state=LOCAL_ONLY) is None:
+                raise _Stop
+            return
         if manifest.state == WRITTEN:
             assert manifest.size is not None and manifest.crc32c is not None
             crc = int.from_bytes(base64.b64decode(manifest.crc32c), "big")

@@ -139,3 +139,44 @@ def test_lightning_resumes_last_on_the_node_and_on_a_new_node(kind: str, gs_root
     assert [s["pending"] for s in (first, second, third)] == [0, 0, 0]
     assert reports[1]["steps"] == reports[0]["steps"]
     assert ".metadata" in _names(f"{root}/checkpoints/last.ckpt")
+
+
+@pytest.mark.slow
+def test_remote_every_publishes_every_nth_save_and_keeps_the_others_on_the_node(
+        gs_root: str, local_root: Path, tmp_path: Path) -> None:
+    from dataflux_ckpt.tiered_dcp import token_of
+
+    path, node = f"{gs_root}/every-2", str(local_root / "node")
+    saves = [{"op": "tiered_save", "path": path, "local_dir": node, "seed": seed, "durable": True, "remote_every": 2}
+             for seed in (1, 2, 3)]
+    reports = run(saves, 2, tmp_path)
+    assert all(step["durable"] for report in reports for step in report["steps"])
+    # Only the second save went to GCS: its metadata and its two shards, nothing of the others.
+    names = _names(path)
+    assert names[0] == ".metadata" and len(names) == 3, names
+    assert len({token_of(name) for name in names[1:]}) == 1, names
+    assert load_seed(path, str(tmp_path / "new-node"))[:2] == (2, [])  # a new node resumes from GCS
+    seed, bad, source = load_seed(path, node)
+    assert (seed, bad, source.chosen_tier) == (3, [], "local")  # the node from its newer save, never uploaded
+
+
+@pytest.mark.slow
+def test_lightning_sends_every_nth_step_to_gcs_with_remote_every(gs_root: str, local_root: Path,
+                                                                 tmp_path: Path) -> None:
+    root, node, new_node = f"{gs_root}/every-2", str(local_root / "node"), str(local_root / "new-node")
+    fit = {"op": "tiered_lightning", "kind": "fsdp", "root": root, "remote_every": 2}
+    first = run([{**fit, "local_dir": node, "max_steps": 3}], 2, tmp_path, timeout_s=600)[0]["steps"][0]
+    assert (first["started"]["step"], first["ended"]["step"], first["saves"]) == (0, 3, 6)
+    # Steps 1 and 3 stayed on the node, both of their saves (the step's checkpoint and last.ckpt):
+    # GCS holds step 2's last.ckpt, and nothing of step 3's.
+    names = _names(f"{root}/checkpoints")
+    assert ".metadata" in _names(f"{root}/checkpoints/last.ckpt")
+    assert not [name for name in names if "step=3" in name or "step=1" in name], names
+    # The node resumes from its own newer step 3 (and keeps step 4 there: a new process counts its
+    # rounds afresh); a new node from GCS's step 2.
+    reports = run([{**fit, "local_dir": node, "max_steps": 4}, {**fit, "local_dir": new_node, "max_steps": 4}],
+                  2, tmp_path, timeout_s=600)
+    on_the_node, on_new_node = reports[0]["steps"]
+    assert on_the_node["started"] == first["ended"]
+    assert (on_new_node["started"] or {}).get("step") == 2, on_new_node
+    assert reports[1]["steps"] == reports[0]["steps"]

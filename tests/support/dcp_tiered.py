@@ -8,7 +8,8 @@ in front of the emulator), given in any step, is where the ranks reach GCS.
 Ops:
 
 * ``tiered_save``: save ``seed``'s state; ``durable``: then wait for this rank's uploads (the
-  coordinator's: for the publish) before the barrier.
+  coordinator's: for the publish) before the barrier. A ``remote_every`` in a run's first step
+  that names a ``local_dir`` is that tier's.
 * ``tiered_load``: load into zeros and report ``mismatches``, the tier chosen and the files read
   from each tier.
 * ``tiered_loop``: resume (load the newest whole version, whatever its seed), take over what a
@@ -16,8 +17,8 @@ Ops:
   and ``<events>/<rank>-saved-<seed>``, until killed (or ``saves`` saves).
 * ``tiered_hold``: touch ``<events>/<rank>-held``, then wait to be killed.
 * ``tiered_lightning``: a Trainer with ``DatafluxFSDPStrategy`` or ``DatafluxModelParallelStrategy``
-  (``kind``) and ``local_dir``, ``DatafluxModelCheckpoint(save_last=True)`` every step, fitting to
-  ``max_steps`` from ``ckpt_path="last"``; reports the step it started at, the model and optimizer
+  (``kind``) and ``local_dir`` (the strategy's own tier, or with ``remote_every`` one of the test's),
+  ``DatafluxModelCheckpoint(save_last=True)`` every step, fitting to ``max_steps`` from ``ckpt_path="last"``; reports the step it started at, the model and optimizer
   state it started from and ended with, and its tier's stats (torchrun's environment: Lightning
   makes the process group).
 """
@@ -113,7 +114,8 @@ def run_tiered(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
     def tier_of(local_dir: str) -> Any:
         if local_dir not in tiers:
-            tiers[local_dir] = tier(local_dir)
+            first = next(step for step in spec["steps"] if step.get("local_dir") == local_dir)
+            tiers[local_dir] = tier(local_dir, remote_every=first.get("remote_every", 1))
         return tiers[local_dir]
 
     for step in spec["steps"]:
@@ -180,7 +182,8 @@ def _fit(step: dict[str, Any]) -> dict[str, Any]:
                 "exp_avg": [v.sum().item() for v in states["exp_avg"]]}
 
     options = {"writer_options": {"options": _options()}, "reader_options": {"options": _options()},
-               "local_dir": step["local_dir"]}
+               "local_dir": step["local_dir"] if "remote_every" not in step else
+               tier(step["local_dir"], remote_every=step["remote_every"])}
     if step["kind"] == "fsdp":
         strategy: Any = DatafluxFSDPStrategy(state_dict_type="sharded", **options)
     else:
@@ -196,6 +199,6 @@ def _fit(step: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(model, ckpt_path="last")
     stats = strategy.local_tier().stats()
     started = model.started_from
-    return {"started": {"step": started["step"], **sums(started)},
+    return {"started": None if started is None else {"step": started["step"], **sums(started)},  # None: no step
             "ended": {"step": trainer.global_step, **sums(_full_states(strategy.model, trainer.optimizers[0]))},
             "saves": stats.saves, "pending": stats.uploads_pending}
