@@ -89,6 +89,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflux_ckpt.checksums import crc32c_b64, crc32c_extend
 from dataflux_ckpt.dcp_objects import (
+    LOCK_LEASE_S,
     GcsItemInfo,
     _BlockCrcs,
     _Connection,
@@ -121,7 +122,14 @@ from dataflux_ckpt.tiered import (
     _write_atomically,
 )
 from dataflux_ckpt.upload import UploadStopped, upload_file
-from lightning_storage_plugins.dcp import METADATA_NAME, SaveLock, ShardPlan, load_metadata, stamp_version
+from lightning_storage_plugins.dcp import (
+    LOCK_NAME,
+    METADATA_NAME,
+    SaveLock,
+    ShardPlan,
+    load_metadata,
+    stamp_version,
+)
 from lightning_storage_plugins.errors import ConcurrentWriteError as SaveInProgressError
 from lightning_storage_plugins.ordering import remove_local
 from lightning_storage_plugins.owners import Owner
@@ -141,7 +149,6 @@ JOB_SUFFIX = ".json"
 JOB_TEMP_SUFFIX = ".json-tmp"
 MARKER_SUFFIX = ".uploaded"
 PENDING_SUFFIX = ".pending"
-SAVE_LOCK_NAME = ".dcp-save.lock"
 RECOVERY_LOCK_NAME = ".dcp-recovery.lock"
 MANIFEST_FORMAT = 1
 MARKER_FORMAT = 1
@@ -158,7 +165,6 @@ PUBLISH_POLL_MAX_S = 10.0
 # Objects of other saves created this long before a publishing save began are leftovers of saves
 # that are over, whatever their token (the margin covers the clocks of the coordinator and of GCS).
 LEFTOVER_MARGIN_S = 60.0
-LOCK_LEASE_S = 30.0
 
 WRITING, WRITTEN, UPLOADED, PUBLISHED, SUPERSEDED = "writing", "written", "uploaded", "published", "superseded"
 LOCAL_ONLY = "local"  # a save of a round ``remote_every`` skips: whole on the node, never uploaded
@@ -400,7 +406,7 @@ class _CheckpointDir:
             names = os.listdir(self.path)
         except FileNotFoundError:
             return
-        if all(name in (SAVE_LOCK_NAME,) or name.endswith(JOB_TEMP_SUFFIX) for name in names):
+        if all(name in (LOCK_NAME,) or name.endswith(JOB_TEMP_SUFFIX) for name in names):
             for name in names:
                 _unlink_quietly(self.file(name))
             with contextlib.suppress(OSError):  # another rank of the node is saving here again
@@ -474,14 +480,14 @@ class _LocalSaveLock(SaveLock):
     def __init__(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
         self._directory = directory
-        fd = os.open(os.path.join(directory, SAVE_LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise SaveInProgressError(f"{directory}: another save to this checkpoint is in progress on this node (it "
-                                      f"holds {SAVE_LOCK_NAME} in the local tier); this save wrote nothing",
+                                      f"holds {LOCK_NAME} in the local tier); this save wrote nothing",
                                       target=directory) from None
         self._fd: int | None = fd
 
@@ -1390,7 +1396,7 @@ class _Publish:
         return _compare(data, listed[METADATA_NAME].generation, self.token, f"{self.uri}/{METADATA_NAME}")
 
     def _publish_locked(self, metadata: Metadata, shards: list[str]) -> str:
-        lock = _GcsSaveLock(self.gcs, self._object(SAVE_LOCK_NAME), self.uri, f"{TIERED_SAVE_ID_PREFIX}{self.token}",
+        lock = _GcsSaveLock(self.gcs, self._object(LOCK_NAME), self.uri, f"{TIERED_SAVE_ID_PREFIX}{self.token}",
                             LOCK_LEASE_S, self.connection.options.deadline_s)
         try:
             lock.acquire()
