@@ -265,9 +265,9 @@ class DatafluxStorageWriter(_GcsCheckpoint, ShardedStorageWriter):
         plans = super().prepare_global_plan(plans)
         if self.local_tier is None:
             return plans
-        self._remote = self.local_tier._next_round(self.save_round)
+        remote = self.local_tier._next_round(self.save_round)  # each rank, this one too, reads it in write_data
         return [dataclasses.replace(plan, storage_data=_TieredShardPlan(**dataclasses.asdict(plan.storage_data),
-                                                                        remote=self._remote))
+                                                                        remote=remote))
                 for plan in plans]
 
     @override

@@ -826,7 +826,7 @@ class ShardedLocalTier:
         directory.write_job(manifest)
         try:
             _write_atomically(directory.file(name), metadata, directory.file(f".{uuid.uuid4().hex[:8]}{JOB_TEMP_SUFFIX}"))
-            fd = os.open(directory.file(name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(directory.file(name), os.O_RDONLY | os.O_CLOEXEC) if remote else -1  # for its publish
         except BaseException:
             _unlink_quietly(directory.file(name))
             _unlink_quietly(directory.file(directory.job_name(token, None)))
@@ -836,10 +836,10 @@ class ShardedLocalTier:
         try:
             directory.write_job(manifest)
         except BaseException:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
             raise
         if not remote:
-            os.close(fd)
             log.info("saved %s (save %s) to the local tier only (remote_every=%d)", uri, token,
                      self.tier_options.remote_every)
             return
