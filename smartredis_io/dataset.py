@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import redis
 
 from smartredis_io._client import _redispy, wire
 from smartredis_io._client.connection import Database
@@ -407,10 +409,9 @@ def _set_command(key: str, parts: list[bytes | memoryview]) -> list[bytes | memo
     return [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(bkey), bkey, total), *parts, b"\r\n"]
 
 
-def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], count: int,
-                 action: str = "Storing") -> list:
+def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], count: int) -> list:
     """Run ``count`` commands (packed in ``buffers``, all on the slot of ``key``) in MULTI/EXEC on the
-    node holding ``key``; the replies EXEC gives (``action`` names what failed in an error)."""
+    node holding ``key``; the replies EXEC gives."""
     db.check_deadline()
     pool = _redispy.node_pool(db.redis, key)
     with _redispy.pooled_connection(pool) as conn:
@@ -418,12 +419,12 @@ def _transaction(db: Database, key: str, buffers: list[bytes | memoryview], coun
         replies = [_redispy.read_reply(conn) for _ in range(count + 2)]
     for reply in replies[:-1]:
         if isinstance(reply, Exception):
-            raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {reply}")
+            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
     if isinstance(replies[-1], Exception):
-        raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {replies[-1]}")
+        raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {replies[-1]}")
     for reply in replies[-1]:
         if isinstance(reply, Exception):
-            raise RedisRuntimeError(f"{action} the dataset at {key!r} failed: {reply}")
+            raise RedisRuntimeError(f"Storing the dataset at {key!r} failed: {reply}")
     return replies[-1]
 
 
@@ -525,23 +526,41 @@ def get(db: Database, base: str, name: str) -> Dataset:
 
 def delete(db: Database, base: str) -> bool:
     """Delete a dataset, its hash and its tensors in one MULTI/EXEC that leases their chunks, which
-    are deleted next; False when there is none."""
+    are deleted next; False when there is none.
+
+    The hash and the tensors are WATCHed from before they are read, so a writer that replaces the
+    dataset meanwhile makes the delete start again rather than leave its new chunks for good."""
     meta_key = base + META_SUFFIX
-    fields = db.redis.hgetall(meta_key)
-    if not fields:
-        return False
+    found, chunks = [False], []
+
+    def prepare(read: Callable[[Sequence[Any]], list[Any]]) -> list[Any]:
+        (raw,) = read([("HGETALL", meta_key)])
+        if isinstance(raw, Exception):
+            raise raw
+        fields = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+        found[0], chunks[:] = bool(fields), []
+        if not fields:
+            return []
+        try:
+            tensors = Dataset._from_meta("", fields, meta_key)[1]
+        except RedisRuntimeError:
+            tensors = []
+        keys = [_tensor_key(base, tensor) for tensor in tensors]
+        if keys:
+            read([("WATCH", *keys)])
+            heads = read([("GETRANGE", key, 0, wire.HEADER_MAX_BYTES - 1) for key in keys])
+            chunks[:] = [name for key, head in zip(keys, heads, strict=True)
+                         for name in wire.stored_chunk_keys(read, key, head)]
+        lease = wire.lease_ms(db)
+        return [("DEL", meta_key, *keys), *(("PEXPIRE", chunk, lease) for chunk in chunks)]
+
     try:
-        tensors = Dataset._from_meta("", fields, meta_key)[1]
-    except RedisRuntimeError:
-        tensors = []
-    keys = [_tensor_key(base, tensor) for tensor in tensors]
-    _, chunks = _chunk_keys(db, keys)
-    lease = str(wire.lease_ms(db))
-    _transaction(db, meta_key, [_command("DEL", meta_key, *keys), *(_command("PEXPIRE", c, lease) for c in chunks)],
-                 1 + len(chunks), "Deleting")
+        db.transaction(meta_key, [meta_key], prepare)
+    except redis.exceptions.ResponseError as exc:
+        raise RedisRuntimeError(f"Deleting the dataset at {meta_key!r} failed: {exc}") from None
     if chunks:
         db.redis.delete(*chunks)
-    return True
+    return found[0]
 
 
 def exists(db: Database, base: str) -> bool:

@@ -128,6 +128,25 @@ def test_replacing_and_deleting_datasets_removes_the_chunks_of_their_tensors(
     assert not _keys(raw, f"{{{uid}}}*"), "no chunk of the deleted dataset is left"
 
 
+def test_a_dataset_replaced_while_it_is_being_deleted_leaves_nothing_behind(
+        any_client: Client, raw, uid: str, monkeypatch) -> None:
+    """Another writer stores a dataset with a chunked tensor after the delete read the old one: the
+    delete starts again and takes the new tensor and its chunks too."""
+    monkeypatch.setenv(wire.BULK_LIMIT_ENV, str(CHUNKED_LIMIT))
+    any_client.put_dataset(_without_big(uid))
+    chunk_keys, replaced = wire.stored_chunk_keys, []
+
+    def replaced_meanwhile(*args, **kwargs):
+        if not replaced:
+            replaced.append(True)
+            any_client.put_dataset(_with_big(uid, 2.0))
+        return chunk_keys(*args, **kwargs)
+
+    monkeypatch.setattr(wire, "stored_chunk_keys", replaced_meanwhile)
+    assert any_client.delete_dataset(uid) is None and replaced
+    assert not _keys(raw, f"{{{uid}}}*"), "the replacing dataset's tensors and chunks are gone too"
+
+
 @pytest.mark.parametrize("operation", ["replace", "drop a tensor", "delete"])
 def test_a_dataset_writer_killed_before_any_of_its_commands_leaves_a_whole_dataset_and_only_keys_that_expire(
         redis_server, uid: str, monkeypatch, operation: str) -> None:
