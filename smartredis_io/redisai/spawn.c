@@ -672,35 +672,42 @@ static void spawn(RedisModuleCtx *ctx) {
     argv[argc++] = "--secret-stdin";
     argv[argc] = NULL;
     char **envp = worker_environment(user);
-    int sockets[2] = {-1, -1}, out[2] = {-1, -1}, status[2] = {-1, -1};
+    /* the middle child's report (the supervisor's pid) and the supervisor's own (why execve was not
+     * reached) travel on pipes of their own: on one pipe a supervisor that fails at once can write
+     * before the middle child does, and its failure would be read as the pid */
+    int sockets[2] = {-1, -1}, out[2] = {-1, -1}, status[2] = {-1, -1}, started[2] = {-1, -1};
     pid_t middle = -1, pid = -1;
     int error = 0;
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sockets) == 0 && pipe2(out, O_CLOEXEC) == 0 &&
-        pipe2(status, O_CLOEXEC) == 0)
+        pipe2(status, O_CLOEXEC) == 0 && pipe2(started, O_CLOEXEC) == 0)
         middle = fork();
     if (middle == 0) {
         pid = fork();
         if (pid == 0) exec_supervisor(sockets[1], out[1], status[1], &who, argv, envp);
-        _exit(write(status[1], &pid, sizeof pid) == sizeof pid ? 0 : 1);
+        _exit(write(started[1], &pid, sizeof pid) == sizeof pid ? 0 : 1);
     }
     if (middle < 0) error = errno;
     free_strings(envp);
     if (sockets[1] >= 0) close(sockets[1]);
     if (out[1] >= 0) close(out[1]);
     if (status[1] >= 0) close(status[1]);
+    if (started[1] >= 0) close(started[1]);
     Failure failure = {0, 0};
     if (middle > 0) {
         while (waitpid(middle, NULL, 0) < 0 && errno == EINTR) {}
-        if (read(status[0], &pid, sizeof pid) != sizeof pid || pid <= 0) {
+        if (read(started[0], &pid, sizeof pid) != sizeof pid || pid <= 0) {
             pid = -1;
             error = EAGAIN;
         } else {
             ssize_t n;
             while ((n = read(status[0], &failure, sizeof failure)) < 0 && errno == EINTR) {}
             if (n != sizeof failure) failure.step = 0; /* closed by execve: the program runs */
+            else if (failure.step <= 0 || failure.step >= (int)(sizeof STEP_NAMES / sizeof *STEP_NAMES))
+                failure = (Failure){STEP_EXEC, EPROTO}; /* not a report of ours: never index past the names */
         }
     }
     if (status[0] >= 0) close(status[0]);
+    if (started[0] >= 0) close(started[0]);
     if (pid <= 0 || failure.step) {
         if (sockets[0] >= 0) close(sockets[0]);
         if (out[0] >= 0) close(out[0]);
