@@ -24,9 +24,8 @@ from benchmarks.worker_python import (
 from smartredis_io import RedisServer
 from smartredis_io.error import RedisReplyError
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import run_client, wait_until
+from tests.support.srio_workers import WORKER_START_S, run_client, wait_until
 
-WORKER_START_S = 120  # the worker imports torch before it registers (a minute on a busy 2-core machine)
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 
 pytestmark = pytest.mark.skipif(

@@ -16,13 +16,12 @@ import redis
 from smartredis_io import Client, RedisServer
 from smartredis_io.launchers.redis_module import module_path
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import wait_until
+from tests.support.srio_workers import WORKER_START_S, wait_until
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 WORKER_COMMANDS = [("SRIO.HELLO", "a guess"), ("SRIO.POP", "w", 100), ("SRIO.TAKE", "w", "m", 1, 1, 100),
                    ("SRIO.REPLY", "w", 1, 0, 0, 0, "OK"), ("SRIO.RETURN", "w", 1), ("SRIO.PAUSE", "w"),
                    ("SRIO.HEARTBEAT", "w", 1), ("SRIO.UNREGISTER", "w"), ("SRIO.WORKERS",), ("SRIO.POP",)]
-WORKER_START_S = 90  # a worker imports torch before it registers (seconds on a busy 2-core machine)
 
 
 @pytest.fixture(scope="module")

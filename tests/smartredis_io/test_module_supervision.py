@@ -53,6 +53,7 @@ from tests.support import ROOT
 from tests.support.srio_models import SCRIPT, linear, torchscript_bytes
 from tests.support.srio_sanitizers import sanitized
 from tests.support.srio_workers import (
+    WORKER_START_S,
     protocol_client,
     registry,
     run_client,
@@ -65,7 +66,6 @@ pytestmark = pytest.mark.slow
 CLEAN_ENV = {"PATH": "/usr/bin:/bin"}
 AS_ROOT = os.geteuid() == 0
 AS_USER = ("WORKER_USER", WORKER_USER) if AS_ROOT else ()
-WORKER_START_S = 120  # a worker imports torch before it registers (a minute on a busy 2-core machine)
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 IN_PLACE = ROOT / "smartredis_io" / "redisai" / "srio_redisai.so"
 needs_root = pytest.mark.skipif(not AS_ROOT, reason="the workers change user only under a server run as root")

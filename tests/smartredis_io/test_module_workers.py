@@ -22,10 +22,16 @@ from smartredis_io import Client, RedisServer
 from smartredis_io.error import RedisTimeoutError
 from tests.support.processes import call_within
 from tests.support.srio_models import PUBLISHED_SKIP, SCRIPT, linear, torchscript_bytes
-from tests.support.srio_workers import busy_worker, protocol_client, registry, run_client, wait_until
+from tests.support.srio_workers import (
+    WORKER_START_S,
+    busy_worker,
+    protocol_client,
+    registry,
+    run_client,
+    wait_until,
+)
 
 X = np.ones((2, 4), dtype=np.float32)
-WORKER_START_S = 90  # a worker imports torch before it registers; the machine may be busy
 #: as root, the module starts workers only for a named user
 AS_USER = ("WORKER_USER", "nobody") if os.geteuid() == 0 else ()
 
