@@ -82,6 +82,17 @@ class _DatafluxStorage:
         finally:
             self._save_round = None
 
+    def _remove_unsharded(self, target: str) -> None:
+        # Through this plugin's client, never the strategy's CheckpointIO: fsspec's gcsfs answers from
+        # listings it cached, which removals made here (a killed save's leftovers, at a restart) leave
+        # stale, and it raised FileNotFoundError for a checkpoint already gone. The writer removes a
+        # full checkpoint's object at the name, what a killed save or removal of a sharded one left
+        # (its files, lock and commit record), or nothing when nothing is there.
+        if "://" not in target:
+            super()._remove_unsharded(target)  # type: ignore[misc]
+            return
+        self.storage_writer(target).remove()
+
     def storage_reader(self, path: str, weights_only: bool | None = None) -> DatafluxStorageReader:
         """A :class:`DatafluxStorageReader` for ``path`` with ``options``, ``reader_options`` and the
         local tier. ``path`` may also name a checkpoint by its ``.metadata`` (in GCS or, for a save

@@ -233,7 +233,12 @@ class _ShardedCheckpoints(DeferringOperations[str]):
         if self.storage_reader(target).exists():
             self.storage_writer(target).remove()
         else:
-            super().remove_checkpoint(target)  # type: ignore[misc]
+            self._remove_unsharded(target)
+
+    def _remove_unsharded(self, target: str) -> None:
+        """Remove what is at ``target`` that is not a whole sharded checkpoint: a full checkpoint, as
+        the strategy does (on rank zero; nothing there: nothing to do)."""
+        super().remove_checkpoint(target)  # type: ignore[misc]
 
     @override
     def _stored(self, target: str) -> bool:

@@ -209,6 +209,42 @@ def test_a_restart_removes_only_our_saves_files_that_no_checkpoint_references(
     assert torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"step": 3}
 
 
+@pytest.mark.parametrize("left", ["shards and commit record", "commit record", "nothing", "a full checkpoint"])
+def test_a_checkpoint_a_killed_removal_left_in_part_is_removed_by_the_strategy_after_gcsfs_listed_it(
+    left: str, gs_root: str
+) -> None:
+    """ModelCheckpoint removes its older checkpoints through the strategy. A rank killed inside such a
+    removal (after ``.metadata``), and the restart's sweep, leave part of the checkpoint or none of it;
+    the resumed run removes it again (the top-k it loaded still names it) after Lightning listed the
+    directory through fsspec's gcsfs at the start of fit. Whatever is left goes, a full checkpoint's
+    object at the name too, and nothing left is no error (as Lightning's own strategies)."""
+    from fsspec.core import url_to_fs
+    from google.cloud import storage as gcs
+
+    from dataflux_ckpt import DatafluxFSDPStrategy, parse_gcs_path
+
+    path = f"{gs_root}/epoch=0-step=1.ckpt"
+    strategy = DatafluxFSDPStrategy(state_dict_type="sharded", writer_options={"chunk_size": 64 * 1024})
+    bucket_name, key = parse_gcs_path(path)
+    bucket = gcs.Client().bucket(bucket_name)
+    if left == "a full checkpoint":
+        bucket.blob(key).upload_from_string(pickle.dumps({"state_dict": {}}))
+    else:
+        dcp.save({"w": torch.randn(64, 32)}, storage_writer=_writer("gs", path))
+    filesystem, stripped = url_to_fs(gs_root)
+    assert filesystem.find(stripped), "gcsfs listed the directory (and keeps that listing)"
+    keep = {"shards and commit record": lambda name: name != f"{key}/{METADATA_NAME}",
+            "commit record": lambda name: name == key, "nothing": lambda name: False,
+            "a full checkpoint": lambda name: True}[left]
+    for blob in list(bucket.list_blobs(prefix=key)):
+        if not keep(blob.name):
+            blob.delete()
+
+    strategy.remove_checkpoint(path)
+    assert stored_names("gs", gs_root) == []
+    strategy.remove_checkpoint(path)  # nothing there: nothing to do
+
+
 def test_a_restart_leaves_a_checkpoint_whose_save_lock_another_writer_holds(nvme_root: Path) -> None:
     """The save lock is what tells a live save: held (here by a writer of this process, through
     another open file, as another process would hold it), nothing under it is touched."""
