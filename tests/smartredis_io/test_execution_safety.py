@@ -22,6 +22,7 @@ from smartredis_io.error import RedisInternalError, RedisReplyError, RedisTimeou
 from tests.support.processes import alive, call_within
 from tests.support.srio_models import SCRIPT
 from tests.support.srio_workers import (
+    WORKER_START_S,
     busy_worker,
     protocol_client,
     registry,
@@ -91,7 +92,7 @@ def _runaway_is_stopped(orch: Orchestrator, uid: str) -> None:
     assert served.error is None, (served.error, served.elapsed)
     np.testing.assert_array_equal(other.get_tensor(uid + "z"), 2 * X)
     assert not runaway.tensor_exists(uid + "y")
-    now = set(wait_until(lambda: orch.worker_pids, 30, "a worker is registered"))
+    now = set(wait_until(lambda: orch.worker_pids, WORKER_START_S, "a worker is registered"))
     assert now and now.isdisjoint(before), "the runaway's worker was stopped and replaced"
     runaway.close()
     other.close()
@@ -114,7 +115,7 @@ def test_a_killed_worker_is_started_again_by_the_orchestrator(one_worker: Orches
     plain = _plain(one_worker)
     (victim,) = one_worker.worker_pids
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: one_worker.worker_pids and victim not in one_worker.worker_pids, 60, "a new worker")
+    wait_until(lambda: one_worker.worker_pids and victim not in one_worker.worker_pids, WORKER_START_S, "a new worker")
     with _client(one_worker.address, 30_000) as client:
         client.set_script(uid, SCRIPT)
         client.put_tensor(uid + "x", X)

@@ -24,7 +24,7 @@ from smartredis_io._client import wire
 from smartredis_io.error import RedisConnectionError, RedisReplyError, RedisTimeoutError
 from tests.support.processes import alive, call_within, paused
 from tests.support.srio_models import SCRIPT
-from tests.support.srio_workers import busy_worker, protocol_client, registry, wait_until
+from tests.support.srio_workers import WORKER_START_S, busy_worker, protocol_client, registry, wait_until
 
 X = np.ones((2, 4), dtype=np.float32)
 
@@ -166,7 +166,7 @@ def test_a_worker_killed_mid_run_is_replaced_and_unregistered(uid: str) -> None:
         assert run.elapsed < 20, "retried on the live worker within seconds, not SR_MODEL_TIMEOUT"
         np.testing.assert_allclose(run.client.get_tensor(uid + "y"), X)
         wait_until(lambda: victim not in registry(plain), 10, "the dead worker is unregistered")
-        wait_until(lambda: len(registry(plain)) == 2, 60, "a new worker replaces it")
+        wait_until(lambda: len(registry(plain)) == 2, WORKER_START_S, "a new worker replaces it")
         run.client.close()
         plain.close()
 

@@ -14,11 +14,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from smartredis_io import Client, Orchestrator
+from smartredis_io import Client, Orchestrator, RedisServer
 from smartredis_io._client import protocol, wire
 from smartredis_io.error import RedisKeyError, RedisReplyError
 from tests.support.srio_models import SCRIPT, BatchRows, Failing, linear, torchscript_bytes
-from tests.support.srio_workers import WorkerEntry, protocol_client, registry, wait_until, worker_env
+from tests.support.srio_workers import (
+    WORKER_START_S,
+    WorkerEntry,
+    protocol_client,
+    registry,
+    wait_until,
+    worker_env,
+)
 
 X = np.random.default_rng(1).random((3, 4), dtype=np.float32)
 
@@ -227,9 +234,11 @@ def test_batching(orchestrator: Orchestrator, orch_client: Client, uid: str) -> 
     assert orch_client.get_tensor(uid + "out").tolist() == [[2.0], [2.0]]
 
 
-def test_run_model_without_workers_fails_at_once(redis_server, uid: str) -> None:
-    """No worker is registered and none is starting: the module says so at once, not at the deadline."""
-    with Client(False, redis_server.address) as client:
+def test_run_model_without_workers_fails_at_once(uid: str) -> None:
+    """No worker is registered and none is starting: the module says so at once, not at the deadline.
+    A server of its own: on one where a worker has left, requests wait WORKER_STARTUP_MS for its
+    replacement."""
+    with RedisServer(module_args=("WORKERS", "0")) as server, Client(False, server.address) as client:
         client.set_script(uid, SCRIPT)
         client.put_tensor(uid + "x", X)
         start = time.monotonic()
@@ -291,7 +300,8 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
             np.testing.assert_allclose(client.get_tensor(f"{uid}y{i}"), 2 * X)
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: len(workers()) == 2 and victim not in {e.pid for e in workers().values()}, 60,
+        wait_until(lambda: len(workers()) == 2 and victim not in {e.pid for e in workers().values()},
+                   WORKER_START_S,
                    "the supervisor starts a new worker")
         client.run_script(uid, "double", [uid + "x"], [uid + "z"])
         pids = {entry.pid for entry in workers().values()}
