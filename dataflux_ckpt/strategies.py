@@ -85,7 +85,7 @@ class _DatafluxStorage:
     def _remove_unsharded(self, target: str) -> None:
         # Through this plugin's client, never the strategy's CheckpointIO: fsspec's gcsfs answers from
         # listings it cached, which removals made here (a killed save's leftovers, at a restart) leave
-        # stale, and it raised FileNotFoundError for a checkpoint already gone. The writer removes a
+        # stale, and then raises FileNotFoundError for a checkpoint already gone. The writer removes a
         # full checkpoint's object at the name, what a killed save or removal of a sharded one left
         # (its files, lock and commit record), or nothing when nothing is there.
         if "://" not in target:

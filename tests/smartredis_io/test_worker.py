@@ -301,8 +301,7 @@ def test_worker_cli_with_several_processes(redis_server, uid: str) -> None:
         victim = min(pids)
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: len(workers()) == 2 and victim not in {e.pid for e in workers().values()},
-                   WORKER_START_S,
-                   "the supervisor starts a new worker")
+                   WORKER_START_S, "the supervisor starts a new worker")
         client.run_script(uid, "double", [uid + "x"], [uid + "z"])
         pids = {entry.pid for entry in workers().values()}
     wait_until(lambda: not any(_alive(pid) for pid in pids), 10, "the workers stop with their supervisor")
