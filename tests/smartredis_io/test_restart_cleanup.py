@@ -114,8 +114,12 @@ def test_a_trainer_start_removes_a_killed_saves_chunks_and_keeps_a_stopped_saves
             assert f"its process (pid {killed.pid}) on this machine has exited" in caplog.text
         finally:
             os.kill(stopped.pid, signal.SIGCONT)
-        # Let go, the stopped save finishes what it was writing: a whole checkpoint.
+        # Let go, the stopped save finishes what it was writing: a whole checkpoint. The saver then
+        # saves again at once, in a loop; it is killed so that no later save overwrites the value
+        # while it is read (a kill in the middle of a save leaves the published value as it was).
         wait_for(lambda: not (_owned(plain, stopped.pid) & stopped_owner), "the stopped save's publish")
+        stopped.kill()
+        stopped.wait(30)
         assert torch.equal(SmartRedisCheckpointIO(redis_server.address, cluster=False)
                            .load_checkpoint(f"redis://{stopped_key}")["w"], torch.zeros(1 << 18))
     finally:
