@@ -1350,18 +1350,26 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         while True:
             with self._state_lock:
                 jobs = [job for jobs in self._jobs.values() for job in jobs]
-            recovering = self._uploader is not None and any(isinstance(item, tuple) for item in self._uploader.queued())
+            # Uploads a previous writer left pending (preflight queues them), before they become jobs: read
+            # after the jobs, the uploader's queue and current item see every one that is not a job yet.
+            uploader = self._uploader
+            items = [*uploader.queued(), uploader.current] if uploader is not None else []
+            busy = {job.key for job in jobs}
+            recovering = list({item[1]: item[2] for item in items
+                               if isinstance(item, tuple) and item[1] not in busy}.values())
             if not jobs and not recovering:
                 return True
             now = time.monotonic()
+            pending = len(jobs) + len(recovering)
             if now >= end:
                 log.warning("%d upload(s) to GCS did not finish within %g s: %s. They stay on the local tier %s and "
-                            "the next process writing to it uploads them", len(jobs), timeout_s,
-                            ", ".join(str(job) for job in jobs), self.local_dir)
+                            "the next process writing to it uploads them", pending, timeout_s,
+                            ", ".join([*(str(job) for job in jobs), *(m.uri for m in recovering)]), self.local_dir)
                 return False
             if now - said >= PROGRESS_EVERY_S:
-                log.info("waiting up to %.0f s for %d upload(s) to GCS: %s", end - now, len(jobs),
-                         ", ".join(job.target.uri for job in jobs) or "those a previous writer left pending")
+                log.info("waiting up to %.0f s for %d upload(s) to GCS: %s", end - now, pending,
+                         ", ".join([*(job.target.uri for job in jobs),
+                                    *(f"{m.uri} (left pending by a previous writer)" for m in recovering)]))
                 said = now
             for job in jobs[:1]:
                 job.finished.wait(min(end - now, 1.0))

@@ -451,6 +451,13 @@ def test_teardown_waits_with_a_deadline_and_a_restart_finishes_the_upload(
     with pytest.raises(FileNotFoundError):
         gcs_reader().load_checkpoint(uri)
 
+    caplog.clear()
+    blocked = proxied(teardown_timeout_s=1.0)  # a restart on the same node while GCS still refuses uploads
+    with caplog.at_level(logging.INFO, logger=TIERED_LOG):
+        blocked.preflight([])
+        blocked.teardown()
+    assert f"waiting up to 1 s for 1 upload(s) to GCS: {uri}" in caplog.text  # the one left pending, by name
+    assert f"1 upload(s) to GCS did not finish within 1 s: {uri}" in caplog.text
     uploads_blocked.clear()
     restarted = make_tiered()  # the same local_dir, as a process restarted on the same node
     with caplog.at_level(logging.INFO, logger=TIERED_LOG):

@@ -14,14 +14,14 @@ After every kill the parent checks, through the public APIs:
 * the local tier loads a whole checkpoint (every tensor of one step), at least the newest save that
   returned and at most the newest that started;
 * GCS holds a whole checkpoint or none, never newer than the newest save started, never older than
-  the previous round's;
+  the previous round's, and never one of the saves ``remote_every`` keeps on the node;
 * a manifest that says durable names the very object in GCS (crc32c and generation);
 * a new node (an empty ``local_dir``) loads GCS's copy;
 * the next writer resumes from the newest whole checkpoint of the tier it reads: the local tier's on
   the same node, GCS's on a new node (every fifth restart).
 
 At the end a writer that is not killed finishes what the last one left, and GCS then holds the
-local tier's newest checkpoint.
+local tier's newest checkpoint when that one was meant for GCS.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def whole_step(loaded: dict[str, Any]) -> int:
     return step
 
 
-def plugin_options(local_dir: str) -> dict[str, Any]:
+def plugin_options(local_dir: str, remote_every: int = 1) -> dict[str, Any]:
     from tests.support.gcs import FAST_RETRY
 
     return {"local_dir": local_dir, "chunk_size": CHUNK_SIZE, "max_workers": 2, "upload_mode": "composite",
             "retry": FAST_RETRY, "io_buffer_mb": 4, "keep_local": None, "teardown_timeout_s": 60.0,
-            "deadline_s": 60.0}
+            "deadline_s": 60.0, "remote_every": remote_every}
 
 
 # The writer (a forked child) -------------------------------------------------------------------
@@ -89,7 +89,7 @@ def _writer(spec: dict[str, Any], conn: Any) -> None:
 
     torch.set_num_threads(1)
     try:
-        plugin = TieredCheckpointIO(**plugin_options(spec["local_dir"]))
+        plugin = TieredCheckpointIO(**plugin_options(spec["local_dir"], spec["remote_every"]))
         try:
             resumed = plugin.load_checkpoint(spec["uri"], weights_only=True)["global_step"]
         except FileNotFoundError:
@@ -133,6 +133,10 @@ class Crashes:
     problems: list[str] = field(default_factory=list)
     final_gcs: int = 0
     final_local: int = 0
+    #: The steps a save meant for GCS was made of, on any node (``remote_every``: every N-th save of a writer).
+    remote_steps: set[int] = field(default_factory=set)
+    #: Whether the last node's newest save of ``final_local`` was meant for GCS.
+    final_remote: bool = False
 
 
 class Trigger:
@@ -179,10 +183,12 @@ def is_publish(request: Any) -> bool:
         ".dataflux-parts" not in request.path.split("/compose")[0]
 
 
-def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: Path, seed: int = 0) -> Crashes:
+def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: Path, seed: int = 0,
+                 remote_every: int = 1) -> Crashes:
     """Kill a writer ``rounds`` times in ``phase``; what every round found (see the module docstring).
 
     ``proxy`` is a :class:`tests.support.gcs.FaultProxy` in front of the emulator; the writers talk through it.
+    ``remote_every`` is the writers' (each counts its own saves, so the N-th after a restart goes to GCS).
     """
     from dataflux_ckpt import DatafluxCheckpointIO, TieredCheckpointIO
     from dataflux_ckpt.paths import parse_gcs_path
@@ -198,6 +204,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     gcs = DatafluxCheckpointIO(chunk_size=CHUNK_SIZE, retry=FAST_RETRY)
     result = Crashes()
     node, resume, gcs_step = 0, 0, 0
+    node_remote: dict[int, bool] = {}  # step -> whether this node's newest save of it was meant for GCS
     save_times = [0.05]
 
     def read_local(local_dir: Path) -> int:
@@ -218,7 +225,8 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     def run(local_dir: Path, saves: int, trigger: Trigger | None, problems: list[str], round_: Round) -> None:
         """One writer, killed by ``trigger`` (or by this loop, in the save phase); none: it runs to its end."""
         reader, writer_end = ctx.Pipe(duplex=False)
-        spec = {"endpoint": proxy.url, "uri": uri, "local_dir": str(local_dir), "saves": saves}
+        spec = {"endpoint": proxy.url, "uri": uri, "local_dir": str(local_dir), "saves": saves,
+                "remote_every": remote_every}
         process = ctx.Process(target=_writer, args=(spec, writer_end), daemon=True)
         process.start()
         writer_end.close()
@@ -240,6 +248,9 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
                     round_.resumed = event[1]
                 elif kind == "saving":
                     round_.saving = event[1]
+                    node_remote[round_.saving] = (round_.saving - round_.resumed) % remote_every == 0
+                    if node_remote[round_.saving]:
+                        result.remote_steps.add(round_.saving)
                     if phase == "save" and trigger is not None and round_.saving - round_.resumed == aim:
                         time.sleep(rng.uniform(0.0, 1.2 * statistics.median(save_times)))
                         process.kill()
@@ -268,6 +279,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
             node += 1
             local_dir = work_dir / f"node-{node}"
             resume = gcs_step
+            node_remote.clear()
         round_ = Round(phase, new_node, resumed=-1)
         problems: list[str] = []
         started = time.perf_counter()
@@ -299,6 +311,9 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         if not gcs_step <= round_.gcs <= max(round_.saving, round_.resumed):
             problems.append(f"round {number}: GCS holds step {round_.gcs}, after step {gcs_step}; saves started "
                             f"up to {round_.saving}")
+        if round_.gcs and round_.gcs not in result.remote_steps:
+            problems.append(f"round {number}: GCS holds step {round_.gcs}, a save remote_every={remote_every} "
+                            "keeps on the node")
         for path in local_dir.glob("*.manifest"):
             manifest = Manifest.from_json(path.read_bytes())
             if manifest.durable:
@@ -320,5 +335,6 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     final = Round(phase, False, resumed=-1)
     run(local_dir, saves=0, trigger=None, problems=result.problems, round_=final)
     result.final_local, result.final_gcs = read_local(local_dir), read_gcs()
+    result.final_remote = node_remote.get(result.final_local, False)
     gcs.teardown()
     return result
