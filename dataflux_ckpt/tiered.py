@@ -93,6 +93,8 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = 1
 MANIFEST_SUFFIX = ".manifest"
 MANIFEST_TEMP_SUFFIX = ".manifest-tmp"
+# The manifest of an older version of a checkpoint that still owes GCS its upload (see _LocalTier).
+PENDING_SUFFIX = ".pending"
 LOCK_NAME = ".tiered.lock"
 KEY_HEX = 20
 VERSION_HEX = 16
@@ -116,6 +118,7 @@ NEWER_CHECK_TIMEOUT_S = 10.0
 
 _DATA_RE = re.compile(rf"^(?P<key>[0-9a-f]{{{KEY_HEX}}})-(?P<version>[0-9a-f]{{{VERSION_HEX}}})-")
 _MANIFEST_RE = re.compile(rf"^(?P<key>[0-9a-f]{{{KEY_HEX}}}){re.escape(MANIFEST_SUFFIX)}$")
+_PENDING_RE = re.compile(rf"^(?P<key>[0-9a-f]{{{KEY_HEX}}}){re.escape(PENDING_SUFFIX)}$")
 _VERSION_RE = re.compile(rf"^[0-9a-f]{{{VERSION_HEX}}}$")
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9._=+-]")
 _NVME_HINT = ("{user} writes its local tier with FastPersist and needs the [nvme] extra as well as "
@@ -376,7 +379,13 @@ def _write_atomically(path: str, data: bytes, temporary: str) -> None:
 
 
 class _LocalTier:
-    """The files of one local tier directory: names, manifests (written atomically), free space."""
+    """The files of one local tier directory: names, manifests (written atomically), free space.
+
+    Each checkpoint (``key``) has a manifest naming its current version. A version that goes to GCS and
+    is replaced on the node by a save that stays there (``remote_every``) before its upload is over is
+    kept, with a second manifest (``<key>.pending``), until that upload ends: a writer that dies leaves
+    it for the next one to upload.
+    """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -399,23 +408,48 @@ class _LocalTier:
         match = _DATA_RE.match(os.path.basename(path))
         return match["key"] if match else None
 
+    def pending_path(self, key: str) -> str:
+        return os.path.join(self.directory, key + PENDING_SUFFIX)
+
     def read(self, key: str) -> Manifest | None:
         """The manifest of ``key``; ``None`` when there is none, or it is unreadable (logged)."""
+        return self._read(self.manifest_path(key))
+
+    def read_pending(self, key: str) -> Manifest | None:
+        """The older version of ``key`` that still owes GCS its upload, if any."""
+        return self._read(self.pending_path(key))
+
+    @staticmethod
+    def _read(path: str) -> Manifest | None:
         try:
-            with open(self.manifest_path(key), "rb") as file:
+            with open(path, "rb") as file:
                 data = file.read()
         except FileNotFoundError:
             return None
         try:
             return Manifest.from_json(data)
         except ManifestError as exc:
-            log.warning("ignoring the local tier's manifest %s: %s", self.manifest_path(key), exc)
+            log.warning("ignoring the local tier's manifest %s: %s", path, exc)
             return None
 
     def write(self, key: str, manifest: Manifest) -> None:
         """Replace the manifest of ``key`` atomically (temporary name, fsync, rename, fsync the directory)."""
+        self._write(self.manifest_path(key), key, manifest)
+
+    def write_pending(self, key: str, manifest: Manifest) -> None:
+        """Record ``manifest``'s version (older than the current one) as owing GCS its upload."""
+        self._write(self.pending_path(key), key, manifest)
+
+    def _write(self, path: str, key: str, manifest: Manifest) -> None:
         temporary = os.path.join(self.directory, f".{key}.{uuid.uuid4().hex[:8]}{MANIFEST_TEMP_SUFFIX}")
-        _write_atomically(self.manifest_path(key), manifest.to_json(), temporary)
+        _write_atomically(path, manifest.to_json(), temporary)
+
+    def remove_pending(self, key: str, *, keep_version: str | None) -> None:
+        """Forget the pending upload of ``key``, and remove its version's file unless it is ``keep_version``."""
+        pending = self.read_pending(key)
+        _unlink_quietly(self.pending_path(key))
+        if pending is not None and pending.version != keep_version:
+            remove_local(self.data_path(key, pending.version, pending.uri))
 
     def files_of(self, key: str) -> list[str]:
         """The version files of ``key`` (whatever their version)."""
@@ -427,7 +461,9 @@ class _LocalTier:
 
     def remove(self, key: str, *, free_now: bool = False) -> None:
         """Remove the checkpoint ``key``: its manifest first (the local copy is gone), then its files,
-        whose blocks are freed after this returns (``free_now``: before)."""
+        whose blocks are freed after this returns (``free_now``: before). A pending upload is forgotten
+        first: without the manifest it would bring a removed checkpoint back to GCS."""
+        _unlink_quietly(self.pending_path(key))
         _unlink_quietly(self.manifest_path(key))
         for path in self.files_of(key):
             if free_now:
@@ -435,28 +471,40 @@ class _LocalTier:
             else:
                 remove_local(path)
 
-    def remove_other_versions(self, key: str, version: str) -> None:
+    def remove_other_versions(self, key: str, version: str, keep: Sequence[str] = ()) -> None:
+        """Remove the files of ``key``'s versions other than ``version`` and those in ``keep``."""
         for path in self.files_of(key):
             match = _DATA_RE.match(os.path.basename(path))
-            if match is None or match["version"] != version:
+            if match is None or (match["version"] != version and match["version"] not in keep):
                 remove_local(path)
 
     def manifests(self) -> dict[str, Manifest]:
         """Every readable manifest, by key."""
+        return self._manifests(_MANIFEST_RE, self.read)
+
+    def pending_manifests(self) -> dict[str, Manifest]:
+        """Every readable pending manifest (an older version owing GCS its upload), by key."""
+        return self._manifests(_PENDING_RE, self.read_pending)
+
+    def _manifests(self, pattern: re.Pattern[str], read: Callable[[str], Manifest | None]) -> dict[str, Manifest]:
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return {}
         found = {}
         for name in names:
-            match = _MANIFEST_RE.match(name)
-            if match and (manifest := self.read(match["key"])) is not None:
+            match = pattern.match(name)
+            if match and (manifest := read(match["key"])) is not None:
                 found[match["key"]] = manifest
         return found
 
     def remove_leftovers(self) -> int:
         """Remove what a crashed writer left: manifest temporaries and files no manifest names."""
         manifests = self.manifests()
+        pending = self.pending_manifests()
+        for key in set(pending) - set(manifests):  # a removal that died half-way
+            _unlink_quietly(self.pending_path(key))
+            del pending[key]
         removed = 0
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
@@ -467,8 +515,8 @@ class _LocalTier:
             match = _DATA_RE.match(name)
             if match is None:
                 continue
-            manifest = manifests.get(match["key"])
-            if manifest is None or manifest.version != match["version"]:
+            named = {m.version for m in (manifests.get(match["key"]), pending.get(match["key"])) if m is not None}
+            if match["version"] not in named:
                 remove_local(path)
                 removed += 1
         return removed
@@ -833,6 +881,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             self._uploader = _Worker("dataflux-tiered-upload", self._upload)
             pending = [(key, manifest) for key, manifest in self._tier.manifests().items()
                        if manifest.crc32c is None or (manifest.remote and not manifest.durable)]
+            pending += self._tier.pending_manifests().items()  # older than their keys' current versions
             for key, manifest in sorted(pending, key=lambda item: item[1].saved_at):
                 self._uploader.put(("recover", key, manifest))
 
@@ -863,10 +912,13 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             try:
                 with self._state_lock:
                     previous = self._tier.read(key)
+                    kept = self._keep_owed(key, previous, remote)
                     self._tier.write(key, Manifest(
                         target.uri, version, size, None, time.time(), remote,
                         uploaded_crc32c=previous.uploaded_crc32c if previous else (),
                         published_generation=previous.published_generation if previous else None))
+                    if remote:  # it goes to GCS itself: an older version owes nothing once it is newer there
+                        self._tier.remove_pending(key, keep_version=version)
                     job = _Job(target, key, version, fd, size, remote, started)
                     self._supersede(key, job)
                     self._jobs.setdefault(key, []).append(job)
@@ -874,7 +926,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                 os.close(fd)
                 remove_local(path)
                 raise
-            self._tier.remove_other_versions(key, version)  # a running upload keeps its bytes open
+            self._tier.remove_other_versions(key, version, keep=kept)  # a running upload keeps its bytes open
         assert self._sealer is not None
         self._sealer.put(job)
         self._evict()
@@ -884,6 +936,19 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         log.info("saved %s to the local tier (%s, %d bytes) in %.3f s; %s", target.uri, path, size, waited,
                  "uploading it to GCS in the background" if remote else
                  f"not uploaded (remote_every={self.tier_options.remote_every})")
+
+    def _keep_owed(self, key: str, previous: Manifest | None, remote: bool) -> tuple[str, ...]:
+        """The versions of ``key`` a new save (``remote``: one that goes to GCS) must keep on the local tier:
+        for a save that stays on the node, the version it replaces while that one's upload is not over
+        (recorded as pending, before the new manifest replaces its own, so that a writer that dies
+        leaves it for the next), or the one already pending."""
+        if remote:
+            return ()
+        if previous is not None and previous.remote and not previous.durable:
+            self._tier.write_pending(key, previous)
+            return (previous.version,)
+        pending = self._tier.read_pending(key)
+        return (pending.version,) if pending is not None else ()
 
     def _supersede(self, key: str, job: _Job) -> None:
         """A newer version that goes to GCS makes the older versions' uploads that have not started moot."""
@@ -929,7 +994,8 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                             if key != exclude), reverse=True)
         keep = max(limit - extra, 0)
         with self._state_lock:
-            return [key for _, key in reversed(manifests[keep:]) if not self._jobs.get(key)]
+            owing = set(self._tier.pending_manifests())
+            return [key for _, key in reversed(manifests[keep:]) if not self._jobs.get(key) and key not in owing]
 
     def _evict(self) -> None:
         for key in self._evictable():
@@ -1056,9 +1122,11 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                 if not self._already_there(job):
                     log.warning("another writer replaced %s in GCS during its upload; this version stays on the "
                                 "local tier only", job.target)
+                    self._settle_pending(job)
                 return
             except DataCorruptionError as exc:
                 log.warning("not uploading %s: %s", job.target, exc)
+                self._settle_pending(job)
                 return
             except Exception as exc:
                 attempts += 1
@@ -1096,17 +1164,36 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                     changes["published_generation"] = generation
                 if changes:
                     self._tier.write(job.key, current.replace(**changes))
+            self._settle_pending(job)
             durable_s = time.perf_counter() - job.started
             self._count(uploads_done=self._stats.uploads_done + 1, last_durable_s=durable_s,
                         last_durable=job.target.uri)
         log.info("%s is durable in GCS (generation %s), %.2f s after its save%s", job.target, generation, durable_s,
                  f", after {after_failures} failed attempt(s)" if after_failures else "")
 
-    def _recover(self, key: str, manifest: Manifest) -> None:
-        """Finish what a crashed writer left undone for ``key``: the checksum, then the upload."""
+    def _settle_pending(self, job: _Job) -> None:
+        """Forget that ``job``'s version owes GCS its upload, if it was recorded as pending: it is
+        published, or it never can be (its bytes are damaged, or another writer replaced it there)."""
         with self._state_lock:
-            if self._tier.read(key) != manifest or self._jobs.get(key):
-                return  # saved again since: the new version's own work covers it
+            pending = self._tier.read_pending(job.key)
+            if pending is not None and pending.version == job.version:
+                current = self._tier.read(job.key)
+                self._tier.remove_pending(job.key, keep_version=current.version if current else None)
+
+    def _recover(self, key: str, manifest: Manifest) -> None:
+        """Finish what a crashed writer left undone for ``key``'s version of ``manifest`` (its current
+        one, or an older one that is pending): the checksum, then the upload."""
+        with self._state_lock:
+            # The records as they are now: the upload of an older version may have changed the current one.
+            current, pending = self._tier.read(key), self._tier.read_pending(key)
+            if current is not None and current.version == manifest.version:
+                manifest, owed = current, False
+            elif current is not None and pending is not None and pending.version == manifest.version:
+                manifest, owed = pending, True
+            else:
+                return  # saved again (the new version's own work covers it) or removed since
+            if any(job.version == manifest.version for job in self._jobs.get(key, [])):
+                return
             path = self._tier.data_path(key, manifest.version, manifest.uri)
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -1117,7 +1204,10 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                             manifest.uri, path)
                 if fd >= 0:
                     os.close(fd)
-                self._tier.remove(key)
+                if owed:
+                    self._tier.remove_pending(key, keep_version=current.version if current else None)
+                else:
+                    self._tier.remove(key)
                 return
             target = parse_gcs_path(manifest.uri)
             job = _Job(target, key, manifest.version, fd, manifest.size, manifest.remote and not manifest.durable,
@@ -1354,9 +1444,9 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
             # after the jobs, the uploader's queue and current item see every one that is not a job yet.
             uploader = self._uploader
             items = [*uploader.queued(), uploader.current] if uploader is not None else []
-            busy = {job.key for job in jobs}
-            recovering = list({item[1]: item[2] for item in items
-                               if isinstance(item, tuple) and item[1] not in busy}.values())
+            busy = {(job.key, job.version) for job in jobs}
+            recovering = list({(item[1], item[2].version): item[2] for item in items
+                               if isinstance(item, tuple) and (item[1], item[2].version) not in busy}.values())
             if not jobs and not recovering:
                 return True
             now = time.monotonic()

@@ -562,12 +562,20 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each row's goodput against its baseline's (the same storage's TorchCheckpointIO, or DCP's own
-    writer), and whether it holds every bar (plugins only: the baselines are what they are held to)."""
+    """Each row's goodput and job time against its baseline's (the same storage's TorchCheckpointIO, or
+    DCP's own writer), and whether it holds every bar (plugins only: the baselines are what they are
+    held to).
+
+    The job time (the wall time of the same steps under the same schedule) is shown beside goodput, not
+    held to a bar: goodput counts a step's measured time as productive, so a row whose steps run slower
+    (the machine busier during its rounds) gains goodput while it takes longer; the job time ratio and
+    the ideal step of each row show when that is so.
+    """
     by_key = {r["key"]: r for r in rows}
     for row in rows:
         base = by_key.get(row["baseline"])
         row["goodput_vs_baseline"] = ratio(row["goodput"], base and base["goodput"])
+        row["wall_vs_baseline"] = ratio(row.get("wall_s"), base and base.get("wall_s"))
         if row["key"] == row["baseline"] or not row["runs"]:
             row["bars"] = None
             continue
@@ -637,6 +645,8 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
             f"{r['first_step_vs_ceiling']:.2f} (max {r['first_step_vs_ceiling_max']:.2f}){_mark(r, 'restart')}",
             "lost": f"{r['lost_steps_max']} of {r['every_n_steps']}{_mark(r, 'progress_lost')}",
             "goodput_x": None if x is None else f"{x:.3f} ({r['baseline']}){_mark(r, 'goodput')}",
+            "step": f"{r['ideal_step_s']:.3f}",
+            "wall_x": None if r["wall_vs_baseline"] is None else f"{r['wall_vs_baseline']:.3f}",
         })
     return goodput, bars
 
@@ -647,7 +657,7 @@ BAR_COLUMNS = {
     "type": "Row", "stall": "Save stall s (min-max)", "plain": "Plain save s", "stall_x": "Stall x plain",
     "first": "1st save of a start / plain s", "restart": "Restart to 1st step s", "ceiling": "Ceiling s",
     "first_x": "x ceiling", "lost": "Steps lost (max)",
-    "goodput_x": "Goodput x baseline",
+    "goodput_x": "Goodput x baseline", "step": "Step s", "wall_x": "Job time x baseline",
 }
 
 

@@ -238,7 +238,8 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
         for key in ("goodput", "goodput_min", "goodput_max", "badput", "save_stall_s", "plain_save_s",
                     "stall_vs_plain_save", "to_first_step_s", "ceiling_s", "first_step_vs_ceiling", "raw_read_s",
                     "lost_steps_max", "goodput_vs_baseline", "restarts", "runs", "size_mb", "context",
-                    "first_save_stall_s", "first_plain_save_s", "first_stall_vs_first_plain_save"):
+                    "first_save_stall_s", "first_plain_save_s", "first_stall_vs_first_plain_save",
+                    "wall_vs_baseline", "ideal_step_s"):
             assert key in row, key
         assert set(row["badput"]) == set(BADPUT_TYPES)
         assert len(row["runs"]) == 2 and row["resumes_ok"] == row["resumes"] == 6
@@ -249,6 +250,7 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
             assert restart["to_first_step_s"] >= restart["startup_s"] > 0
         assert [len(r["plain_saves_s"]) for r in row["runs"]] == [2, 2]
     assert rows[0]["goodput_vs_baseline"] == 1.0 and rows[0]["bars"] is None
+    assert rows[1]["wall_vs_baseline"] == pytest.approx(rows[1]["wall_s"] / rows[0]["wall_s"])
     assert set(rows[1]["bars"]) == {"save_stall", "restart", "progress_lost", "goodput"}
     # Every number comes from the event logs: the same accounting of each kept log gives it again.
     kept = sorted(logs.glob("*.jsonl"))
@@ -265,7 +267,8 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
             assert again.attempts[-1].end < max(e["time"] for e in read_events(log) if e["event"] == "save_end")
             assert [d[2] for d in run["disruptions"]] == ["SIGKILL", "exit:SIGTERMException", "SIGKILL"]
     # A clean console: the progress lines and the tables, nothing from Lightning, DeepSpeed or the plugins.
-    for title in ("Goodput (min-max)", "Start-up", "Wasted", "Stall x plain", "x ceiling", "Steps lost (max)"):
+    for title in ("Goodput (min-max)", "Start-up", "Wasted", "Stall x plain", "x ceiling", "Steps lost (max)",
+                  "Step s", "Job time x baseline"):
         assert title in proc.stdout
     assert sum("round " in line for line in proc.stderr.splitlines()) == 4
     for line in (proc.stdout + proc.stderr).splitlines():

@@ -313,6 +313,50 @@ def test_remote_every_uploads_every_nth_round_and_a_round_is_one_global_step(mak
     assert durable == {f"{run}/step={step}.ckpt": step % 2 == 0 for step in range(1, 6)} | {f"{run}/last.ckpt": False}
 
 
+def test_an_upload_a_save_kept_on_the_node_replaced_stays_pending_and_a_restart_finishes_it(
+        proxied, make_tiered, gcs_bucket, uploads_blocked, tmp_path, caplog):
+    tier = tmp_path / "tier"
+    plugin = proxied(remote_every=2, keep_local=None, teardown_timeout_s=1.0)
+    uri = f"gs://{gcs_bucket}/run/last.ckpt"
+    for step in (1, 2, 3):  # step 2 goes to GCS (and cannot yet), steps 1 and 3 stay on the node
+        plugin.save_checkpoint(checkpoint(step), uri)
+    assert_is_step(plugin.load_checkpoint(uri), 3)
+    (pending,) = tier.glob("*.pending")
+    owed = Manifest.from_json(pending.read_bytes())
+    assert owed.remote and not owed.durable and len([p for p in tier.iterdir() if "-last.ckpt" in p.name]) == 2
+    plugin.teardown()  # gives up on the upload: it stays owed, for the next writer of this tier
+    assert pending.exists()
+    with pytest.raises(FileNotFoundError):
+        gcs_reader().load_checkpoint(uri)
+
+    uploads_blocked.clear()
+    restarted = make_tiered(remote_every=2, keep_local=None)  # the same node, after a crash or a teardown
+    with caplog.at_level(logging.INFO, logger=TIERED_LOG):
+        restarted.preflight([])
+        restarted.teardown()
+    assert f"finishing the upload of {uri}" in caplog.text
+    assert_is_step(gcs_reader().load_checkpoint(uri), 2)
+    assert_is_step(restarted.load_checkpoint(uri), 3)  # the newer local copy, as before
+    assert not pending.exists()
+    assert [p.name for p in tier.iterdir() if "-last.ckpt" in p.name] == [local_file(tier, uri).name]
+    assert not manifests(tier)[uri].durable  # step 3 itself never goes to GCS
+
+
+def test_a_save_that_goes_to_gcs_makes_an_older_pending_upload_moot(proxied, gcs_bucket, uploads_blocked, tmp_path):
+    tier = tmp_path / "tier"
+    plugin = proxied(remote_every=2, keep_local=None, teardown_timeout_s=1.0)
+    uri = f"gs://{gcs_bucket}/run/last.ckpt"
+    for step in (1, 2, 3):
+        plugin.save_checkpoint(checkpoint(step), uri)
+    assert list(tier.glob("*.pending"))
+    plugin.save_checkpoint(checkpoint(4), uri)  # goes to GCS itself: step 2 owes nothing any more
+    assert not list(tier.glob("*.pending"))
+    uploads_blocked.clear()
+    plugin.teardown()
+    assert_is_step(gcs_reader().load_checkpoint(uri), 4)
+    assert [p.name for p in tier.iterdir() if "-last.ckpt" in p.name] == [local_file(tier, uri).name]
+
+
 def test_keep_local_keeps_the_newest_k_and_older_ones_load_from_gcs(make_tiered, gcs_bucket, tmp_path):
     plugin = make_tiered(keep_local=2)
     uris = [f"gs://{gcs_bucket}/run/step={step}.ckpt" for step in range(5)]

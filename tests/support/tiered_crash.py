@@ -21,7 +21,8 @@ After every kill the parent checks, through the public APIs:
   the same node, GCS's on a new node (every fifth restart).
 
 At the end a writer that is not killed finishes what the last one left, and GCS then holds the
-local tier's newest checkpoint when that one was meant for GCS.
+newest checkpoint of the last node meant for GCS: the local tier's newest, or with ``remote_every``
+one it replaced on the node while it was uploading.
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ class Crashes:
     final_local: int = 0
     #: The steps a save meant for GCS was made of, on any node (``remote_every``: every N-th save of a writer).
     remote_steps: set[int] = field(default_factory=set)
-    #: Whether the last node's newest save of ``final_local`` was meant for GCS.
-    final_remote: bool = False
+    #: The step GCS must hold at the end: the last node's newest save meant for GCS, up to ``final_local``
+    #: (or what the node resumed from, when it made none).
+    final_owed: int = 0
 
 
 class Trigger:
@@ -204,6 +206,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     gcs = DatafluxCheckpointIO(chunk_size=CHUNK_SIZE, retry=FAST_RETRY)
     result = Crashes()
     node, resume, gcs_step = 0, 0, 0
+    node_start = 0  # the GCS step the last node resumed from
     node_remote: dict[int, bool] = {}  # step -> whether this node's newest save of it was meant for GCS
     save_times = [0.05]
 
@@ -278,7 +281,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         if new_node:
             node += 1
             local_dir = work_dir / f"node-{node}"
-            resume = gcs_step
+            resume = node_start = gcs_step
             node_remote.clear()
         round_ = Round(phase, new_node, resumed=-1)
         problems: list[str] = []
@@ -335,6 +338,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     final = Round(phase, False, resumed=-1)
     run(local_dir, saves=0, trigger=None, problems=result.problems, round_=final)
     result.final_local, result.final_gcs = read_local(local_dir), read_gcs()
-    result.final_remote = node_remote.get(result.final_local, False)
+    result.final_owed = max((step for step, remote in node_remote.items() if remote and step <= result.final_local),
+                            default=node_start)
     gcs.teardown()
     return result
