@@ -444,11 +444,12 @@ class _LocalTier:
         temporary = os.path.join(self.directory, f".{key}.{uuid.uuid4().hex[:8]}{MANIFEST_TEMP_SUFFIX}")
         _write_atomically(path, manifest.to_json(), temporary)
 
-    def remove_pending(self, key: str, *, keep_version: str | None) -> None:
-        """Forget the pending upload of ``key``, and remove its version's file unless it is ``keep_version``."""
+    def remove_pending(self, key: str) -> None:
+        """Forget the pending upload of ``key``, and remove its version's file unless the manifest of
+        ``key`` names that version too."""
         pending = self.read_pending(key)
         _unlink_quietly(self.pending_path(key))
-        if pending is not None and pending.version != keep_version:
+        if pending is not None and ((current := self.read(key)) is None or current.version != pending.version):
             remove_local(self.data_path(key, pending.version, pending.uri))
 
     def files_of(self, key: str) -> list[str]:
@@ -918,7 +919,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                         uploaded_crc32c=previous.uploaded_crc32c if previous else (),
                         published_generation=previous.published_generation if previous else None))
                     if remote:  # it goes to GCS itself: an older version owes nothing once it is newer there
-                        self._tier.remove_pending(key, keep_version=version)
+                        self._tier.remove_pending(key)
                     job = _Job(target, key, version, fd, size, remote, started)
                     self._supersede(key, job)
                     self._jobs.setdefault(key, []).append(job)
@@ -1177,8 +1178,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
         with self._state_lock:
             pending = self._tier.read_pending(job.key)
             if pending is not None and pending.version == job.version:
-                current = self._tier.read(job.key)
-                self._tier.remove_pending(job.key, keep_version=current.version if current else None)
+                self._tier.remove_pending(job.key)
 
     def _recover(self, key: str, manifest: Manifest) -> None:
         """Finish what a crashed writer left undone for ``key``'s version of ``manifest`` (its current
@@ -1205,7 +1205,7 @@ class TieredCheckpointIO(DatafluxCheckpointIO):
                 if fd >= 0:
                     os.close(fd)
                 if owed:
-                    self._tier.remove_pending(key, keep_version=current.version if current else None)
+                    self._tier.remove_pending(key)
                 else:
                     self._tier.remove(key)
                 return
