@@ -17,13 +17,14 @@ After every kill the parent checks, through the public APIs (a reader in this on
 * the node's local tier loads a whole checkpoint (every tensor of one seed), at least the newest
   save both ranks returned from and at most the newest started;
 * GCS holds a whole checkpoint or none, never older than the previous round's, never newer than the
-  newest save started;
+  newest save started, and never one of the saves ``remote_every`` keeps on the node;
 * a new node (an empty ``local_dir``) loads GCS's;
 * the next job resumes from the newest whole checkpoint of the tier it reads: the node's on the same
   node, GCS's on a new node (every third round).
 
 At the end a job that is not killed takes over what the last one left, and GCS then holds the
-local tier's newest checkpoint.
+newest checkpoint of the last node meant for GCS: the local tier's newest, or with ``remote_every``
+an older one the job uploaded while it went on saving on the node.
 """
 
 from __future__ import annotations
@@ -95,10 +96,13 @@ def _load(path: str, local_dir: str | None) -> int:
     return seed
 
 
-def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Path, seed: int = 0) -> Crashes:
+def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Path, seed: int = 0,
+                 remote_every: int = 1) -> Crashes:
     """Kill the job ``rounds`` times in ``phase``; what every round found (see the module docstring).
 
     ``proxy`` is a :class:`tests.support.gcs.FaultProxy` in front of the emulator; the ranks talk through it.
+    ``remote_every`` is the ranks' tier's (each job counts its own save rounds, so the N-th after a
+    restart goes to GCS).
     """
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, not {phase!r}")
@@ -106,6 +110,8 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
     path = f"{root}/last"
     result = Crashes()
     node, gcs_seed, expected = 0, 0, 0
+    node_start = 0  # the GCS seed the last node resumed from
+    node_remote: dict[int, bool] = {}  # seed -> whether this node's newest save of it was meant for GCS
     local_dir = work_dir / "node-0"
     save_times = [0.3]
 
@@ -113,7 +119,7 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         events = work_dir / f"events-{number}"
         events.mkdir()
         step = {"op": "tiered_loop", "path": path, "local_dir": str(local), "events": str(events), "saves": saves,
-                "endpoint": proxy.url}
+                "endpoint": proxy.url, "remote_every": remote_every}
         with Ranks([step], 2, work_dir, timeout_s=ROUND_WAIT_S) as ranks:
             def kill_both() -> None:
                 for rank in (0, 1):
@@ -152,6 +158,10 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         started = {rank: _seeds(events, "saving", rank) for rank in (0, 1)}
         saved = {rank: set(_seeds(events, "saved", rank)) for rank in (0, 1)}
         round_.saving = max(started[0] + started[1], default=0)
+        for seed_ in sorted(set(started[0] + started[1])):
+            node_remote[seed_] = (seed_ - round_.resumed) % remote_every == 0
+            if node_remote[seed_]:
+                result.remote_steps.add(seed_)
         round_.saved = max(saved[0] & saved[1], default=0)
         for seed_ in sorted(saved[0] & saved[1]):
             times = [(events / f"{rank}-saved-{seed_}").stat().st_mtime - (events / f"{rank}-saving-{seed_}").stat().st_mtime
@@ -163,7 +173,8 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         if new_node:
             node += 1
             local_dir = work_dir / f"node-{node}"
-            expected = gcs_seed
+            expected = node_start = gcs_seed
+            node_remote.clear()
         round_ = Round(phase, new_node, resumed=-1)
         began = time.perf_counter()
         if phase == "save":
@@ -194,6 +205,9 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         if not gcs_seed <= round_.gcs <= max(round_.saving, round_.resumed):
             result.problems.append(f"round {number}: GCS holds seed {round_.gcs}, after seed {gcs_seed}; saves "
                                    f"started up to {round_.saving}")
+        if round_.gcs and round_.gcs not in result.remote_steps:
+            result.problems.append(f"round {number}: GCS holds seed {round_.gcs}, a save remote_every={remote_every} "
+                                   "keeps on the node")
         if (fresh := _load(path, str(work_dir / f"empty-{number}"))) != round_.gcs:
             result.problems.append(f"round {number}: an empty local_dir loads seed {fresh}, GCS holds {round_.gcs}")
         gcs_seed, expected = max(gcs_seed, round_.gcs), round_.local
@@ -207,5 +221,7 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
     if final.resumed != expected:
         result.problems.append(f"the final job resumed at seed {final.resumed}, not {expected}")
     result.final_local, result.final_gcs = _load(path, str(local_dir)), _load(path, None)
+    result.final_owed = max((seed_ for seed_, remote in node_remote.items() if remote and seed_ <= result.final_local),
+                            default=node_start)
     result.final_seconds = time.perf_counter() - began
     return result
