@@ -62,6 +62,10 @@ def _as_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def _closed(chunk: torch.Tensor, file_offset: int, ends_half: bool) -> None:
+    raise RuntimeError(f"{len(chunk)} bytes for file offset {file_offset} put after the stage was closed")
+
+
 class DoubleBuffer:
     """Write-side staging: :meth:`put` appends bytes to the current half, which goes out in slices.
 
@@ -106,6 +110,13 @@ class DoubleBuffer:
     @property
     def position(self) -> int:
         return self._file_offset + self._filled
+
+    def close(self) -> None:
+        """Let go of ``drain`` and ``write_in_place``, once everything is put and flushed: they are
+        usually closures that refer back to this stage, and hold the engine that writes."""
+        self._drain = _closed
+        self._write_in_place = None
+        self.in_place_from = 0
 
     def put(self, piece: Piece) -> None:
         """Append ``piece`` (bytes, a flat uint8 tensor or a storage, on any device)."""

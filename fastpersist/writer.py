@@ -313,9 +313,15 @@ def _write(
 
     write_in_place = None if in_place is None else lambda view, offset: submit(in_place, view, offset)
     stage = DoubleBuffer(buffer, drain, write_in_place)
-    num_storages = content(stage)
-    size = stage.position
-    stage.flush(ALIGNMENT_BYTES if file.direct else 1)
+    try:
+        num_storages = content(stage)
+        size = stage.position
+        stage.flush(ALIGNMENT_BYTES if file.direct else 1)
+    finally:
+        # ``drain`` and the stage refer to each other: break the cycle, so that the engine (an aio
+        # handle, whose kernel contexts take a grace period each to destroy) goes when its context
+        # closes it, not at a garbage collection in the middle of training.
+        stage.close()
     io_engine.wait()
     if in_place is not None:
         in_place.wait()

@@ -157,6 +157,29 @@ def test_the_default_aio_handle_reaps_requests_in_batches_not_one_by_one() -> No
         assert context.aio_handle().get_overlap_events() is True
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_closing_a_context_lets_go_of_its_aio_handle_there_and_then(ckpt_dir: Path, aio_engine: str) -> None:
+    """The aio handle goes in ``close()``, not at a later garbage collection: destroying its kernel
+    AIO contexts waits a grace period each, holding the GIL, which must not land in a training step."""
+    state = {"w": torch.randn(300_000), "b": torch.randn(10)}
+    gc.collect()
+    gc.disable()  # what a save leaves for the collector stays there
+    try:
+        before = _threads()
+        context = FastPersistContext(engine=aio_engine, io_buffer_mb=1)
+        fastpersist_save(state, ckpt_dir / "x.pt", context=context)
+        assert _threads() > before  # the handle's worker thread
+        context.close()
+        assert _threads() == before
+    finally:
+        gc.enable()
+    assert torch.equal(fastpersist_load(ckpt_dir / "x.pt")["w"], state["w"])
+
+
 _ENGINES_HERE = ["python"] + (["aio"] if aio_unavailable_reason() is None else [])
 
 
