@@ -110,8 +110,6 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
     path = f"{root}/last"
     result = Crashes()
     node, gcs_seed, expected = 0, 0, 0
-    node_start = 0  # the GCS seed the last node resumed from
-    node_remote: dict[int, bool] = {}  # seed -> whether this node's newest save of it was meant for GCS
     local_dir = work_dir / "node-0"
     save_times = [0.3]
 
@@ -159,9 +157,7 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         saved = {rank: set(_seeds(events, "saved", rank)) for rank in (0, 1)}
         round_.saving = max(started[0] + started[1], default=0)
         for seed_ in sorted(set(started[0] + started[1])):
-            node_remote[seed_] = (seed_ - round_.resumed) % remote_every == 0
-            if node_remote[seed_]:
-                result.remote_steps.add(seed_)
+            result.saving(seed_, round_.resumed, remote_every)
         round_.saved = max(saved[0] & saved[1], default=0)
         for seed_ in sorted(saved[0] & saved[1]):
             times = [(events / f"{rank}-saved-{seed_}").stat().st_mtime - (events / f"{rank}-saving-{seed_}").stat().st_mtime
@@ -173,8 +169,8 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
         if new_node:
             node += 1
             local_dir = work_dir / f"node-{node}"
-            expected = node_start = gcs_seed
-            node_remote.clear()
+            expected = gcs_seed
+            result.new_node(gcs_seed)
         round_ = Round(phase, new_node, resumed=-1)
         began = time.perf_counter()
         if phase == "save":
@@ -220,8 +216,6 @@ def crash_rounds(phase: str, rounds: int, *, root: str, proxy: Any, work_dir: Pa
     run(rounds, local_dir, 0, None, final)
     if final.resumed != expected:
         result.problems.append(f"the final job resumed at seed {final.resumed}, not {expected}")
-    result.final_local, result.final_gcs = _load(path, str(local_dir)), _load(path, None)
-    result.final_owed = max((seed_ for seed_, remote in node_remote.items() if remote and seed_ <= result.final_local),
-                            default=node_start)
+    result.settle(_load(path, str(local_dir)), _load(path, None))
     result.final_seconds = time.perf_counter() - began
     return result

@@ -139,6 +139,28 @@ class Crashes:
     #: The step GCS must hold at the end: the last node's newest save meant for GCS, up to ``final_local``
     #: (or what the node resumed from, when it made none).
     final_owed: int = 0
+    #: Step -> whether the current node's newest save of it was meant for GCS.
+    node_remote: dict[int, bool] = field(default_factory=dict)
+    #: The GCS step the current node resumed from.
+    node_start: int = 0
+
+    def saving(self, step: int, resumed: int, remote_every: int) -> None:
+        """Record a save of ``step`` by a writer that resumed at ``resumed``: every ``remote_every``-th
+        save after its resume goes to GCS (each writer counts its own)."""
+        self.node_remote[step] = remote = (step - resumed) % remote_every == 0
+        if remote:
+            self.remote_steps.add(step)
+
+    def new_node(self, start: int) -> None:
+        """Move to a new node, whose writers resume from GCS's ``start``."""
+        self.node_start = start
+        self.node_remote.clear()
+
+    def settle(self, final_local: int, final_gcs: int) -> None:
+        """Record what the tiers hold after the last writer, and what GCS owes by then (``final_owed``)."""
+        self.final_local, self.final_gcs = final_local, final_gcs
+        self.final_owed = max((step for step, remote in self.node_remote.items() if remote and step <= final_local),
+                              default=self.node_start)
 
 
 class Trigger:
@@ -206,8 +228,6 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     gcs = DatafluxCheckpointIO(chunk_size=CHUNK_SIZE, retry=FAST_RETRY)
     result = Crashes()
     node, resume, gcs_step = 0, 0, 0
-    node_start = 0  # the GCS step the last node resumed from
-    node_remote: dict[int, bool] = {}  # step -> whether this node's newest save of it was meant for GCS
     save_times = [0.05]
 
     def read_local(local_dir: Path) -> int:
@@ -251,9 +271,7 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
                     round_.resumed = event[1]
                 elif kind == "saving":
                     round_.saving = event[1]
-                    node_remote[round_.saving] = (round_.saving - round_.resumed) % remote_every == 0
-                    if node_remote[round_.saving]:
-                        result.remote_steps.add(round_.saving)
+                    result.saving(round_.saving, round_.resumed, remote_every)
                     if phase == "save" and trigger is not None and round_.saving - round_.resumed == aim:
                         time.sleep(rng.uniform(0.0, 1.2 * statistics.median(save_times)))
                         process.kill()
@@ -281,8 +299,8 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
         if new_node:
             node += 1
             local_dir = work_dir / f"node-{node}"
-            resume = node_start = gcs_step
-            node_remote.clear()
+            resume = gcs_step
+            result.new_node(gcs_step)
         round_ = Round(phase, new_node, resumed=-1)
         problems: list[str] = []
         started = time.perf_counter()
@@ -337,8 +355,6 @@ def crash_rounds(phase: str, rounds: int, *, bucket: str, proxy: Any, work_dir: 
     # A writer that is not killed finishes what the last one left pending.
     final = Round(phase, False, resumed=-1)
     run(local_dir, saves=0, trigger=None, problems=result.problems, round_=final)
-    result.final_local, result.final_gcs = read_local(local_dir), read_gcs()
-    result.final_owed = max((step for step, remote in node_remote.items() if remote and step <= result.final_local),
-                            default=node_start)
+    result.settle(read_local(local_dir), read_gcs())
     gcs.teardown()
     return result
