@@ -17,6 +17,10 @@ second plugin whose local tier is empty (a new node). Its bars compare it with w
 measure, which it brings along: FastPersist's save to the same disk, the direct Dataflux save and
 load, and the raw parallel upload and raw parallel read of the local tier's file.
 
+``--aa`` also runs an identical copy of every row and ceiling in the same rounds (an A/A control, with
+its own plugin instance and its own paths). How far each copy's medians land from its original's is
+this run's noise floor: a ratio that differs from its bar by less than that is not decided by one run.
+
 With no ``CKPT_DIR_PATH`` the GCS rows run against a local fake-gcs-server, behind the XML multipart
 server (GCS's parallel-upload API) and, with ``--network cloud``, behind a toxiproxy model of a cloud
 network; everything is torn down at the end. Configuration follows the Dataflux Lightning benchmark's
@@ -103,6 +107,7 @@ TIERED_COMPARED = (DIRECT_KEY, FASTPERSIST_KEY)
 ASYNC_SUFFIX = "-async"
 TIER_FILE = "tier-file"
 LOCAL_READ = "local-read"
+AA_SUFFIX = "~aa"
 DURABLE_POLL_S = 0.01
 DURABLE_TIMEOUT_S = 1800.0
 
@@ -167,6 +172,7 @@ class Subject:
     size_bytes: int | None = None
     does_save: bool = True
     does_load: bool = True
+    control_of: str | None = None  # an A/A control: the key of the subject it copies
 
     def save(self, step: int) -> Op:
         raise NotImplementedError
@@ -574,7 +580,8 @@ def subject_row(subject: Subject, context: dict[str, Any]) -> dict[str, Any]:
     """
     size = subject.size_bytes or 0
     row: dict[str, Any] = {"type": subject.name, "key": subject.key, "kind": subject.kind,
-                           "upload": subject.upload, "size_mb": size / MB, **context}
+                           "upload": subject.upload, "size_mb": size / MB, "control_of": subject.control_of,
+                           **context}
     for prefix, ops in (("save", subject.saves), ("load", subject.loads)):
         rates = _rates(size, ops)
         row.update({
@@ -641,7 +648,7 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
     """
     baseline = next((r for r in rows if r["key"] == BASELINE_KEY), None)
     peer = next((r for r in rows if r["key"] == PEER_KEY), None)
-    ceilings = {r["upload"]: r for r in ceiling_rows}
+    ceilings = {r["upload"]: r for r in ceiling_rows if not r["control_of"]}
     load_ceiling = ceilings.get("load")
     download = ceilings.get("download")
     download_mbps = download["load_median_mbps"] if download else None
@@ -668,6 +675,7 @@ def add_ratios(rows: list[dict[str, Any]], ceiling_rows: list[dict[str, Any]]) -
         row["load_vs_download"] = ratio(row["load_median_mbps"], download_mbps) if bounded else None
         row["load_vs_verified_download"] = None
     add_tiered_ratios(rows, ceilings)
+    add_aa_ratios(rows + ceiling_rows)
 
 
 # A Tiered row's bars: (ratio, comparison, limit).
@@ -698,7 +706,7 @@ def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, 
     fastpersist_cpu_s = by_key.get(FASTPERSIST_KEY, {}).get("save_cpu_s", {}).get("benchmark")
     read = ceilings.get(LOCAL_READ)
     for row in rows:
-        if not row.get("tiered"):
+        if not row.get("tiered") or row["control_of"]:
             continue
         direct = by_key.get(f"{DIRECT_KEY}[{row['upload']}]", {})
         upload = ceilings.get(f"{row['upload']}-{TIER_FILE}")
@@ -720,6 +728,54 @@ def add_tiered_ratios(rows: list[dict[str, Any]], ceilings: dict[str, dict[str, 
                               "holds": None if row[name] is None else
                               (row[name] <= limit if op == "<=" else row[name] >= limit)}
                        for name, (op, limit) in TIERED_BARS.items()}
+
+
+# What an A/A control is compared with its original on: the field of medians, and its name.
+AA_MEASURES = {"save_median_s": "save", "load_median_s": "load", "stall_median_s": "stall"}
+
+
+def add_aa_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each A/A control against the subject it copies, as ratios of medians of the same rounds:
+    ``aa_<measure>_ratio``, the copy's / the original's, for its save, load and (Tiered rows) stall.
+    Identical subjects would give 1; how far from 1 they land is this run's noise."""
+    by_key = {row["key"]: row for row in rows}
+    for row in rows:
+        original = by_key.get(row["control_of"]) if row["control_of"] else None
+        if original is not None:
+            for median, measure in AA_MEASURES.items():
+                row[f"aa_{measure}_ratio"] = ratio(row.get(median), original.get(median))
+
+
+def widest_aa_gap(rows: list[dict[str, Any]]) -> tuple[float, str, str] | None:
+    """The largest distance between an A/A control and its original in this run, as a fraction
+    (``max(r, 1 / r) - 1`` of their ratio ``r``), with the control's name and the measure; ``None``
+    without controls."""
+    gaps = [(max(value, 1 / value) - 1, row["type"], measure) for row in rows for measure in AA_MEASURES.values()
+            if (value := row.get(f"aa_{measure}_ratio"))]
+    return max(gaps, default=None)
+
+
+def format_aa(rows: list[dict[str, Any]]) -> str:
+    """One line per A/A control and measure (the copy's median / the original's), then the widest
+    gap: the distance within which this run cannot tell a ratio from its bar."""
+    lines = [f"{row['type']}: {measure} / the original's = {row[f'aa_{measure}_ratio']:.3f}"
+             for row in rows for measure in AA_MEASURES.values() if row.get(f"aa_{measure}_ratio") is not None]
+    widest = widest_aa_gap(rows)
+    if widest is not None:
+        gap, name, measure = widest
+        lines.append(f"A/A noise of this run: up to {gap:.1%} between identical subjects ({name}, {measure}); "
+                     "a ratio closer than that to its bar is not decided by this run")
+    return "\n".join(lines)
+
+
+def as_controls(originals: Sequence[Subject], copies: Sequence[Subject]) -> list[Subject]:
+    """``copies``, a second build of ``originals`` (own plugin instances, own paths), named as their
+    A/A controls."""
+    if [copy.key for copy in copies] != [original.key for original in originals]:
+        raise RuntimeError("the A/A controls were not built as the subjects they copy")
+    for original, copy in zip(originals, copies, strict=True):
+        copy.key, copy.name, copy.control_of = original.key + AA_SUFFIX, f"{original.name} (A/A control)", original.key
+    return list(copies)
 
 
 def _range(row: dict[str, Any], op: str) -> str | None:
@@ -990,6 +1046,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local-dir", help="directory for local rows (default: a temporary directory)")
     parser.add_argument("--wikitext2-dir", help="train on WikiText2 from this directory instead of synthetic tokens")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints instead of removing them")
+    parser.add_argument("--aa", action="store_true",
+                        help="also run an identical copy (an A/A control) of every row and ceiling in the same "
+                             "rounds, and report how far each copy's medians land from its original's: the "
+                             "run's noise floor, within which a ratio cannot be told from its bar")
     parser.add_argument("--json", metavar="PATH", default=DEFAULT_JSON,
                         help="write the rows as a JSON list here, the tables as Markdown (.md) and the chart "
                              "(.png) next to it (default %(default)s)")
@@ -1069,6 +1129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     services.directory(spec.storage)  # start every service up front
             trainer = fitted_trainer(args.layers, args.wikitext2_dir, services.local_dir())
             subjects = build_subjects(specs, args, services, trainer, stack, run_id)
+            if args.aa:
+                subjects += as_controls(subjects, build_subjects(specs, args, services, trainer, stack, f"{run_id}-aa"))
             for subject in subjects:
                 stack.callback(subject.close)
             if not subjects:
@@ -1090,7 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_ratios(rows, ceiling_rows)
     print()
     print(format_report(rows, ceiling_rows))
-    bars = format_bars(rows)
+    bars = "\n\n".join(filter(None, (format_bars(rows), format_aa(rows + ceiling_rows))))
     if bars:
         print()
         print(bars)

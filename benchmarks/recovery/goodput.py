@@ -99,6 +99,7 @@ SAVE_KILL_FRACTION = 0.5
 STALL_BAR = 1.1
 FIRST_STEP_BAR = 1.3
 GOODPUT_BAR = 1.0
+AA_SUFFIX = "~aa"
 START_TIMEOUT_S = 300.0
 RUN_TIMEOUT_S = 600.0
 
@@ -114,10 +115,17 @@ class Row:
     strategy: str
     storage: str
     baseline: str
+    control_of: str | None = None  # an A/A control: the key of the row it copies (and its baseline)
 
     @property
     def is_baseline(self) -> bool:
         return self.baseline == self.key
+
+    def control(self) -> Row:
+        """An A/A control of this row: the same job on the same storage, with its own paths, compared
+        with this row instead of a baseline, and held to no bar."""
+        return dataclasses.replace(self, key=self.key + AA_SUFFIX, name=f"{self.name} (A/A control)",
+                                   baseline=self.key, control_of=self.key)
 
 
 ROWS: dict[str, Row] = {r.key: r for r in [
@@ -502,7 +510,8 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
     ``failures`` are the runs that failed (their errors)."""
     if not runs:
         return {"key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy,
-                "storage": row.storage, "baseline": row.baseline, "rounds": 0, "failures": list(failures),
+                "storage": row.storage, "baseline": row.baseline, "control_of": row.control_of, "rounds": 0,
+                "failures": list(failures),
                 "every_n_steps": settings.every_n_steps, "goodput": None, "runs": [], "restarts": [], "notes": []}
     goodputs = [r.account.goodput for r in runs]
     fractions = {name: _median([r.account.fractions[name] for r in runs]) for name in (GOODPUT, *BADPUT_TYPES)}
@@ -527,7 +536,7 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
     lost = [x["lost_steps"] for x in restarts]
     summary: dict[str, Any] = {
         "key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy, "storage": row.storage,
-        "baseline": row.baseline, "size_mb": _median([r.checkpoint_bytes / MB for r in runs]),
+        "baseline": row.baseline, "control_of": row.control_of, "size_mb": _median([r.checkpoint_bytes / MB for r in runs]),
         "rounds": len(runs), "every_n_steps": settings.every_n_steps, "max_steps": settings.max_steps,
         "wall_s": _median([r.account.total_s for r in runs]),
         "goodput": _median(goodputs), "goodput_min": min(goodputs), "goodput_max": max(goodputs),
@@ -570,13 +579,16 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     held to a bar: goodput counts a step's measured time as productive, so a row whose steps run slower
     (the machine busier during its rounds) gains goodput while it takes longer; the job time ratio and
     the ideal step of each row show when that is so.
+
+    An A/A control's "baseline" is the row it copies: its ratios are this run's noise, and it is held to
+    no bar.
     """
     by_key = {r["key"]: r for r in rows}
     for row in rows:
         base = by_key.get(row["baseline"])
         row["goodput_vs_baseline"] = ratio(row["goodput"], base and base["goodput"])
         row["wall_vs_baseline"] = ratio(row.get("wall_s"), base and base.get("wall_s"))
-        if row["key"] == row["baseline"] or not row["runs"]:
+        if row["key"] == row["baseline"] or not row["runs"] or row["control_of"]:
             row["bars"] = None
             continue
         row["bars"] = {
@@ -741,6 +753,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     defaults = Settings()
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated rows to run")
+    parser.add_argument("--aa", metavar="ROWS",
+                        help="comma-separated rows of --rows to run twice: each copy (an A/A control) is "
+                             "compared with its original as a plugin with its baseline, which shows how far "
+                             "this run's noise alone moves those ratios")
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="interleaved rounds of every row")
     parser.add_argument("--size-mb", type=float, default=defaults.size_mb,
                         help="the checkpoint's size in MiB, about (weights and AdamW's two moments)")
@@ -778,6 +794,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if unknown or not keys:
         parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
     args.rows = [ROWS[k] for k in keys]
+    copied = [k.strip() for k in (args.aa or "").split(",") if k.strip()]
+    if args.aa is not None and (not copied or any(k not in keys for k in copied)):
+        parser.error(f"--aa {args.aa!r}: name rows of --rows ({', '.join(keys)})")
+    args.rows += [ROWS[k].control() for k in copied]
     try:
         args.settings = Settings(size_mb=args.size_mb, width=args.width, every_n_steps=args.every_n_steps,
                                  max_steps=args.max_steps,

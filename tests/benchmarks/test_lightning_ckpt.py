@@ -281,6 +281,69 @@ def test_a_tiered_rows_bars_are_ratios_of_the_medians_they_name(times):
 
 
 @pytest.mark.slow
+def test_aa_controls_run_beside_their_originals_and_report_the_runs_noise(tmp_path):
+    """--aa: a second FastPersist row, with its own plugin and paths, in the same rounds; each measure
+    of the copy is reported against the original's, and the widest gap as the run's noise floor."""
+    steps = 2
+    out, _, rows, chart = _run(tmp_path, "--types", "fastpersist", "--aa", env={"STEPS": str(steps)})
+    by_key = {r["key"]: r for r in rows}
+    assert set(by_key) == {"fastpersist", "fastpersist~aa"}
+    original, control = by_key["fastpersist"], by_key["fastpersist~aa"]
+    assert original["control_of"] is None and control["control_of"] == "fastpersist"
+    assert control["type"] == f"{FASTPERSIST_ROW} (A/A control)"
+    assert len(control["save_times_s"]) == len(control["load_times_s"]) == steps
+    assert control["size_mb"] == original["size_mb"]
+    for measure in ("save", "load"):
+        expected = control[f"{measure}_median_s"] / original[f"{measure}_median_s"]
+        assert control[f"aa_{measure}_ratio"] == pytest.approx(expected)
+        line = f"{control['type']}: {measure} / the original's = {expected:.3f}"
+        assert line in out and line in chart.with_suffix(".md").read_text()
+    gap = max(max(r, 1 / r) - 1 for r in (control["aa_save_ratio"], control["aa_load_ratio"]))
+    assert f"A/A noise of this run: up to {gap:.1%} between identical subjects" in out
+
+
+@settings(max_examples=50, deadline=None)
+@given(times=st.fixed_dictionaries({name: st.lists(st.floats(0.01, 100.0), min_size=1, max_size=5) for name in (
+    "stall", "durable", "control_stall", "control_durable", "fastpersist_save", "raw_upload", "control_upload")}))
+def test_aa_controls_are_ratios_of_medians_and_never_stand_in_for_what_they_copy(times):
+    meter = lightning_ckpt.CpuMeter()
+
+    def subject(key: str, upload: str | None, saves: list[float], kind: str = "row") -> lightning_ckpt.Subject:
+        made = lightning_ckpt.Subject(key, key, kind, meter, upload, does_load=False)
+        made.saves = [lightning_ckpt.Op(seconds, 0.0) for seconds in saves]
+        made.size_bytes = 10**8
+        return made
+
+    originals = [subject("tiered[xml]", "xml", times["durable"]), subject("fastpersist", None, times["fastpersist_save"]),
+                 subject("ceiling-xml-tier-file", "xml-tier-file", times["raw_upload"], "ceiling")]
+    copies = lightning_ckpt.as_controls(originals, [
+        subject("tiered[xml]", "xml", times["control_durable"]), subject("fastpersist", None, times["fastpersist_save"]),
+        subject("ceiling-xml-tier-file", "xml-tier-file", times["control_upload"], "ceiling")])
+    assert [c.key for c in copies] == ["tiered[xml]~aa", "fastpersist~aa", "ceiling-xml-tier-file~aa"]
+    rows = [lightning_ckpt.subject_row(s, {}) for s in originals[:2] + copies[:2]]
+    ceilings = [lightning_ckpt.subject_row(s, {}) for s in (originals[2], copies[2])]
+    for row, stalls in ((rows[0], times["stall"]), (rows[2], times["control_stall"])):
+        row.update(tiered=True, **lightning_ckpt.tiered_fields(10**8, stalls, []))
+    lightning_ckpt.add_ratios(rows, ceilings)
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    tiered, control = rows[0], rows[2]
+    # The original's bars use the original ceiling, never its copy; the copy is held to no bar.
+    assert tiered["durable_vs_ceiling"] == pytest.approx(median["durable"] / (median["fastpersist_save"]
+                                                                              + median["raw_upload"]))
+    assert control.get("bars") is None and "aa_save_ratio" not in tiered
+    assert control["aa_save_ratio"] == pytest.approx(median["control_durable"] / median["durable"])
+    assert control["aa_stall_ratio"] == pytest.approx(median["control_stall"] / median["stall"])
+    assert ceilings[1]["aa_save_ratio"] == pytest.approx(median["control_upload"] / median["raw_upload"])
+    assert rows[3]["aa_save_ratio"] == pytest.approx(1.0) and rows[3].get("aa_load_ratio") is None
+    ratios = [control["aa_save_ratio"], control["aa_stall_ratio"], ceilings[1]["aa_save_ratio"], 1.0]
+    gap, _, _ = lightning_ckpt.widest_aa_gap(rows + ceilings)
+    assert gap == pytest.approx(max(max(r, 1 / r) - 1 for r in ratios))
+    with pytest.raises(RuntimeError, match="A/A controls"):
+        lightning_ckpt.as_controls(originals[:2], [subject("fastpersist", None, [1.0]), subject("tiered[xml]", "xml", [1.0])])
+
+
+@pytest.mark.slow
 def test_both_upload_modes_each_with_its_own_ceiling(tmp_path):
     out, _, rows, _ = _run(tmp_path, "--types", "dataflux-tm", "--upload-mode", "both")
     by_type, ceilings = _by_kind(rows)

@@ -204,7 +204,8 @@ def test_a_malformed_schedule_entry_is_named(text):
 
 @pytest.mark.parametrize("argv", [["--rows", "nope"], ["--rounds", "0"], ["--max-steps", "12"],
                                   ["--schedule", "sigterm@2,sigkill@1"], ["--launcher", "ssh"], ["--grace-s", "0"],
-                                  ["--plain-saves", "1"]])
+                                  ["--plain-saves", "1"], ["--rows", "torch-local", "--aa", "fastpersist"],
+                                  ["--aa", ""], ["--aa", "nope"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         goodput.parse_args(argv)
@@ -224,7 +225,8 @@ def test_help_lists_the_rows_the_schedule_and_the_defaults():
 @pytest.mark.slow
 def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     logs, out_json = tmp_path / "logs", tmp_path / "recovery.json"
-    argv = ["--rows", "torch-local,fastpersist", "--rounds", "2", "--size-mb", "1", "--width", "256", "--every-n-steps", "2",
+    argv = ["--rows", "torch-local,fastpersist", "--aa", "torch-local", "--rounds", "2", "--size-mb", "1", "--width", "256",
+            "--every-n-steps", "2",
             "--max-steps", "10", "--step-time-s", "0.02", "--schedule", "sigkill@1.5,sigterm@2.5,sigkill-save@3",
             "--plain-saves", "2", "--raw-reads", "2", "--local-dir", str(tmp_path / "local"), "--logs", str(logs),
             "--json", str(out_json)]
@@ -233,7 +235,7 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
                           text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "default"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out_json.read_text())
-    assert [r["key"] for r in rows] == ["torch-local", "fastpersist"]
+    assert [r["key"] for r in rows] == ["torch-local", "fastpersist", "torch-local~aa"]
     for row in rows:
         for key in ("goodput", "goodput_min", "goodput_max", "badput", "save_stall_s", "plain_save_s",
                     "stall_vs_plain_save", "to_first_step_s", "ceiling_s", "first_step_vs_ceiling", "raw_read_s",
@@ -252,9 +254,14 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     assert rows[0]["goodput_vs_baseline"] == 1.0 and rows[0]["bars"] is None
     assert rows[1]["wall_vs_baseline"] == pytest.approx(rows[1]["wall_s"] / rows[0]["wall_s"])
     assert set(rows[1]["bars"]) == {"save_stall", "restart", "progress_lost", "goodput"}
+    # The A/A control: the baseline's job again, on paths of its own, compared with it and held to no bar.
+    control = rows[2]
+    assert control["type"] == "TorchCheckpointIO (local) (A/A control)" and control["plugin"] == "torch-local"
+    assert control["control_of"] == control["baseline"] == "torch-local" and control["bars"] is None
+    assert control["goodput_vs_baseline"] == pytest.approx(control["goodput"] / rows[0]["goodput"])
     # Every number comes from the event logs: the same accounting of each kept log gives it again.
     kept = sorted(logs.glob("*.jsonl"))
-    assert len(kept) == 4
+    assert len(kept) == 6
     for row in rows:
         for run in row["runs"]:
             log = next(p for p in kept if p.name.startswith(f"{row['key']}-r{run['round']}-"))
@@ -270,7 +277,7 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     for title in ("Goodput (min-max)", "Start-up", "Wasted", "Stall x plain", "x ceiling", "Steps lost (max)",
                   "Step s", "Job time x baseline"):
         assert title in proc.stdout
-    assert sum("round " in line for line in proc.stderr.splitlines()) == 4
+    assert sum("round " in line for line in proc.stderr.splitlines()) == 6
     for line in (proc.stdout + proc.stderr).splitlines():
         assert not any(noise in line for noise in NOISE), line
     chart = out_json.with_suffix(".png")
