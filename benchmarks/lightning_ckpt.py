@@ -535,6 +535,10 @@ def select_rows(args: argparse.Namespace) -> list[RowSpec]:
         unknown = [k for k in keys if k not in ROW_SPECS]
         if unknown or not keys:
             raise SystemExit(f"unknown --types {unknown}; choose from {', '.join(ROW_SPECS)}")
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            # Each row's key names its paths, objects and results: a second copy would share them.
+            raise SystemExit(f"--types names {', '.join(repeated)} more than once (--aa runs a copy of every row)")
         return with_compared_rows([ROW_SPECS[k] for k in keys])
     if args.compare:
         return [ROW_SPECS[k] for k in COMPARE_ROWS]

@@ -793,10 +793,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [k for k in keys if k not in ROWS]
     if unknown or not keys:
         parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
-    args.rows = [ROWS[k] for k in keys]
     copied = [k.strip() for k in (args.aa or "").split(",") if k.strip()]
     if args.aa is not None and (not copied or any(k not in keys for k in copied)):
         parser.error(f"--aa {args.aa!r}: name rows of --rows ({', '.join(keys)})")
+    # A row named twice would run twice under one key, in the same directories and objects.
+    for flag, named in (("--rows", keys), ("--aa", copied)):
+        repeated = sorted({k for k in named if named.count(k) > 1})
+        if repeated:
+            parser.error(f"{flag} names {', '.join(repeated)} more than once")
+    args.rows = [ROWS[k] for k in keys]
     args.rows += [ROWS[k].control() for k in copied]
     try:
         args.settings = Settings(size_mb=args.size_mb, width=args.width, every_n_steps=args.every_n_steps,

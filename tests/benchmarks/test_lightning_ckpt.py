@@ -118,6 +118,8 @@ def test_rows_follow_the_reference_variables(monkeypatch):
     assert _names(["--types", "dataflux-tm"]) == ["dataflux-tm"]
     with pytest.raises(SystemExit, match="unknown --types"):
         _names(["--types", "nope"])
+    with pytest.raises(SystemExit, match="--types names fastpersist more than once"):
+        _names(["--types", "fastpersist,tiered,fastpersist"])
 
 
 @pytest.mark.parametrize("argv", [["--network", "cloud:0,4"], ["--network", "wan"], ["--upload-mode", "stream"],

@@ -212,6 +212,16 @@ def test_bad_arguments_are_refused(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--rows", "torch-local,fastpersist,torch-local"], "--rows names torch-local more than once"),
+    (["--rows", "torch-local,fastpersist", "--aa", "fastpersist,fastpersist"], "--aa names fastpersist more than once"),
+])
+def test_a_row_named_twice_is_refused_by_name(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        goodput.parse_args(argv)
+    assert named in capsys.readouterr().err
+
+
 def test_help_lists_the_rows_the_schedule_and_the_defaults():
     out = subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--help"], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
