@@ -89,6 +89,7 @@ from benchmarks.report import (  # noqa: E402
     quiet_self_printing_loggers,
     ratio,
     row_progress,
+    split_choices,
     spread,
     write_json,
 )
@@ -531,14 +532,7 @@ def select_rows(args: argparse.Namespace) -> list[RowSpec]:
     """The rows to run: ``--types``; else ``--compare`` (all available); else ``DATAFLUX_CKPT``'s
     single row, as in the Dataflux Lightning benchmark; else its three GCS rows."""
     if args.types:
-        keys = [k.strip() for k in args.types.split(",") if k.strip()]
-        unknown = [k for k in keys if k not in ROW_SPECS]
-        if unknown or not keys:
-            raise SystemExit(f"unknown --types {unknown}; choose from {', '.join(ROW_SPECS)}")
-        repeated = sorted({k for k in keys if keys.count(k) > 1})
-        if repeated:
-            # Each row's key names its paths, objects and results: a second copy would share them.
-            raise SystemExit(f"--types names {', '.join(repeated)} more than once (--aa runs a copy of every row)")
+        keys = split_choices(args.types, list(ROW_SPECS), "--types")
         return with_compared_rows([ROW_SPECS[k] for k in keys])
     if args.compare:
         return [ROW_SPECS[k] for k in COMPARE_ROWS]

@@ -94,6 +94,23 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def split_choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
+    """The comma-separated names in ``text``, each one of ``allowed`` and named once.
+
+    Raises:
+        SystemExit: a name is unknown or repeated, or none is given (the message names ``flag``). A
+            runner keys a row's paths, objects and results by its name, so a repeat would share them.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown or not names:
+        raise SystemExit(f"unknown {flag} {unknown}; choose from {', '.join(allowed)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise SystemExit(f"{flag} names {', '.join(repeated)} more than once")
+    return names
+
+
 def ratio(value: float | None, reference: float | None) -> float | None:
     """``value / reference``, or None when either is missing or the reference is zero."""
     if value is None or not reference:

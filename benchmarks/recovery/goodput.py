@@ -83,6 +83,7 @@ from benchmarks.report import (
     format_table,
     latencies_seconds,
     ratio,
+    split_choices,
     spread,
     write_json,
 )
@@ -789,18 +790,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chart", metavar="PATH", help="write the PNG chart here (default: the JSON path with .png)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the services and plugins do")
     args = parser.parse_args(argv)
-    keys = [k.strip() for k in args.rows.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in ROWS]
-    if unknown or not keys:
-        parser.error(f"unknown --rows {unknown}; choose from {', '.join(ROWS)}")
-    copied = [k.strip() for k in (args.aa or "").split(",") if k.strip()]
-    if args.aa is not None and (not copied or any(k not in keys for k in copied)):
-        parser.error(f"--aa {args.aa!r}: name rows of --rows ({', '.join(keys)})")
-    # A row named twice would run twice under one key, in the same directories and objects.
-    for flag, named in (("--rows", keys), ("--aa", copied)):
-        repeated = sorted({k for k in named if named.count(k) > 1})
-        if repeated:
-            parser.error(f"{flag} names {', '.join(repeated)} more than once")
+    try:
+        keys = split_choices(args.rows, list(ROWS), "--rows")
+        copied = [] if args.aa is None else split_choices(args.aa, keys, "--aa")
+    except SystemExit as err:
+        parser.error(str(err))
     args.rows = [ROWS[k] for k in keys]
     args.rows += [ROWS[k].control() for k in copied]
     try:

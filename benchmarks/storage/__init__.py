@@ -6,9 +6,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
-from benchmarks.report import GiB, KiB, MiB
+from benchmarks.report import GiB, KiB, MiB, split_choices
 
 __all__ = ["GiB", "KiB", "MiB", "format_size", "parse_size", "split_choices"]
 
@@ -38,16 +37,3 @@ def format_size(size: int) -> str:
         if size % unit == 0:
             return f"{size // unit}{suffix}"
     return str(size)
-
-
-def split_choices(text: str, allowed: Sequence[str], flag: str) -> list[str]:
-    """The comma-separated names in ``text``, each one of ``allowed``.
-
-    Raises:
-        SystemExit: a name is unknown or none is given (the message names ``flag``).
-    """
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(allowed))
-    if unknown or not names:
-        raise SystemExit(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
-    return names
