@@ -59,7 +59,14 @@ OLDER_ENV_DESELECT := $(addprefix --deselect=tests/fastpersist/test_examples_and
 	test_store_then_load_scripts_report_throughput_and_validate test_gpu_and_gds_scripts_refuse_cleanly_without_cuda \
 	test_benchmark_tensor_workload_on_tiny_sizes test_benchmark_deepspeed_workload_compares_durable_with_durable) \
 	--deselect=tests/dataflux_ckpt/test_load_views.py::test_a_load_holds_about_one_checkpoint_of_extra_memory
-OLDEST_DESELECT := $(OLDER_ENV_DESELECT) --deselect=tests/dcp/test_ranks.py::test_reshard_4_to_2_to_1_to_2
+# In the newest only too, as the oldest runs a variant that takes the same Lightning and torch calls: the
+# killed two-rank save's restart on gs:// (its nvme twin runs there), a signal that reaches one rank alone
+# (its every-rank twin runs there), and SmartRedis keys of local paths (Lightning's own path handling runs
+# there in the redis:// dirpath and ckpt_path="last" test). About three minutes less on a slow day.
+OLDEST_DESELECT := $(OLDER_ENV_DESELECT) --deselect=tests/dcp/test_ranks.py::test_reshard_4_to_2_to_1_to_2 \
+	--deselect='tests/dcp/test_restart_cleanup.py::test_a_restart_removes_what_a_killed_sharded_save_left_and_keeps_a_live_save[gs-fsdp]' \
+	--deselect=tests/dcp/test_requeue_signal.py::test_a_signal_that_reaches_one_rank_alone_ends_the_run_within_the_collectives_timeout \
+	--deselect=tests/smartredis_io/test_lightning.py::test_local_paths_are_keyed_relative_to_the_root_dir
 # Hopper images set entries such as 9.0a, which DeepSpeed's op builder cannot parse: the op build
 # gets the list fastpersist gives DeepSpeed at run time (one rule: _deepspeed_compat.sanitized_arch_list).
 # $(call ARCH_LIST,python): the environment assignment for that python's op build, empty when unset.
@@ -74,8 +81,10 @@ export TOXIPROXY_SERVER_BIN ?= $(abspath $(TOOLS_BIN))/toxiproxy-server
 
 .PHONY: setup setup-newest setup-oldest setup-middle apt-packages tools module test test-newest test-oldest test-middle test-recovery test-newest-a test-newest-b test-older-and-recovery lint bench clean
 
-## setup: everything the tests and benchmarks need (safe to run again: seconds when done)
-setup: setup-newest setup-oldest setup-middle
+## setup: everything the tests and benchmarks need (safe to run again: seconds when done). The three
+## environments are set up side by side: one's op build (CPU) runs while the next one downloads.
+setup:
+	$(MAKE) -j3 --output-sync=line setup-newest setup-oldest setup-middle
 
 setup-newest: apt-packages tools module $(VENV)/.installed $(VENV)/.async-io-built $(PEER_DIR)/.installed $(VENV)/.smartsim-installed
 setup-oldest: apt-packages tools module $(VENV_OLDEST)/.installed $(VENV_OLDEST)/.async-io-built
@@ -98,31 +107,35 @@ module:
 	$(PYTHON) $(MODULE_DIR)/build.py --python $(abspath $(PY))
 	$(PYTHON) $(MODULE_DIR)/build.py --sanitize --python $(abspath $(PY))
 
+# An editable install writes the checkout's own .egg-info and build/: the environments, set up side by
+# side, take turns for it (their op builds and other installs still overlap).
+EDITABLE_INSTALL = mkdir -p build && flock build/.editable-install.lock
+
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 
 $(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python apt-packages
 	@echo ">> installing the package (editable) with its test and mpi extras into $(VENV)"
-	$(PY) -m pip install -q -e '.[test,mpi]'
+	$(EDITABLE_INSTALL) $(PY) -m pip install -q -e '.[test,mpi]'
 	@touch $@
 
 $(VENV_OLDEST)/bin/python:
 	$(PYTHON_OLDEST) -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip setuptools wheel
 
-$(VENV_OLDEST)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_OLDEST)/bin/python
+$(VENV_OLDEST)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_OLDEST)/bin/python apt-packages
 	@echo ">> installing the oldest supported releases ($(OLDEST_PINS)) into $(VENV_OLDEST) ($$($(PY_OLDEST) -V))"
-	$(PY_OLDEST) -m pip install -q -e '.[all]' $(OLDEST_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
+	$(EDITABLE_INSTALL) $(PY_OLDEST) -m pip install -q -e '.[all]' $(OLDEST_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
 	@touch $@
 
 $(VENV_MIDDLE)/bin/python:
 	$(PYTHON_MIDDLE) -m venv $(VENV_MIDDLE)
 	$(PY_MIDDLE) -m pip install -q --upgrade pip setuptools wheel
 
-$(VENV_MIDDLE)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_MIDDLE)/bin/python
+$(VENV_MIDDLE)/.installed: setup.cfg pyproject.toml Makefile | $(VENV_MIDDLE)/bin/python apt-packages
 	@echo ">> installing the middle releases ($(MIDDLE_PINS)) into $(VENV_MIDDLE) ($$($(PY_MIDDLE) -V))"
-	$(PY_MIDDLE) -m pip install -q -e '.[all]' $(MIDDLE_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
+	$(EDITABLE_INSTALL) $(PY_MIDDLE) -m pip install -q -e '.[all]' $(MIDDLE_PINS) 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'psutil>=5.9'
 	@touch $@
 
 $(TOOLS_BIN)/fake-gcs-server-$(FAKE_GCS_SERVER_VERSION):
@@ -165,7 +178,8 @@ $(VENV)/.smartsim-installed: | $(VENV)/.installed
 # DeepSpeed's async_io op, compiled once per environment into a directory of that environment
 # (fastpersist.build_ops), never at run time: torch's shared JIT cache is keyed by Python and CUDA
 # version only, so environments (or one venv reached through two paths) would recompile each other's.
-$(VENV)/.async-io-built: $(VENV)/.installed fastpersist/build_ops.py | apt-packages
+# (after SmartSim's installs, which may change packages of the environment the build imports)
+$(VENV)/.async-io-built: $(VENV)/.installed fastpersist/build_ops.py | apt-packages $(VENV)/.smartsim-installed
 	@echo ">> building DeepSpeed's async_io op for $(VENV) (4-5 minutes on 2 cores, once)"
 	$(call ARCH_LIST,$(PY)) $(PY) -m fastpersist.build_ops async_io
 	@touch $@
@@ -184,7 +198,8 @@ $(VENV_MIDDLE)/.async-io-built: $(VENV_MIDDLE)/.installed fastpersist/build_ops.
 ## halves, and the oldest-supported and middle subsets followed by the recovery tests. Most tests wait on
 ## processes and services they start, so two cores serve three streams: each alone kept a core about
 ## two-thirds busy.
-test: lint setup
+test: setup
+	$(MAKE) lint
 	$(MAKE) -k -j3 --output-sync=target test-newest-a test-newest-b test-older-and-recovery
 
 ## test-newest: the whole suite (newest releases) in one pytest run, but for the recovery tests

@@ -16,8 +16,9 @@ import os
 import re
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
+
+from tests.support.files import files_under
 
 #: The Slurm job the ranks belong to: the stand-in ``scontrol`` is asked to requeue it.
 JOB_ID = "4242"
@@ -116,7 +117,7 @@ def run_requeue(kind: str, storage: str, root: str, timeout_s: float = COLLECTIV
 def stored_names(storage: str, root: str, client: Any = None) -> list[str]:
     """Every file (relative to ``root``) or object (relative to its prefix) under ``root``."""
     if storage == "nvme":
-        return sorted(str(path.relative_to(root)) for path in Path(root).rglob("*") if not path.is_dir())
+        return files_under(root)
     from google.cloud import storage as gcs
 
     from dataflux_ckpt import parse_gcs_path

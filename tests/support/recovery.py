@@ -9,7 +9,6 @@ import random
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from benchmarks.recovery.events import (
@@ -24,6 +23,7 @@ from benchmarks.recovery.events import (
 from benchmarks.recovery.job import CHECKPOINT_SUBDIR, EventLog, JobConfig
 from lightning_storage_plugins.dcp import LOCK_NAME
 from lightning_storage_plugins.owners import Owner
+from tests.support.files import files_under
 
 # The single-file plugins each event is tried with (the baselines run once: tests/recovery/test_job.py).
 EVENT_PLUGINS = ["dataflux", "fastpersist-aio", "fastpersist-python", "smartredis"]
@@ -70,8 +70,7 @@ class Storage:
             prefix = self.root[len("redis://"):]
             with redis.Redis(host=host, port=int(port)) as db:
                 return sorted(key.decode()[len(prefix) + 1:] for key in db.scan_iter(match=f"{prefix}/*"))
-        root = Path(self.root)
-        return sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file())
+        return files_under(self.root)
 
     def temporaries(self) -> dict[str, int | None]:
         """Each temporary a save left under the root (part objects, temporary files, keys that are not
