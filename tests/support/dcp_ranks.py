@@ -47,7 +47,7 @@ class Ranks:
         run_id = uuid.uuid4().hex[:6]
         self._pids = workdir / f"pids-{run_id}.json"
         self.reports = [workdir / f"report-{run_id}-{rank}.json" for rank in range(world)]
-        spec = {"steps": list(steps), "port": free_port(), "world": world,
+        spec = {"steps": list(steps), "world": world,
                 "reports": [str(path) for path in self.reports], "pids": str(self._pids)}
         self._launcher = subprocess.Popen(
             [sys.executable, "-m", "tests.support.dcp_ranks", json.dumps(spec)],
@@ -350,6 +350,9 @@ def launch(spec: dict[str, Any]) -> int:
         import dataflux_ckpt.strategies  # noqa: F401 - Lightning too, once here rather than in every rank
         import fastpersist.strategies  # noqa: F401
 
+    # The rendezvous port is picked here, after the imports, and not by the test before this process
+    # started: on a busy machine those imports take long enough for another process to take it.
+    spec["port"] = free_port()
     pids = []
     for rank in range(spec["world"]):
         pid = os.fork()
