@@ -69,6 +69,7 @@ RAW_CHUNK_BYTES = 16 * MiB
 RAW_THREADS = 4
 COLLECTIVE_TIMEOUT_S = 1800.0
 HTTP_TIMEOUT_S = 600.0
+RENDEZVOUS_HOST = "127.0.0.1"
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 
@@ -364,8 +365,8 @@ def peer_worker(spec: dict[str, Any], rank: int) -> int:
         return 1
     _make_close_idempotent(DatafluxCheckpointBuffer)
     world = spec["world"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['peer_port']}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group("gloo", store=_rendezvous(spec["peer_port"]), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (world,))
     full = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"]), mesh)
     full_target = state_dict(local_shards(rank, world, spec["size_mb"], spec["tensors"], zeros=True), mesh)
@@ -395,6 +396,13 @@ def peer_worker(spec: dict[str, Any], rank: int) -> int:
     return 0
 
 
+def _rendezvous(port: int) -> Any:
+    """A client of the gloo group's store, which the parent serves on ``port`` (see :func:`run_world`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(RENDEZVOUS_HOST, port, is_master=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
 def _make_close_idempotent(buffer_class: type) -> None:
     """Newer torch's FileSystemWriter closes each stream inside its ``with`` block, so 1.4.0's upload-on-
     close buffer is closed twice and fails the second time; a second close does nothing here."""
@@ -420,7 +428,7 @@ def rank_worker(spec: dict[str, Any], rank: int) -> int:
     from benchmarks.report import PeakRSS
 
     world, rows = spec["world"], [ROWS[key] for key in spec["rows"]]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=_rendezvous(spec["port"]), rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (world,))
     shards = local_shards(rank, world, spec["size_mb"], spec["tensors"])
@@ -571,11 +579,17 @@ def remove(where: str) -> None:
 # The parent ---------------------------------------------------------------------------------------
 def run_world(world: int, args: argparse.Namespace, rows: list[str], endpoint: str | None,
               gcs_root: str, local_root: str) -> list[dict[str, Any]]:
-    from lightning_storage_plugins.services import die_with_parent, free_port
+    import torch.distributed as dist
 
+    from lightning_storage_plugins.services import die_with_parent
+
+    # The ranks' and their peers' gloo groups meet at stores served here, on ports bound now: a port
+    # picked for rank 0 to bind could be taken by another process while the ranks import torch.
+    store, peer_store = (dist.TCPStore(RENDEZVOUS_HOST, 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)) for _ in range(2))
     workdir = Path(tempfile.mkdtemp(prefix="dcp-bench-"))
     spec = {"world": world, "rows": rows, "size_mb": args.size_mb, "tensors": args.tensors, "repeat": args.repeat,
-            "port": free_port(), "peer_port": free_port(), "endpoint": endpoint, "gcs_root": gcs_root,
+            "port": store.port, "peer_port": peer_store.port, "endpoint": endpoint, "gcs_root": gcs_root,
             "local_root": local_root, "peer_path": args.peer_path or "", "project": args.project,
             "results": [str(workdir / f"rank{rank}.json") for rank in range(world)]}
     env = dict(os.environ)
