@@ -108,8 +108,11 @@ module:
 	$(PYTHON) $(MODULE_DIR)/build.py --sanitize --python $(abspath $(PY))
 
 # An editable install writes the checkout's own .egg-info and build/: the environments, set up side by
-# side, take turns for it (their op builds and other installs still overlap).
-EDITABLE_INSTALL = mkdir -p build && flock build/.editable-install.lock
+# side, take turns for it (their op builds and other installs still overlap), and one that has to wait says so.
+EDITABLE_LOCK = build/.editable-install.lock
+EDITABLE_INSTALL = mkdir -p build && { flock -n $(EDITABLE_LOCK) true || \
+	echo ">> waiting for another environment's editable install of this checkout ($(EDITABLE_LOCK))"; } && \
+	flock $(EDITABLE_LOCK)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
