@@ -1,5 +1,6 @@
 """The recovery job and its event log: every plugin and baseline the goodput runner compares comes back
-after a kill in a save; the log reader's answers; the job's refusals of configurations it cannot run."""
+after a kill in a save (DCP's own writers, which rewrite a checkpoint in place, after a kill at a step and a
+preemption); the log reader's answers; the job's refusals of configurations it cannot run."""
 
 from __future__ import annotations
 
@@ -174,9 +175,9 @@ KILLED_IN_A_SAVE = [plugin for plugin in PLUGINS if plugin not in SHARDED_BASELI
 @pytest.mark.parametrize("plugin", KILLED_IN_A_SAVE, ids=[f"{plugin}-sigkill-once" for plugin in KILLED_IN_A_SAVE])
 def test_every_plugin_of_the_job_resumes_after_a_kill_in_a_save(plugin: str, storage: Storage, fork_server,
                                                                  tmp_path: Path) -> None:
-    """The goodput runner's rows, baselines included (TorchCheckpointIO on a local disk, through gcsfs and
-    through fsspec's redis:// filesystem, DCP's FileSystemWriter under Lightning's own FSDP strategy; not
-    DCP's FsspecWriter, see ``KILLED_IN_A_SAVE``): killed in a save, resumed whole."""
+    """The goodput runner's rows, the TorchCheckpointIO baselines included (on a local disk, through gcsfs
+    and through fsspec's redis:// filesystem; not DCP's own writers, see ``KILLED_IN_A_SAVE``): killed in a
+    save, resumed whole."""
     rounds = Rounds(fork_server, storage, tmp_path / "events.jsonl", seed=len(plugin))
     config = storage.config(rounds.log_path, strategy=SHARDED_ON_ONE_RANK.get(plugin, "single"))
     for attempt in range(3):
