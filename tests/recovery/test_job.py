@@ -21,7 +21,7 @@ from benchmarks.recovery.events import (
     preempt,
     read_events,
 )
-from benchmarks.recovery.job import PLUGINS, EventLog, JobConfig, state_digest
+from benchmarks.recovery.job import PLUGINS, SHARDED_PLUGINS, EventLog, JobConfig, state_digest
 from tests.support.recovery import Rounds, Storage, expect_no_leftovers, first_part_of, interrupted
 
 # -- the job's configuration and its log (no process) ---------------------------------------------
@@ -159,8 +159,6 @@ def test_a_state_digest_sees_one_changed_element() -> None:
 
 # -- every plugin of the job, killed in a save and restarted ----------------------------------------
 
-SHARDED_ON_ONE_RANK = {"dataflux-dcp": "fsdp", "fastpersist-dcp": "fsdp", "torch-dcp": "fsdp",
-                       "torch-dcp-gcsfs": "fsdp"}
 # Lightning's sharded save writes last.ckpt into the same directory each time, and DCP's own writers
 # rewrite it in place: FileSystemWriter truncates the shard files, FsspecWriter replaces the objects one
 # by one, .metadata last for both. A kill inside their save of last.ckpt may leave the old .metadata over
@@ -179,7 +177,7 @@ def test_every_plugin_of_the_job_resumes_after_a_kill_in_a_save(plugin: str, sto
     and through fsspec's redis:// filesystem; not DCP's own writers, see ``KILLED_IN_A_SAVE``): killed in a
     save, resumed whole."""
     rounds = Rounds(fork_server, storage, tmp_path / "events.jsonl", seed=len(plugin))
-    config = storage.config(rounds.log_path, strategy=SHARDED_ON_ONE_RANK.get(plugin, "single"))
+    config = storage.config(rounds.log_path, strategy="fsdp" if plugin in SHARDED_PLUGINS else "single")
     for attempt in range(3):
         current = rounds.start(config)
         rounds.assert_resumed(current)
