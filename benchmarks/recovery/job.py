@@ -96,7 +96,8 @@ class JobConfig:
         transfer_chunk_kib: Dataflux's part size (None: its default).
         transfer_workers: Dataflux's parallel parts (None: its default).
         devices: ranks on this node (under torchrun: its ``--nproc-per-node``).
-        threads: torch's intra-op threads per process (None: torch's default).
+        threads: torch's intra-op threads per process, under every strategy (None: torch's default, or
+            under the distributed strategies Lightning's: the CPUs per process).
         seed: the seed of the first weights and of the data.
         plain_saves: once training has ended (the ``train_end`` event), save its checkpoint this many times
             more with ``trainer.save_checkpoint`` to ``<checkpoint_dir>/last.ckpt``, outside the training
@@ -408,9 +409,11 @@ def _recovery_events_class() -> type:
 
         @override
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            import torch
+
             state = trainer.strategy.lightning_module_state_dict()
             self._log.emit("train_start", step=trainer.global_step, ckpt_path=trainer.ckpt_path,
-                           digest=state_digest(state))
+                           digest=state_digest(state), threads=torch.get_num_threads())
             for signum in (signal.SIGTERM, signal.SIGUSR1):
                 previous = signal.getsignal(signum)
                 if callable(previous):  # Lightning restores its predecessors at teardown
@@ -609,6 +612,10 @@ def run(config: JobConfig) -> None:
 
             if config.threads:
                 torch.set_num_threads(config.threads)
+                # Lightning's launcher of the distributed strategies sets torch's threads to the CPUs per
+                # process unless OMP_NUM_THREADS is set: every row keeps the same threads.
+                stack.callback(_restore_environ, "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
+                os.environ["OMP_NUM_THREADS"] = str(config.threads)
             if config.gcs_url:
                 from dataflux_ckpt.emulator import activated
 

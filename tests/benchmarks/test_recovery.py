@@ -301,10 +301,10 @@ def test_the_sharded_gcs_rows_run_and_their_ceilings_add_the_sharded_loads_own_c
     baseline on the same storage, DCP's own FsspecWriter through gcsfs. Each restart's ceiling is its
     start-up, the raw read and the sharded load's own cost (Lightning's strategy loading the same state
     from memory); the Dataflux row's goodput is compared with the baseline's."""
-    out_json = tmp_path / "recovery.json"
+    out_json, logs = tmp_path / "recovery.json", tmp_path / "logs"
     argv = ["--rows", "torch-dcp-gcsfs,dataflux-dcp", "--rounds", "1", "--size-mb", "1", "--width", "256",
             "--every-n-steps", "2", "--max-steps", "10", "--step-time-s", "0.02", "--plain-saves", "2",
-            "--raw-reads", "1", "--json", str(out_json)]
+            "--raw-reads", "1", "--logs", str(logs), "--json", str(out_json)]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.recovery", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -318,3 +318,7 @@ def test_the_sharded_gcs_rows_run_and_their_ceilings_add_the_sharded_loads_own_c
                                                          + restart["dcp_load_s"])
     assert row["baseline"] == "torch-dcp-gcsfs" and baseline["bars"] is None
     assert row["goodput_vs_baseline"] == pytest.approx(row["goodput"] / baseline["goodput"])
+    # Every start trains with the job's one thread, as the single-file rows do: Lightning's launcher of the
+    # distributed strategies would give it the machine's CPUs.
+    starts = [e for log in sorted(logs.glob("*.jsonl")) for e in read_events(log) if e["event"] == "train_start"]
+    assert len(starts) == 8 and {e["threads"] for e in starts} == {1}
