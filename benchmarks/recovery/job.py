@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -614,8 +614,7 @@ def run(config: JobConfig) -> None:
                 torch.set_num_threads(config.threads)
                 # Lightning's launcher of the distributed strategies sets torch's threads to the CPUs per
                 # process unless OMP_NUM_THREADS is set: every row keeps the same threads.
-                stack.callback(_restore_environ, "OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
-                os.environ["OMP_NUM_THREADS"] = str(config.threads)
+                stack.enter_context(_environ("OMP_NUM_THREADS", str(config.threads)))
             if config.gcs_url:
                 from dataflux_ckpt.emulator import activated
 
@@ -623,8 +622,7 @@ def run(config: JobConfig) -> None:
             if config.redis_address:
                 # Lightning checks redis:// checkpoints through fsspec's redis filesystem, which reads $SSDB
                 # (set for this run only: a caller's process keeps its own).
-                stack.callback(_restore_environ, "SSDB", os.environ.get("SSDB"))
-                os.environ["SSDB"] = config.redis_address
+                stack.enter_context(_environ("SSDB", config.redis_address))
             quiet_lightning()
             if config.strategy != "single":
                 init_elastic_process_group()
@@ -682,12 +680,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _restore_environ(name: str, value: str | None) -> None:
-    """Set the environment variable ``name`` back to ``value`` (``None``: unset it)."""
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` inside the block, and as it was after it."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 if __name__ == "__main__":
