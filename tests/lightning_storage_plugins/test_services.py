@@ -117,11 +117,12 @@ def test_stop_is_idempotent_and_removes_the_log():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_services_die_with_their_parent(sig):
+def test_services_die_with_their_parent(sig, tmp_path):
     """Even when the Python process is killed outright, its services do not outlive it."""
     script = textwrap.dedent(
         """
-        import sys, time
+        import faulthandler, signal, sys, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         from smartredis_io import RedisServer
         from dataflux_ckpt.testing import FakeGcsServer
         with RedisServer() as redis, FakeGcsServer() as gcs:
@@ -129,18 +130,38 @@ def test_services_die_with_their_parent(sig):
             time.sleep(120)
         """
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, preexec_fn=foreground_sigint
-    )
+    stderr_path = tmp_path / "parent.stderr"
+    with open(stderr_path, "wb") as stderr:
+        parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                  preexec_fn=foreground_sigint)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         # redis-server, FakeGcsServer's front and the fake-gcs-server behind it: three processes
         assert len(set(pids)) == 3 and all(psutil.pid_exists(p) for p in pids)
         parent.send_signal(sig)
-        parent.wait(timeout=30)
+        try:
+            parent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the parent did not exit within 30 s of {sig!r}; {_stuck(parent.pid, pids, stderr_path)}")
         assert all(_gone(pid) for pid in pids), f"orphans left after {sig!r}: {pids}"
     finally:
         parent.kill()
+
+
+def _stuck(parent: int, services: list[int], stderr_path) -> str:
+    """Where a parent that does not exit is stuck: its services' states, and its threads' stacks
+    (faulthandler, on SIGUSR1)."""
+    states = []
+    for pid in services:
+        try:
+            states.append(f"{pid}: {psutil.Process(pid).status()}")
+        except psutil.NoSuchProcess:
+            states.append(f"{pid}: gone")
+    os.kill(parent, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while "File " not in stderr_path.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return f"services {', '.join(states)}; its stderr:\n{stderr_path.read_text(errors='replace')[-4000:]}"
 
 
 def test_redis_server_answers_and_stops(redis_server):
