@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -148,7 +149,7 @@ def test_services_die_with_their_parent(sig, tmp_path):
         parent.kill()
 
 
-def _stuck(parent: int, services: list[int], stderr_path) -> str:
+def _stuck(parent: int, services: list[int], stderr_path: Path) -> str:
     """Where a parent that does not exit is stuck: its services' states, and its threads' stacks
     (faulthandler, on SIGUSR1)."""
     states = []
