@@ -196,6 +196,19 @@ def test_a_schedule_parses_only_when_it_moves_forward(entries):
             goodput.parse_schedule(text)
 
 
+@given(st.floats(1e3, 2e9), st.lists(st.floats(0.001, 60), min_size=1, max_size=8), st.floats(0, 60))
+def test_a_kill_aimed_at_a_save_falls_inside_any_save_as_long_as_the_shortest_before_it(began, saves, longer):
+    """However long a start's first save or an on_exception save ran before, the kill lands in the
+    first half of a save no shorter than the run's shortest, counted from when that save began."""
+    this_save = min(saves) + longer
+    due = goodput.save_kill_due(began, saves)
+    assert began < due <= began + this_save * goodput.SAVE_KILL_FRACTION * (1 + 1e-9)
+
+
+def test_a_kill_aimed_at_a_run_s_first_save_is_sent_when_it_begins():
+    assert goodput.save_kill_due(100.0, []) == 100.0
+
+
 @pytest.mark.parametrize("text", ["sigkill", "sigkill@", "sighup@1", "sigkill@-1", "sigkill@nan", "sigkill@x"])
 def test_a_malformed_schedule_entry_is_named(text):
     with pytest.raises(ValueError, match=f"schedule entry {text!r}"):
