@@ -24,7 +24,8 @@ Rows run in interleaved rounds (A B C, then B C A...), and results are medians w
 Ratios compare each plugin with TorchCheckpointIO on the same storage (for the sharded rows DCP's own
 writer on it: ``FileSystemWriter`` on the local disk, ``FsspecWriter`` through gcsfs in GCS). Every
 service runs on loopback: fake-gcs-server behind the XML multipart server, a redis-server, and a local
-directory that takes ``O_DIRECT``.
+directory that takes ``O_DIRECT``. ``--pool`` runs nothing: it writes one result of all the rounds of
+several earlier runs' results (:func:`pool`), for a ratio that one run's rounds leave to noise.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -518,40 +520,76 @@ def _ranged(values: Sequence[float]) -> dict[str, float | None]:
     return spread(values)
 
 
-def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], settings: Settings) -> dict[str, Any]:
-    """The JSON row of one plugin: medians over its rounds (with min-max), and every round's details;
-    ``failures`` are the runs that failed (their errors)."""
-    if not runs:
-        return {"key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy,
-                "storage": row.storage, "baseline": row.baseline, "control_of": row.control_of, "rounds": 0,
-                "failures": list(failures),
-                "every_n_steps": settings.every_n_steps, "goodput": None, "runs": [], "restarts": [], "notes": []}
-    goodputs = [r.account.goodput for r in runs]
-    fractions = {name: _median([r.account.fractions[name] for r in runs]) for name in (GOODPUT, *BADPUT_TYPES)}
-    stalls = [s for r in runs for s in r.account.steady_save_stalls_s]
-    first_stalls = [s for r in runs for s in r.account.first_save_stalls_s]
-    plain = [s for r in runs for s in r.plain_saves_s[1:]]
-    first_plain = [r.plain_saves_s[0] for r in runs]
+def run_record(result: RunResult) -> dict[str, Any]:
+    """The JSON record of one run: everything a row's summary is made from (:func:`summarize`), so
+    that the records of several runs of the runner can be pooled (:func:`pool`)."""
     restarts = []
-    for r in runs:
-        for restart in r.account.restarts:
-            ceiling = restart.startup_s + r.load_floor_s if restart.to_first_step_s is not None else None
-            restarts.append({
-                "round": r.round, "after": restart.disruption, "startup_s": restart.startup_s,
-                "load_s": restart.load_s, "prep_s": restart.prep_s, "to_first_step_s": restart.to_first_step_s,
-                "raw_read_s": r.raw_read_median_s, "dcp_load_s": r.dcp_load_floor_s, "ceiling_s": ceiling,
-                "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
-                "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
-            })
+    for restart in result.account.restarts:
+        ceiling = restart.startup_s + result.load_floor_s if restart.to_first_step_s is not None else None
+        restarts.append({
+            "after": restart.disruption, "startup_s": restart.startup_s,
+            "load_s": restart.load_s, "prep_s": restart.prep_s, "to_first_step_s": restart.to_first_step_s,
+            "raw_read_s": result.raw_read_median_s, "dcp_load_s": result.dcp_load_floor_s, "ceiling_s": ceiling,
+            "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
+            "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
+        })
+    account_ = result.account
+    return {
+        "round": result.round, "total_s": account_.total_s, "goodput": account_.goodput,
+        "seconds": dict(account_.seconds), "fractions": account_.fractions,
+        "save_stalls_s": list(account_.save_stalls_s), "first_save_stalls_s": list(account_.first_save_stalls_s),
+        "steady_save_stalls_s": list(account_.steady_save_stalls_s),
+        "plain_saves_s": result.plain_saves_s,
+        "raw_read_s": result.raw_read_s, "dcp_load_s": result.dcp_load_s, "checkpoint_bytes": result.checkpoint_bytes,
+        "steps_done": account_.steps_done, "ideal_step_s": account_.ideal_step_s,
+        "resumes_ok": result.resumes_ok, "resumes": result.resumes,
+        "save_kills_in_save": result.save_kills_in_save, "save_kills": result.save_kills,
+        "notes": list(result.notes), "restarts": restarts,
+        "progress": [list(p) for p in account_.progress],
+        "disruptions": [list(d) for d in account_.disruptions],
+    }
+
+
+def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], settings: Settings) -> dict[str, Any]:
+    """The JSON row of one plugin: medians over its rounds (with min-max), and every round's record;
+    ``failures`` are the runs that failed (their errors)."""
+    return summarize(_row_fields(row), [run_record(r) for r in runs], failures,
+                     every_n_steps=settings.every_n_steps, max_steps=settings.max_steps)
+
+
+def _row_fields(row: Row) -> dict[str, Any]:
+    return {"key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy,
+            "storage": row.storage, "baseline": row.baseline, "control_of": row.control_of}
+
+
+ROW_FIELDS = ("key", "type", "plugin", "strategy", "storage", "baseline", "control_of")
+RECORD_FIELDS = ("round", "total_s", "goodput", "fractions", "steady_save_stalls_s", "first_save_stalls_s",
+                 "plain_saves_s", "raw_read_s", "dcp_load_s", "checkpoint_bytes", "ideal_step_s", "resumes_ok",
+                 "resumes", "save_kills_in_save", "save_kills", "notes", "restarts", "progress", "disruptions")
+
+
+def summarize(fields: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], failures: Sequence[str], *,
+              every_n_steps: int, max_steps: int) -> dict[str, Any]:
+    """A row's summary from the records of its runs (:func:`run_record`): the row's ``fields``
+    (:data:`ROW_FIELDS`), medians over the runs with their min-max, and the runs themselves."""
+    if not runs:
+        return {**fields, "rounds": 0, "failures": list(failures), "every_n_steps": every_n_steps,
+                "goodput": None, "runs": [], "restarts": [], "notes": []}
+    goodputs = [r["goodput"] for r in runs]
+    fractions = {name: _median([r["fractions"][name] for r in runs]) for name in (GOODPUT, *BADPUT_TYPES)}
+    stalls = [s for r in runs for s in r["steady_save_stalls_s"]]
+    first_stalls = [s for r in runs for s in r["first_save_stalls_s"]]
+    plain = [s for r in runs for s in r["plain_saves_s"][1:]]
+    first_plain = [r["plain_saves_s"][0] for r in runs if r["plain_saves_s"]]
+    restarts = [{"round": r["round"], **restart} for r in runs for restart in r["restarts"]]
     first_step = [x["to_first_step_s"] for x in restarts if x["to_first_step_s"] is not None]
     vs_ceiling = [x["vs_ceiling"] for x in restarts if x["vs_ceiling"] is not None]
     loads = [x["load_s"] for x in restarts if x["load_s"] is not None]
     lost = [x["lost_steps"] for x in restarts]
-    summary: dict[str, Any] = {
-        "key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy, "storage": row.storage,
-        "baseline": row.baseline, "control_of": row.control_of, "size_mb": _median([r.checkpoint_bytes / MB for r in runs]),
-        "rounds": len(runs), "every_n_steps": settings.every_n_steps, "max_steps": settings.max_steps,
-        "wall_s": _median([r.account.total_s for r in runs]),
+    return {
+        **fields, "size_mb": _median([r["checkpoint_bytes"] / MB for r in runs]),
+        "rounds": len(runs), "every_n_steps": every_n_steps, "max_steps": max_steps,
+        "wall_s": _median([r["total_s"] for r in runs]),
         "goodput": _median(goodputs), "goodput_min": min(goodputs), "goodput_max": max(goodputs),
         "badput": {name: fractions[name] for name in BADPUT_TYPES},
         "save_stall_s": _ranged(stalls), "plain_save_s": _ranged(plain),
@@ -561,26 +599,75 @@ def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], se
         "load_s": _ranged(loads), "to_first_step_s": _ranged(first_step),
         "ceiling_s": _median([x["ceiling_s"] for x in restarts if x["ceiling_s"] is not None]),
         "first_step_vs_ceiling": _median(vs_ceiling), "first_step_vs_ceiling_max": max(vs_ceiling, default=None),
-        "raw_read_s": _median([r.raw_read_median_s for r in runs]),
-        "dcp_load_s": _median([r.dcp_load_floor_s for r in runs if r.dcp_load_s]),
+        "raw_read_s": _median([statistics.median(r["raw_read_s"]) for r in runs]),
+        "dcp_load_s": _median([min(r["dcp_load_s"]) for r in runs if r["dcp_load_s"]]),
         "lost_steps_max": max(lost, default=0), "lost_steps": lost,
-        "resumes_ok": sum(r.resumes_ok for r in runs), "resumes": sum(r.resumes for r in runs),
-        "save_kills_in_save": sum(r.save_kills_in_save for r in runs), "save_kills": sum(r.save_kills for r in runs),
-        "ideal_step_s": _median([r.account.ideal_step_s for r in runs]),
-        "notes": [note for r in runs for note in r.notes], "failures": list(failures),
-        "runs": [{
-            "round": r.round, "total_s": r.account.total_s, "goodput": r.account.goodput,
-            "seconds": dict(r.account.seconds), "fractions": r.account.fractions,
-            "save_stalls_s": list(r.account.save_stalls_s), "first_save_stalls_s": list(r.account.first_save_stalls_s),
-            "plain_saves_s": r.plain_saves_s,
-            "raw_read_s": r.raw_read_s, "dcp_load_s": r.dcp_load_s, "checkpoint_bytes": r.checkpoint_bytes,
-            "steps_done": r.account.steps_done,
-            "progress": [list(p) for p in r.account.progress],
-            "disruptions": [list(d) for d in r.account.disruptions],
-        } for r in runs],
+        "resumes_ok": sum(r["resumes_ok"] for r in runs), "resumes": sum(r["resumes"] for r in runs),
+        "save_kills_in_save": sum(r["save_kills_in_save"] for r in runs),
+        "save_kills": sum(r["save_kills"] for r in runs),
+        "ideal_step_s": _median([r["ideal_step_s"] for r in runs]),
+        "notes": [note for r in runs for note in r["notes"]], "failures": list(failures),
+        "runs": [dict(r) for r in runs],
         "restarts": restarts,
     }
-    return summary
+
+
+def pool(results: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[dict[str, Any]]:
+    """Rows that pool the runs of several runs of the runner: ``results`` holds each one's JSON rows
+    (with where they came from, for the errors). Each pooled row is summarized from every run of that
+    row in all of them (its rounds renumbered in that order) and its ratios and bars come from those
+    pooled medians, as if the runs had been one run of that many rounds.
+
+    Raises:
+        ValueError: fewer than two results; results whose rows or settings (but the rounds) differ,
+            naming what differs; or rows written by a runner whose run records lack a field pooling needs.
+    """
+    if len(results) < 2:
+        raise ValueError(f"pooling takes the results of two runs or more, got {len(results)}")
+    (first_source, first), *others = results
+    keys = [r["key"] for r in first]
+    settings = _pooled_settings(first_source, first)
+    for source, rows in others:
+        theirs = [r["key"] for r in rows]
+        if sorted(theirs) != sorted(keys):
+            raise ValueError(f"{source} holds rows {theirs}, {first_source} holds {keys}: pool runs of the same rows")
+        other = _pooled_settings(source, rows)
+        for name in sorted(set(settings) | set(other)):
+            if settings.get(name) != other.get(name):
+                raise ValueError(f"{source} ran with {name}={other.get(name)!r}, {first_source} with "
+                                 f"{name}={settings.get(name)!r}: pool runs of the same settings (but --rounds)")
+    pooled = []
+    for key in keys:
+        runs: list[dict[str, Any]] = []
+        failures: list[str] = []
+        for source, rows in results:
+            row = next(r for r in rows if r["key"] == key)
+            for run in row["runs"]:
+                missing = [name for name in RECORD_FIELDS if name not in run]
+                if missing:
+                    raise ValueError(f"{source}: the runs of row {key} lack {', '.join(missing)}: it was written by "
+                                     f"an older runner; pool the results of runs made by this one")
+                runs.append({**run, "round": len(runs)})
+            failures += row.get("failures", [])
+        template = next(r for r in first if r["key"] == key)
+        pooled.append(summarize({name: template[name] for name in ROW_FIELDS}, runs, failures,
+                                every_n_steps=template["every_n_steps"],
+                                max_steps=template.get("max_steps", settings.get("max_steps"))))
+    add_ratios(pooled)
+    return pooled
+
+
+def _pooled_settings(source: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A result's settings, but the rounds (what pooling adds up)."""
+    if not rows:
+        raise ValueError(f"{source} holds no rows")
+    try:
+        settings = dict(rows[0]["context"]["settings"])
+    except (KeyError, TypeError):
+        raise ValueError(f"{source} is not the JSON of python -m benchmarks.recovery: its rows lack their "
+                         f"context's settings") from None
+    settings.pop("rounds", None)
+    return settings
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -800,8 +887,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="write the rows as a JSON list here, the tables as Markdown (.md) and the chart "
                              "(.png) next to it")
     parser.add_argument("--chart", metavar="PATH", help="write the PNG chart here (default: the JSON path with .png)")
+    parser.add_argument("--pool", nargs="+", metavar="JSON",
+                        help="run nothing: pool the runs in these results of earlier runs (the same rows and "
+                             "settings but --rounds) into one result, its medians, ratios and bars over all their "
+                             "rounds, written to --json as a run's would be")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the services and plugins do")
     args = parser.parse_args(argv)
+    if args.pool:
+        given = [f"--{name.replace('_', '-')}" for name in RUN_OPTIONS if getattr(args, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"--pool reads the rows and settings from its results: {', '.join(given)} does not apply")
+        if len(args.pool) < 2:
+            parser.error("--pool takes the results of two runs or more")
+        written = {Path(args.json).resolve(), Path(args.chart or Path(args.json).with_suffix(".png")).resolve(),
+                   Path(args.json).with_suffix(".md").resolve()}
+        if written & {Path(p).resolve() for p in args.pool}:
+            parser.error(f"--json {args.json} would overwrite one of the results --pool reads")
+        return args
     try:
         keys = split_choices(args.rows, list(ROWS), "--rows")
         copied = [] if args.aa is None else split_choices(args.aa, keys, "--aa")
@@ -818,6 +920,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     return args
+
+
+# What a run is made of, which --pool takes from the results it pools instead.
+RUN_OPTIONS = ("rows", "aa", "rounds", "size_mb", "width", "every_n_steps", "max_steps", "step_time_s", "schedule",
+               "grace_s", "plain_saves", "raw_reads", "launcher", "local_dir", "logs")
 
 
 def configure_console(verbose: bool) -> None:
@@ -852,9 +959,60 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def pooled(paths: Sequence[str]) -> tuple[list[dict[str, Any]], Settings]:
+    """The rows of :func:`pool` over the JSON results at ``paths``, and the settings they ran with (their
+    rounds added up); each row's context names the results it pools."""
+    results = []
+    for path in paths:
+        try:
+            rows = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read the results {path}: {err}") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{path} is not the JSON of python -m benchmarks.recovery: not a list of rows")
+        results.append((str(path), rows))
+    rows = pool(results)
+    saved = dict(results[0][1][0]["context"]["settings"])
+    schedule = tuple(Disruption(**d) for d in saved.pop("schedule"))
+    rounds = max(r["rounds"] for r in rows)
+    settings = Settings(**{**saved, "rounds": rounds}, schedule=schedule)
+    context = {"settings": {**saved, "rounds": rounds, "schedule": [dataclasses.asdict(d) for d in schedule]},
+               "elapsed_s": sum(r[0]["context"].get("elapsed_s", 0.0) for _, r in results),
+               "pooled_from": [str(p) for p in paths]}
+    for row in rows:
+        row["context"] = context
+    return rows, settings
+
+
+def write_results(args: argparse.Namespace, summaries: list[dict[str, Any]], header: str, done: str) -> None:
+    """The tables on the console, each row's notes and failures on standard error, and the JSON, its
+    tables as Markdown and the chart at the paths ``args`` names; ``done`` opens the closing line."""
+    print()
+    print(format_report(summaries))
+    for summary in summaries:
+        for note in summary["notes"] + [f"a run failed: {_brief(failure)}" for failure in summary["failures"]]:
+            say(f"{summary['type']}: {note}")
+    write_json(args.json, summaries)
+    markdown = Path(args.json).with_suffix(".md")
+    markdown.write_text(f"{header}\n\n{format_report(summaries, format_markdown_table)}\n")
+    chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), summaries, header)
+    print(f"\n{done}; rows: {args.json} (tables as Markdown: {markdown}); chart: {chart}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_console(args.verbose)
+    if args.pool:
+        try:
+            summaries, settings = pooled(args.pool)
+        except ValueError as err:
+            say(f"python -m benchmarks.recovery: error: {err}")
+            return 2
+        header = (f"Goodput under kills and preemptions, pooled from {len(args.pool)} runs: "
+                  f"{settings.describe()}")
+        say(header)
+        write_results(args, summaries, header, f"{len(summaries)} rows x {settings.rounds} rounds pooled")
+        return 0
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     settings: Settings = args.settings
     rows: list[Row] = args.rows
@@ -887,17 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "elapsed_s": elapsed}
     for summary in summaries:
         summary["context"] = context
-    print()
-    print(format_report(summaries))
-    for summary in summaries:
-        for note in summary["notes"] + [f"a run failed: {_brief(failure)}" for failure in summary["failures"]]:
-            say(f"{summary['type']}: {note}")
-    write_json(args.json, summaries)
-    markdown = Path(args.json).with_suffix(".md")
-    markdown.write_text(f"{header}\n\n{format_report(summaries, format_markdown_table)}\n")
-    chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), summaries, header)
-    print(f"\n{len(rows)} rows x {settings.rounds} rounds in {elapsed:.0f} s; rows: {args.json} "
-          f"(tables as Markdown: {markdown}); chart: {chart}")
+    write_results(args, summaries, header, f"{len(rows)} rows x {settings.rounds} rounds in {elapsed:.0f} s")
     return 0
 
 

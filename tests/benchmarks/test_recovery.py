@@ -8,9 +8,11 @@ come from the event logs it kept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +246,136 @@ def test_help_lists_the_rows_the_schedule_and_the_defaults():
         assert word in out, word
 
 
+# Pooling the results of several runs ------------------------------------------------------------------
+def _record(round_: int, goodput_: float, stalls: list[float], plain: list[float], vs_ceiling: float) -> dict:
+    """A run's record as the runner writes it (goodput.run_record), with the measures pooling sums up."""
+    fractions = dict.fromkeys(BADPUT_TYPES, (1 - goodput_) / len(BADPUT_TYPES))
+    return {
+        "round": round_, "total_s": 10.0, "goodput": goodput_, "seconds": {},
+        "fractions": {GOODPUT: goodput_, **fractions}, "save_stalls_s": [0.9, *stalls],
+        "first_save_stalls_s": [0.9], "steady_save_stalls_s": stalls, "plain_saves_s": [0.8, *plain],
+        "raw_read_s": [0.1], "dcp_load_s": [], "checkpoint_bytes": 64 << 20, "steps_done": 24,
+        "ideal_step_s": 0.1, "resumes_ok": 3, "resumes": 3, "save_kills_in_save": 1, "save_kills": 1,
+        "notes": [], "progress": [[0.0, 0]], "disruptions": [],
+        "restarts": [{"after": "SIGKILL", "startup_s": 1.0, "load_s": 0.1, "prep_s": 0.0, "to_first_step_s": 1.2,
+                      "raw_read_s": 0.1, "dcp_load_s": None, "ceiling_s": 1.2 / vs_ceiling,
+                      "vs_ceiling": vs_ceiling, "resumed_step": 4, "ckpt_path": "last.ckpt", "lost_steps": 2,
+                      "lost_s": 0.2}],
+    }
+
+
+SETTINGS = {**dataclasses.asdict(goodput.Settings()),
+            "schedule": [dataclasses.asdict(d) for d in goodput.Settings().schedule]}
+
+
+def _result(rows_runs: dict, **settings) -> list[dict]:
+    """A run's JSON rows: a baseline and a plugin compared with it, each with ``rows_runs[key]``'s records."""
+    context = {"settings": {**SETTINGS, **settings}, "elapsed_s": 300.0}
+    rows = []
+    for key in ("torch-local", "fastpersist"):
+        row = goodput.ROWS[key]
+        rows.append(goodput.summarize({name: getattr(row, name) if name != "type" else row.name
+                                       for name in goodput.ROW_FIELDS}, rows_runs[key], [],
+                                      every_n_steps=4, max_steps=24) | {"context": context})
+    goodput.add_ratios(rows)
+    return rows
+
+
+runs_of_a_row = st.lists(st.tuples(st.floats(0.05, 0.95), st.lists(st.floats(0.01, 2.0), min_size=1, max_size=4),
+                                   st.lists(st.floats(0.01, 2.0), min_size=1, max_size=4), st.floats(0.5, 2.0)),
+                         min_size=1, max_size=4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.fixed_dictionaries({"torch-local": runs_of_a_row, "fastpersist": runs_of_a_row}),
+                min_size=2, max_size=4))
+def test_pooled_runs_are_summarized_as_one_run_of_all_their_rounds(drawn):
+    """Every median, ratio and bar of the pooled rows is the one a single run of all those rounds
+    would give: the medians over every pooled run's measures, ratios of those medians."""
+    results = [(f"run{i}.json", _result({key: [_record(r, *values) for r, values in enumerate(runs)]
+                                          for key, runs in one.items()})) for i, one in enumerate(drawn)]
+    pooled = {row["key"]: row for row in goodput.pool(results)}
+    for key in ("torch-local", "fastpersist"):
+        every = [values for one in drawn for values in one[key]]
+        row = pooled[key]
+        assert row["rounds"] == len(every) and [r["round"] for r in row["runs"]] == list(range(len(every)))
+        stall = statistics.median([s for _, stalls, _, _ in every for s in stalls])
+        plain = statistics.median([p for _, _, plain, _ in every for p in plain])
+        assert row["stall_vs_plain_save"] == pytest.approx(stall / plain)
+        assert row["goodput"] == pytest.approx(statistics.median([g for g, *_ in every]))
+        assert row["first_step_vs_ceiling"] == pytest.approx(statistics.median([c for *_, c in every]))
+        assert row["resumes"] == 3 * len(every) and len(row["restarts"]) == len(every)
+    plugin, base = pooled["fastpersist"], pooled["torch-local"]
+    assert plugin["goodput_vs_baseline"] == pytest.approx(plugin["goodput"] / base["goodput"])
+    assert plugin["bars"]["save_stall"] == (plugin["stall_vs_plain_save"] <= goodput.STALL_BAR)
+    assert plugin["bars"]["goodput"] == (plugin["goodput_vs_baseline"] >= goodput.GOODPUT_BAR)
+    assert base["bars"] is None
+
+
+def _two_results(**second_settings) -> list[tuple[str, list[dict]]]:
+    runs = {"torch-local": [_record(0, 0.3, [0.2], [0.2], 1.0)], "fastpersist": [_record(0, 0.3, [0.1], [0.1], 1.0)]}
+    return [("a.json", _result(runs)), ("b.json", _result(runs, **second_settings))]
+
+
+def test_only_runs_of_the_same_rows_and_settings_are_pooled_and_what_differs_is_named():
+    assert goodput.pool(_two_results(rounds=7))[1]["rounds"] == 2  # the rounds are what pooling adds up
+    with pytest.raises(ValueError, match=r"b.json ran with max_steps=32, a.json with max_steps=24"):
+        goodput.pool(_two_results(max_steps=32))
+    (a, rows), (b, _) = _two_results()
+    with pytest.raises(ValueError, match=r"b.json holds rows \['torch-local'\], a.json holds"):
+        goodput.pool([(a, rows), (b, rows[:1])])
+    with pytest.raises(ValueError, match="two runs or more"):
+        goodput.pool([(a, rows)])
+
+
+def test_runs_recorded_without_what_pooling_needs_are_refused_by_name():
+    (a, rows), (b, theirs) = _two_results()
+    for row in theirs:
+        for run in row["runs"]:
+            del run["steady_save_stalls_s"]
+    with pytest.raises(ValueError, match="b.json: the runs of row torch-local lack steady_save_stalls_s"):
+        goodput.pool([(a, rows), (b, theirs)])
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--rounds", "6"], "--rounds does not apply"), (["--rows", "fastpersist"], "--rows does not apply"),
+    ([], "two runs or more"),
+])
+def test_pooling_refuses_the_options_of_a_run(extra, named, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        goodput.parse_args(["--pool", str(tmp_path / "a.json"), *(["b.json"] if extra else []), *extra])
+    assert named in capsys.readouterr().err
+
+
+def test_pooling_never_writes_over_a_result_it_reads(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        goodput.parse_args(["--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                            "--json", str(tmp_path / "a.json")])
+    assert "would overwrite" in capsys.readouterr().err
+
+
+def test_the_pooled_result_is_written_as_a_run_s(tmp_path):
+    paths = []
+    for source, rows in _two_results():
+        paths.append(tmp_path / source)
+        paths[-1].write_text(json.dumps(rows))
+    out = tmp_path / "pooled.json"
+    command = [sys.executable, "-m", "benchmarks.recovery", "--pool", *map(str, paths), "--json", str(out)]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["rounds"] for r in rows] == [2, 2]
+    assert rows[0]["context"]["pooled_from"] == [str(p) for p in paths]
+    assert rows[0]["context"]["settings"]["rounds"] == 2
+    assert "pooled from 2 runs" in proc.stderr and "Stall x plain" in proc.stdout
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+    assert "| Row |" in out.with_suffix(".md").read_text()
+    (tmp_path / "broken.json").write_text("{")
+    command[4] = str(tmp_path / "broken.json")
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and f"cannot read the results {tmp_path / 'broken.json'}" in proc.stderr
+
+
 # A real run, on tiny arguments -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
@@ -306,6 +438,16 @@ def test_the_runner_reports_goodput_from_the_event_logs_of_its_runs(tmp_path):
     chart = out_json.with_suffix(".png")
     assert chart.read_bytes().startswith(PNG_MAGIC) and chart.stat().st_size > 10_000
     assert "| Row |" in out_json.with_suffix(".md").read_text()
+    # Its records pool: the run twice over has the same medians and ratios, in twice the rounds.
+    again, twice = tmp_path / "again.json", tmp_path / "twice.json"
+    again.write_text(out_json.read_text())
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--pool", str(out_json), str(again),
+                           "--json", str(twice)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for row, pooled in zip(rows, json.loads(twice.read_text()), strict=True):
+        assert pooled["rounds"] == 2 * row["rounds"] and pooled["resumes"] == 2 * row["resumes"]
+        for key in ("goodput", "stall_vs_plain_save", "first_step_vs_ceiling", "goodput_vs_baseline", "wall_s"):
+            assert pooled[key] == (None if row[key] is None else pytest.approx(row[key])), key
 
 
 @pytest.mark.slow
