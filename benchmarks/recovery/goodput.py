@@ -251,6 +251,15 @@ class Settings:
                 f"{self.step_time_s * 1000:g} ms + compute; {events or 'no disruption'}; grace {self.grace_s:g} s; "
                 f"{self.rounds} rounds, {self.launcher} launcher")
 
+    def record(self) -> dict[str, Any]:
+        """These settings as a result's JSON holds them (each row's ``context``)."""
+        return {**dataclasses.asdict(self), "schedule": [dataclasses.asdict(d) for d in self.schedule]}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Settings:
+        """The settings a result's JSON holds (:meth:`record`)."""
+        return cls(**{**record, "schedule": tuple(Disruption(**d) for d in record["schedule"])})
+
 
 # Storage: where each row's runs keep their checkpoints, and how they are read raw ------------------
 class Storages:
@@ -553,16 +562,17 @@ def run_record(result: RunResult) -> dict[str, Any]:
 def row_summary(row: Row, runs: Sequence[RunResult], failures: Sequence[str], settings: Settings) -> dict[str, Any]:
     """The JSON row of one plugin: medians over its rounds (with min-max), and every round's record;
     ``failures`` are the runs that failed (their errors)."""
-    return summarize(_row_fields(row), [run_record(r) for r in runs], failures,
+    return summarize(row_fields(row), [run_record(r) for r in runs], failures,
                      every_n_steps=settings.every_n_steps, max_steps=settings.max_steps)
 
 
-def _row_fields(row: Row) -> dict[str, Any]:
-    return {"key": row.key, "type": row.name, "plugin": row.plugin, "strategy": row.strategy,
-            "storage": row.storage, "baseline": row.baseline, "control_of": row.control_of}
-
-
 ROW_FIELDS = ("key", "type", "plugin", "strategy", "storage", "baseline", "control_of")
+
+
+def row_fields(row: Row) -> dict[str, Any]:
+    """What a result's JSON row says of ``row`` itself (:data:`ROW_FIELDS`)."""
+    values = (row.key, row.name, row.plugin, row.strategy, row.storage, row.baseline, row.control_of)
+    return dict(zip(ROW_FIELDS, values, strict=True))
 RECORD_FIELDS = ("round", "total_s", "goodput", "fractions", "steady_save_stalls_s", "first_save_stalls_s",
                  "plain_saves_s", "raw_read_s", "dcp_load_s", "checkpoint_bytes", "ideal_step_s", "resumes_ok",
                  "resumes", "save_kills_in_save", "save_kills", "notes", "restarts", "progress", "disruptions")
@@ -651,8 +661,7 @@ def pool(results: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[dic
             failures += row.get("failures", [])
         template = next(r for r in first if r["key"] == key)
         pooled.append(summarize({name: template[name] for name in ROW_FIELDS}, runs, failures,
-                                every_n_steps=template["every_n_steps"],
-                                max_steps=template.get("max_steps", settings.get("max_steps"))))
+                                every_n_steps=settings["every_n_steps"], max_steps=settings["max_steps"]))
     add_ratios(pooled)
     return pooled
 
@@ -844,6 +853,11 @@ def _brief(error: str) -> str:
     return lines[0] if len(lines) < 2 else f"{lines[0]} [...] {lines[-1].strip()}"
 
 
+# What a run is made of, which --pool takes from the results it pools instead.
+RUN_OPTIONS = ("rows", "aa", "rounds", "size_mb", "width", "every_n_steps", "max_steps", "step_time_s", "schedule",
+               "grace_s", "plain_saves", "raw_reads", "launcher", "local_dir", "logs")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.recovery", description=__doc__.split("\n\n")[0],
@@ -922,11 +936,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# What a run is made of, which --pool takes from the results it pools instead.
-RUN_OPTIONS = ("rows", "aa", "rounds", "size_mb", "width", "every_n_steps", "max_steps", "step_time_s", "schedule",
-               "grace_s", "plain_saves", "raw_reads", "launcher", "local_dir", "logs")
-
-
 def configure_console(verbose: bool) -> None:
     """Warnings only, unless ``verbose``: the console shows the progress and the tables."""
     from benchmarks.report import quiet_self_printing_loggers
@@ -972,11 +981,9 @@ def pooled(paths: Sequence[str]) -> tuple[list[dict[str, Any]], Settings]:
             raise ValueError(f"{path} is not the JSON of python -m benchmarks.recovery: not a list of rows")
         results.append((str(path), rows))
     rows = pool(results)
-    saved = dict(results[0][1][0]["context"]["settings"])
-    schedule = tuple(Disruption(**d) for d in saved.pop("schedule"))
-    rounds = max(r["rounds"] for r in rows)
-    settings = Settings(**{**saved, "rounds": rounds}, schedule=schedule)
-    context = {"settings": {**saved, "rounds": rounds, "schedule": [dataclasses.asdict(d) for d in schedule]},
+    settings = dataclasses.replace(Settings.from_record(results[0][1][0]["context"]["settings"]),
+                                   rounds=max(r["rounds"] for r in rows))
+    context = {"settings": settings.record(),
                "elapsed_s": sum(r[0]["context"].get("elapsed_s", 0.0) for _, r in results),
                "pooled_from": [str(p) for p in paths]}
     for row in rows:
@@ -1040,9 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = [row_summary(row, results[row.key], failures[row.key], settings) for row in rows]
     add_ratios(summaries)
     elapsed = time.monotonic() - started
-    context = {"settings": {**dataclasses.asdict(settings), "schedule": [dataclasses.asdict(d) for d in
-                                                                          settings.schedule]},
-               "elapsed_s": elapsed}
+    context = {"settings": settings.record(), "elapsed_s": elapsed}
     for summary in summaries:
         summary["context"] = context
     write_results(args, summaries, header, f"{len(rows)} rows x {settings.rounds} rounds in {elapsed:.0f} s")

@@ -8,7 +8,6 @@ come from the event logs it kept.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -264,8 +263,7 @@ def _record(round_: int, goodput_: float, stalls: list[float], plain: list[float
     }
 
 
-SETTINGS = {**dataclasses.asdict(goodput.Settings()),
-            "schedule": [dataclasses.asdict(d) for d in goodput.Settings().schedule]}
+SETTINGS = goodput.Settings().record()
 
 
 def _result(rows_runs: dict, **settings) -> list[dict]:
@@ -273,9 +271,7 @@ def _result(rows_runs: dict, **settings) -> list[dict]:
     context = {"settings": {**SETTINGS, **settings}, "elapsed_s": 300.0}
     rows = []
     for key in ("torch-local", "fastpersist"):
-        row = goodput.ROWS[key]
-        rows.append(goodput.summarize({name: getattr(row, name) if name != "type" else row.name
-                                       for name in goodput.ROW_FIELDS}, rows_runs[key], [],
+        rows.append(goodput.summarize(goodput.row_fields(goodput.ROWS[key]), rows_runs[key], [],
                                       every_n_steps=4, max_steps=24) | {"context": context})
     goodput.add_ratios(rows)
     return rows
