@@ -169,7 +169,7 @@ EXPECTED_OUTPUT = {
     'print(client.get_tensor("y"))': ["[0. 2. 4. 6.]"],
     '        print("trained to step", trainer.global_step)': ["trained to step 4", "trained to step 8"],
     '\nprint("trained to step", trainer.global_step)': ["trained to step 64"],
-    'print("rank", trainer.global_rank, "trained to step", trainer.global_step)': ["rank 0 trained to step 8"],
+    'print(f"rank {trainer.global_rank} trained to step {trainer.global_step}")': ["rank 0 trained to step 8"],
     'print(client.get_tensor("y").shape)': ["(3, 2)"],
     'print(client.get_tensor("x"))': ["[0. 1. 2. 3.]"],
     'print(client.key_exists("run1/last.ckpt"), client.model_exists("boring"))': ["True True"],
