@@ -532,8 +532,9 @@ def _ranged(values: Sequence[float]) -> dict[str, float | None]:
 def run_record(result: RunResult) -> dict[str, Any]:
     """The JSON record of one run: everything a row's summary is made from (:func:`summarize`), so
     that the records of several runs of the runner can be pooled (:func:`pool`)."""
+    run_account = result.account
     restarts = []
-    for restart in result.account.restarts:
+    for restart in run_account.restarts:
         ceiling = restart.startup_s + result.load_floor_s if restart.to_first_step_s is not None else None
         restarts.append({
             "after": restart.disruption, "startup_s": restart.startup_s,
@@ -542,20 +543,19 @@ def run_record(result: RunResult) -> dict[str, Any]:
             "vs_ceiling": ratio(restart.to_first_step_s, ceiling), "resumed_step": restart.resumed_step,
             "ckpt_path": restart.ckpt_path, "lost_steps": restart.lost_steps, "lost_s": restart.lost_s,
         })
-    account_ = result.account
     return {
-        "round": result.round, "total_s": account_.total_s, "goodput": account_.goodput,
-        "seconds": dict(account_.seconds), "fractions": account_.fractions,
-        "save_stalls_s": list(account_.save_stalls_s), "first_save_stalls_s": list(account_.first_save_stalls_s),
-        "steady_save_stalls_s": list(account_.steady_save_stalls_s),
+        "round": result.round, "total_s": run_account.total_s, "goodput": run_account.goodput,
+        "seconds": dict(run_account.seconds), "fractions": run_account.fractions,
+        "save_stalls_s": list(run_account.save_stalls_s), "first_save_stalls_s": list(run_account.first_save_stalls_s),
+        "steady_save_stalls_s": list(run_account.steady_save_stalls_s),
         "plain_saves_s": result.plain_saves_s,
         "raw_read_s": result.raw_read_s, "dcp_load_s": result.dcp_load_s, "checkpoint_bytes": result.checkpoint_bytes,
-        "steps_done": account_.steps_done, "ideal_step_s": account_.ideal_step_s,
+        "steps_done": run_account.steps_done, "ideal_step_s": run_account.ideal_step_s,
         "resumes_ok": result.resumes_ok, "resumes": result.resumes,
         "save_kills_in_save": result.save_kills_in_save, "save_kills": result.save_kills,
         "notes": list(result.notes), "restarts": restarts,
-        "progress": [list(p) for p in account_.progress],
-        "disruptions": [list(d) for d in account_.disruptions],
+        "progress": [list(p) for p in run_account.progress],
+        "disruptions": [list(d) for d in run_account.disruptions],
     }
 
 
@@ -573,6 +573,8 @@ def row_fields(row: Row) -> dict[str, Any]:
     """What a result's JSON row says of ``row`` itself (:data:`ROW_FIELDS`)."""
     values = (row.key, row.name, row.plugin, row.strategy, row.storage, row.baseline, row.control_of)
     return dict(zip(ROW_FIELDS, values, strict=True))
+
+
 RECORD_FIELDS = ("round", "total_s", "goodput", "fractions", "steady_save_stalls_s", "first_save_stalls_s",
                  "plain_saves_s", "raw_read_s", "dcp_load_s", "checkpoint_bytes", "ideal_step_s", "resumes_ok",
                  "resumes", "save_kills_in_save", "save_kills", "notes", "restarts", "progress", "disruptions")
@@ -913,9 +915,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--pool reads the rows and settings from its results: {', '.join(given)} does not apply")
         if len(args.pool) < 2:
             parser.error("--pool takes the results of two runs or more")
-        written = {Path(args.json).resolve(), Path(args.chart or Path(args.json).with_suffix(".png")).resolve(),
-                   Path(args.json).with_suffix(".md").resolve()}
-        if written & {Path(p).resolve() for p in args.pool}:
+        if {p.resolve() for p in output_paths(args)} & {Path(p).resolve() for p in args.pool}:
             parser.error(f"--json {args.json} would overwrite one of the results --pool reads")
         return args
     try:
@@ -991,6 +991,13 @@ def pooled(paths: Sequence[str]) -> tuple[list[dict[str, Any]], Settings]:
     return rows, settings
 
 
+def output_paths(args: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """Where the results go: the JSON (``--json``), its tables as Markdown beside it, and the chart
+    (``--chart``, else beside the JSON)."""
+    json_path = Path(args.json)
+    return json_path, json_path.with_suffix(".md"), Path(args.chart or json_path.with_suffix(".png"))
+
+
 def write_results(args: argparse.Namespace, summaries: list[dict[str, Any]], header: str, done: str) -> None:
     """The tables on the console, each row's notes and failures on standard error, and the JSON, its
     tables as Markdown and the chart at the paths ``args`` names; ``done`` opens the closing line."""
@@ -999,10 +1006,10 @@ def write_results(args: argparse.Namespace, summaries: list[dict[str, Any]], hea
     for summary in summaries:
         for note in summary["notes"] + [f"a run failed: {_brief(failure)}" for failure in summary["failures"]]:
             say(f"{summary['type']}: {note}")
-    write_json(args.json, summaries)
-    markdown = Path(args.json).with_suffix(".md")
+    json_path, markdown, chart_path = output_paths(args)
+    write_json(json_path, summaries)
     markdown.write_text(f"{header}\n\n{format_report(summaries, format_markdown_table)}\n")
-    chart = write_chart(args.chart or Path(args.json).with_suffix(".png"), summaries, header)
+    chart = write_chart(chart_path, summaries, header)
     print(f"\n{done}; rows: {args.json} (tables as Markdown: {markdown}); chart: {chart}")
 
 
